@@ -1,0 +1,11 @@
+"""pyvis: the Python side of vis-moe, a llama.cpp fork for MoE models on edge devices.
+
+Importing pyvis points llama-cpp-python (`import llama_cpp`) at the fork's
+native libraries (LLAMA_CPP_LIB_PATH / MTMD_CPP_LIB), so import pyvis first.
+The fork's own C functions are bound in :mod:`pyvis._native`.
+"""
+from ._paths import configure_native_env as _configure_native_env
+
+__version__ = "0.1.0"
+
+_configure_native_env()

@@ -1,0 +1,170 @@
+"""`pyvis` command line.
+
+    pyvis info      [-m MODEL]             build, libraries and a model's MoE shape
+    pyvis fixtures  [--out DIR] [--only NAME ...] [--large] ...
+    pyvis generate  [-m MODEL] [-p PROMPT] [-n N] ...
+
+Later features add their subcommands here.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPT = "The mixture of experts model routes each token to"
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, label: str, total: int, unit: str = "MiB", scale: float = 1 / (1 << 20)):
+        self.label, self.total, self.unit, self.scale = label, total, unit, scale
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        total = total or self.total
+        now = time.monotonic()
+        if done < total and now - self.last < (0.1 if self.tty else 5.0):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        rate = done * self.scale / max(now - self.t0, 1e-9)
+        msg = (f"{self.label} [{bar:<30}] {100 * frac:5.1f}% "
+               f"{done * self.scale:.0f}/{total * self.scale:.0f} {self.unit} {rate:.0f} {self.unit}/s")
+        end = "\r" if self.tty and done < total else "\n"
+        sys.stderr.write(msg + end)
+        sys.stderr.flush()
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from . import _native, _paths
+    print(f"pyvis {_native.version()} on llama.cpp {_native.upstream_commit()}")
+    print(f"libraries: {_paths.lib_dir()}")
+    print(f"system_info: {_native.llama_cpp.llama_print_system_info().decode()}")
+    if args.model:
+        llm = _load(args.model, n_ctx=64, verbose=False)
+        info = _native.moe_info(llm)
+        print(f"model: {args.model}")
+        for k, v in info.__dict__.items():
+            print(f"  {k:16s} {v}")
+    return 0
+
+
+def _cmd_fixtures(args: argparse.Namespace) -> int:
+    from . import fixtures as fx
+    out = Path(args.out) if args.out else fx.default_dir()
+    if args.large:
+        spec = fx.large_preset(n_layer=args.layers, expert_type=args.expert_type, seed=args.seed)
+        path = out / f"{spec.name}-{args.layers}L-{args.expert_type.lower()}.gguf"
+        plan = fx.tensor_plan(spec)
+        total = sum(fx._byte_size(t) for t in plan)
+        print(f"writing {path} ({total / (1 << 30):.2f} GiB, {spec.n_layer} layers x {spec.n_expert} experts)",
+              file=sys.stderr)
+        fx.write_model(spec, path, fast_quant=True, progress=Progress("gguf", total))
+        print(path)
+        return 0
+    names = args.only or list(fx.FIXTURES)
+    for n in names:
+        t0 = time.monotonic()
+        p = fx.ensure(n, out, seed=args.seed)
+        print(f"{n:12s} {p}  ({p.stat().st_size / (1 << 20):.1f} MiB, {time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def _load(model: str, n_ctx: int, verbose: bool, **kw):
+    from ._native import llama_cpp
+    if not Path(model).is_file():
+        raise SystemExit(f"error: model file not found: {model}")
+    try:
+        return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, verbose=verbose, **kw)
+    except ValueError as e:
+        raise SystemExit(f"error: failed to load {model}: {e}\n"
+                         "  The file may be truncated or not a GGUF model; re-download or regenerate it.") from e
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from . import _native
+    model = args.model
+    if model is None:
+        from . import fixtures as fx
+        model = str(fx.ensure("qwen3moe"))
+        print(f"(no -m given: using the default MoE model {model})", file=sys.stderr)
+    llm = _load(model, n_ctx=args.ctx_size, verbose=args.verbose, seed=args.seed, n_threads=args.threads)
+    info = _native.moe_info(llm)
+    print(f"[vis-moe {_native.version()}] {Path(model).name}: {info.n_moe_layers} MoE layers x "
+          f"{info.n_expert} experts, top-{info.n_expert_used}", file=sys.stderr)
+    t0 = time.monotonic()
+    out = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0 if args.greedy else 0.8,
+                                top_k=1 if args.greedy else 40, seed=args.seed)
+    dt = time.monotonic() - t0
+    text = out["choices"][0]["text"]
+    print(args.prompt + text)
+    n = out["usage"]["completion_tokens"]
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    p = argparse.ArgumentParser(prog="pyvis", description="vis-moe: MoE and MoE-VLM inference on edge devices "
+                                "(llama.cpp fork). Run `pyvis COMMAND --help` for a command's options.")
+    p.add_argument("--version", action="version", version=f"pyvis {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    s = sub.add_parser("info", help="show the native build and, with -m, a model's MoE shape")
+    s.add_argument("-m", "--model", help="GGUF model to inspect")
+    s.set_defaults(fn=_cmd_info)
+
+    s = sub.add_parser("fixtures", help="generate the synthetic MoE test models (GGUF)",
+                       description="Generate tiny random-weight MoE GGUFs (qwen3moe, deepseek2, gpt-oss, "
+                       "mixtral, qwen3vlmoe + mmproj) that stock llama.cpp runs; or, with --large, a model "
+                       "with Qwen3-30B-A3B dimensions for benchmarks.")
+    s.add_argument("--out", help="output directory (default: models/fixtures or $VIS_FIXTURE_DIR)")
+    s.add_argument("--only", nargs="+", metavar="NAME", help="only these fixtures")
+    s.add_argument("--seed", type=int, default=42, help="RNG seed (default: 42)")
+    s.add_argument("--large", action="store_true", help="write a Qwen3-30B-A3B-sized random model instead")
+    s.add_argument("--layers", type=int, default=48, help="layers of the --large model (default: 48)")
+    s.add_argument("--expert-type", default="Q4_0", choices=["Q4_0", "Q8_0"],
+                   help="expert tensor type of the --large model (default: Q4_0)")
+    s.set_defaults(fn=_cmd_fixtures)
+
+    s = sub.add_parser("generate", help="generate text with a model through the fork (Python bindings)")
+    s.add_argument("-m", "--model", help="GGUF model (default: the qwen3moe fixture)")
+    s.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    s.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
+    s.add_argument("-c", "--ctx-size", type=int, default=512, help="context size (default: 512)")
+    s.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: auto)")
+    s.add_argument("-s", "--seed", type=int, default=42, help="sampling seed (default: 42)")
+    s.add_argument("--greedy", action="store_true", default=True, help="greedy decoding (default)")
+    s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
+    s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    s.set_defaults(fn=_cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "fn", None):
+        p.print_help()
+        return 0
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - user-facing errors
+        from ._paths import BuildNotFound
+        from .fixtures import FixtureError
+        if isinstance(e, (BuildNotFound, FixtureError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

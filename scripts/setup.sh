@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One-command setup of vis-moe on a fresh machine (idempotent, fast when nothing changed):
+#   1. Python venv in .venv
+#   2. pinned upstream llama.cpp fetched, verified and patched into vendor/llama.cpp
+#   3. CMake build of the fork (preset $VIS_PRESET: cpu | cuda | jetson; default cpu)
+#   4. llama-cpp-python 0.3.36 bindings WITHOUT their native build, and pyvis (editable)
+#   5. the SmolLM2 tokenizer source (cached)
+# Needs: Python >= 3.10 with venv, CMake >= 3.21, a C++17 compiler, ninja (or make); CUDA optional.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PRESET="${VIS_PRESET:-cpu}"
+PY="${PYTHON:-python3}"
+CACHE="${VIS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vis-moe}"
+JOBS="${VIS_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+export CCACHE_DIR="${CCACHE_DIR:-$CACHE/ccache}"
+step() { printf '\n== %s\n' "$*"; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+command -v cmake >/dev/null || die "cmake not found. Fix: install CMake >= 3.21 (apt-get install cmake)."
+command -v "$PY" >/dev/null || die "$PY not found. Fix: install Python 3.11 with venv, or set PYTHON=/path/to/python3."
+command -v patch >/dev/null || die "patch not found. Fix: apt-get install patch."
+command -v ninja >/dev/null || die "ninja not found. Fix: apt-get install ninja-build (or pip install ninja)."
+command -v ccache >/dev/null || echo "note: ccache not found; rebuilds will be slow (apt-get install ccache)."
+
+step "python environment (.venv)"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv || die "could not create .venv. Fix: install the venv module (apt-get install python3-venv)."
+fi
+VPY="$ROOT/.venv/bin/python"
+
+step "upstream llama.cpp (pinned, patched)"
+"$VPY" scripts/upstream.py
+
+step "build (preset $PRESET, $JOBS jobs)"
+cmake --preset "$PRESET" >/dev/null
+cmake --build --preset "$PRESET" -j "$JOBS"
+
+step "python packages"
+stamp=".venv/.vis-stamp"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  SDIST="$("$VPY" scripts/upstream.py --print-sdist)"
+  # the bindings of the same release, without their own native build
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$VPY" -m pip install -q "$SDIST"
+  "$VPY" -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+else
+  echo "up to date"
+fi
+
+step "assets"
+"$VPY" -c "from pyvis import assets; print(assets.smollm2_gguf())"
+
+step "done"
+"$VPY" -m pyvis.cli info

@@ -1,0 +1,39 @@
+"""Shared pytest fixtures: the native build, the generated MoE models."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import pyvis  # noqa: F401  (points llama_cpp at our build before anything imports it)
+from pyvis import _paths
+from pyvis import fixtures as fx
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT_FIXTURES = ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"]
+
+
+@pytest.fixture(scope="session")
+def bindir() -> Path:
+    return _paths.lib_dir()
+
+
+@pytest.fixture(scope="session")
+def fixture_dir() -> Path:
+    fx.ensure_all()
+    return fx.default_dir()
+
+
+@pytest.fixture(scope="session", params=TEXT_FIXTURES)
+def text_model(request, fixture_dir) -> Path:
+    return fixture_dir / f"{request.param}.gguf"
+
+
+def run(cmd: list, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run a command with a hard timeout; never hangs the suite."""
+    env = dict(os.environ)
+    env.setdefault("LLAMA_LOG_COLORS", "0")
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env=env, **kw)

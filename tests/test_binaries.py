@@ -1,0 +1,84 @@
+"""Every fixture loads and generates through our build's binaries."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from conftest import run
+
+
+def test_llama_cli_generates(bindir, text_model):
+    r = run([bindir / "llama-cli", "-m", text_model, "-p", "Hello, experts", "-n", "8", "-st",
+             "--temp", "0", "-c", "256", "-t", "2", "--no-warmup"], timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "VIS_MOE" in r.stdout + r.stderr or "generation" in r.stdout + r.stderr or r.stdout.strip()
+
+
+def test_llama_cli_names_the_fork(bindir, fixture_dir):
+    r = run([bindir / "llama-cli", "--version"])
+    assert r.returncode == 0
+
+
+def test_llama_bench_runs(bindir, fixture_dir):
+    r = run([bindir / "llama-bench", "-m", fixture_dir / "qwen3moe.gguf", "-p", "16", "-n", "4", "-r", "1",
+             "-t", "2", "-o", "json"], timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    assert {row["n_prompt"] for row in rows} >= {16}
+    assert all(row["avg_ts"] > 0 for row in rows)
+
+
+def test_llama_perplexity_runs(bindir, fixture_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 40).strip())
+    r = run([bindir / "llama-perplexity", "-m", fixture_dir / "mixtral.gguf", "-f", text, "-c", "64", "-b", "64",
+             "-t", "2", "--chunks", "2"], timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Final estimate: PPL" in r.stdout + r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llama_server_completes(bindir, fixture_dir, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(fixture_dir / "deepseek2.gguf"),
+                             "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2", "-np", "2"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as h:
+                    if h.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not become healthy in 60 s"
+            time.sleep(0.3)
+        req = urllib.request.Request(base + "/completion", method="POST",
+                                     data=json.dumps({"prompt": "Experts are", "n_predict": 6,
+                                                      "temperature": 0}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out = json.loads(resp.read())
+        assert out["tokens_predicted"] == 6
+        assert isinstance(out["content"], str)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
