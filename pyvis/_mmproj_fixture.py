@@ -112,8 +112,17 @@ mtmd compares ``clip_n_mmproj_embd`` with ``llama_model_n_embd_inp(text)``
 ``n_embd * (1 + qwen3vlmoe.n_deepstack_layers)`` (``src/llama-hparams.cpp:118-130``,
 key read optionally in ``src/models/qwen3vlmoe.cpp:4``).  The text graph adds
 slice il+1 of the input embedding to the output of text layer il for
-il < n_deepstack_layers (``src/models/qwen3vlmoe.cpp:164-168``), so the text
-model needs block_count >= n_deepstack_layers.
+il < n_deepstack_layers (``src/models/qwen3vlmoe.cpp:164-168``).  The text
+model needs block_count > n_deepstack_layers (strictly): on the last layer the
+hidden state is first reduced to the output rows (``qwen3vlmoe.cpp:130``), so a
+deepstack add there fails ``GGML_ASSERT(ggml_can_repeat(b, a))`` during the
+context warmup (observed with 3 layers / 3 deepstack; real models: 48 / 3).
+
+Verified end to end (llama-mtmd-cli of this tree, CPU, with a throwaway tiny
+qwen3vlmoe text model): 64x64 -> 9 tokens, [256, 9] embeddings for
+n_embd_text=64, n_deepstack=3; also 32x48 / ds=0, 48x32 / ds=1 on layer 2,
+100x30 / F16 patch conv without post_ln, patch 14 with n_embd_v=64, 200x150;
+token grids matched ``expected_image_tokens`` and embeddings were finite.
 
 Image preprocessing (``mtmd-image.cpp:772-792``, ``122-157``)
 ------------------------------------------------------------

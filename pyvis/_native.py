@@ -91,3 +91,119 @@ def moe_info(model) -> MoeInfo:
 
 
 __all__ = ["llama_cpp", "version", "upstream_commit", "system_info_fragment", "moe_info", "MoeInfo"]
+
+
+# ---------------------------------------------------------------------------
+# expert residency (src/vis-moe-cache.cpp)
+# ---------------------------------------------------------------------------
+class llama_vis_moe_params(ctypes.Structure):
+    _fields_ = [
+        ("n_slots", ctypes.c_int32),
+        ("cache_mib", ctypes.c_int64),
+        ("n_pinned", ctypes.c_int32),
+        ("print_stats", ctypes.c_int32),
+        ("trace_path", ctypes.c_char_p),
+    ]
+
+
+class llama_vis_moe_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_slots", ctypes.c_int32),
+        ("managed", ctypes.c_int32),
+        ("n_routed", ctypes.c_int64),
+        ("n_hits", ctypes.c_int64),
+        ("n_misses", ctypes.c_int64),
+        ("bytes_loaded", ctypes.c_int64),
+        ("load_us", ctypes.c_int64),
+        ("n_calls", ctypes.c_int64),
+        ("n_passes", ctypes.c_int64),
+    ]
+
+
+_moe_default = _bind("llama_vis_moe_default_params", [], llama_vis_moe_params)
+_moe_set = _bind("llama_vis_moe_set_params", [ctypes.POINTER(llama_vis_moe_params)], ctypes.c_int32)
+_last_error = _bind("llama_vis_last_error", [], ctypes.c_char_p)
+_moe_stats = _bind("llama_vis_moe_get_stats", [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_stats)],
+                   ctypes.c_int32)
+_moe_reset = _bind("llama_vis_moe_reset_stats", [ctypes.c_void_p], None)
+_moe_n_managed = _bind("llama_vis_moe_n_managed", [ctypes.c_void_p], ctypes.c_int32)
+_moe_print = _bind("llama_vis_moe_print_stats", [ctypes.c_void_p], None)
+
+
+class VisError(RuntimeError):
+    """A configuration or runtime error reported by the fork (llama_vis_last_error)."""
+
+
+def last_error() -> str:
+    return (_last_error() or b"").decode()
+
+
+@dataclass(frozen=True)
+class MoeParams:
+    """Expert-residency settings (the --moe-* flags). See docs/residency.md."""
+    slots: int = 0            # slots per managed MoE layer (0 = off unless cache_mib)
+    cache_mib: int = 0        # alternative: total slab budget in MiB
+    pinned_layers: int = 0    # first N MoE layers fully resident (-1 = all)
+    stats: bool = False       # print stats when the context is freed
+    trace: str | None = None  # routing trace file
+
+    def to_c(self) -> llama_vis_moe_params:
+        return llama_vis_moe_params(self.slots, self.cache_mib, self.pinned_layers, int(self.stats),
+                                    self.trace.encode() if self.trace else None)
+
+
+def moe_set_params(p: MoeParams | None) -> None:
+    """Set the residency parameters for contexts created from now on (None: defaults)."""
+    c = p.to_c() if p is not None else None
+    if _moe_set(ctypes.byref(c) if c is not None else None) != 0:
+        raise VisError(last_error())
+
+
+def moe_default_params() -> MoeParams:
+    c = _moe_default()
+    return MoeParams(c.n_slots, c.cache_mib, c.n_pinned, bool(c.print_stats),
+                     c.trace_path.decode() if c.trace_path else None)
+
+
+@dataclass(frozen=True)
+class MoeStats:
+    n_slots: int
+    managed: bool
+    n_routed: int
+    n_hits: int
+    n_misses: int
+    bytes_loaded: int
+    load_us: int
+    n_calls: int
+    n_passes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.n_hits / self.n_routed if self.n_routed else 0.0
+
+
+def _ctx_ptr(ctx):
+    ptr = getattr(ctx, "ctx", ctx)        # llama_cpp.Llama -> _internals.LlamaContext
+    ptr = getattr(ptr, "ctx", ptr)        # LlamaContext -> pointer
+    return ptr
+
+
+def moe_stats(ctx, layer: int = -1) -> MoeStats | None:
+    """Stats of one layer, or totals (layer=-1); None if the context has no expert cache."""
+    s = llama_vis_moe_stats()
+    if _moe_stats(_ctx_ptr(ctx), layer, ctypes.byref(s)) != 0:
+        return None
+    return MoeStats(s.n_slots, bool(s.managed), s.n_routed, s.n_hits, s.n_misses, s.bytes_loaded, s.load_us,
+                    s.n_calls, s.n_passes)
+
+
+def moe_reset_stats(ctx) -> None:
+    _moe_reset(_ctx_ptr(ctx))
+
+
+def moe_n_managed(ctx) -> int:
+    return int(_moe_n_managed(_ctx_ptr(ctx)))
+
+
+def moe_print_stats(ctx) -> None:
+    _moe_print(_ctx_ptr(ctx))

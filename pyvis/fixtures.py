@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - gguf is a hard dependency
     raise ImportError("pyvis.fixtures needs the `gguf` package: pip install gguf") from e
 
 Q = gguf.GGMLQuantizationType
-GENERATOR_VERSION = 1  # bump when the output of a spec changes
+GENERATOR_VERSION = 2  # bump when the output of a spec changes
 
 
 class FixtureError(RuntimeError):
@@ -319,7 +319,8 @@ def _write_metadata(w: gguf.GGUFWriter, s: ModelSpec) -> None:
     w.add_uint32(f"{a}.context_length", s.n_ctx_train)
     w.add_uint32(f"{a}.embedding_length", s.n_embd)
     w.add_uint32(f"{a}.block_count", s.n_layer)
-    w.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    # Mixtral-style llama sizes its experts by feed_forward_length
+    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_exp if a == "llama" else s.n_ff)
     w.add_uint32(f"{a}.attention.head_count", s.n_head)
     w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)

@@ -151,7 +151,7 @@ def extract(sdist: Path, dest: Path) -> None:
 def apply_patches(tree: Path, patch_dir: Path) -> None:
     for p in patch_series(patch_dir):
         dry = subprocess.run(
-            ["patch", "-p1", "--dry-run", "--batch", "--forward", "-d", str(tree), "-i", str(p)],
+            ["patch", "-p1", "--fuzz=0", "--dry-run", "--batch", "--forward", "-d", str(tree), "-i", str(p)],
             capture_output=True, text=True,
         )
         if dry.returncode != 0:
@@ -162,7 +162,7 @@ def apply_patches(tree: Path, patch_dir: Path) -> None:
                 f"(scripts/upstream.py --pristine DIR writes one to diff against)."
             )
         subprocess.run(
-            ["patch", "-p1", "--batch", "--forward", "--quiet", "-d", str(tree), "-i", str(p)],
+            ["patch", "-p1", "--fuzz=0", "--batch", "--forward", "--quiet", "-d", str(tree), "-i", str(p)],
             check=True,
         )
         log(f"applied {p.name}")

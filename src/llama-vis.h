@@ -41,6 +41,69 @@ struct llama_vis_moe_info {
 // Fill *info for a loaded model. Returns 0 on success, -1 if model or info is NULL.
 LLAMA_API int32_t llama_vis_model_moe_info(const struct llama_model * model, struct llama_vis_moe_info * info);
 
+
+// ---------------------------------------------------------------------------
+// Expert residency (src/vis-moe-cache.cpp, docs/residency.md)
+//
+// For every MoE layer after a pinned prefix, the routed experts are served
+// from a per-layer pool of n_slots expert-sized slots ("slabs") on the
+// layer's compute device.  Routed expert ids are remapped to slots before
+// mul_mat_id; misses are loaded from the backing store before the layer's
+// experts run (exact mode).  A layer whose slots cover all its experts, and
+// the pinned prefix, run upstream's graph unchanged.
+//
+// Parameters are process-wide defaults for contexts created afterwards
+// (the CLI flags --moe-* and the environment variables VIS_MOE_* set them).
+// ---------------------------------------------------------------------------
+struct llama_vis_moe_params {
+    int32_t n_slots;       // slots per managed layer; 0 = use cache_mib; both 0 = off
+    int64_t cache_mib;     // alternative: total slab budget in MiB, split evenly over managed layers
+    int32_t n_pinned;      // first N MoE layers stay fully resident (VisMMOE anchor layers); -1 = all
+    int32_t print_stats;   // print per-layer stats when the context is freed
+    const char * trace_path; // routing trace file (NULL = off); copied at context creation
+};
+
+// Defaults: VIS_MOE_SLOTS, VIS_MOE_CACHE_MIB, VIS_MOE_PINNED, VIS_MOE_STATS, VIS_MOE_TRACE
+// from the environment, else everything off.
+LLAMA_API struct llama_vis_moe_params llama_vis_moe_default_params(void);
+
+// Set the parameters used by contexts created from now on (NULL resets to defaults).
+// Returns 0, or -1 with llama_vis_last_error() set if the values are out of range.
+LLAMA_API int32_t llama_vis_moe_set_params(const struct llama_vis_moe_params * params);
+
+// Apply one command-line flag (--moe-slots N, --moe-cache-mib M, --moe-pinned-layers L,
+// --moe-stats, --moe-trace FILE) to the process-wide parameters.  Used by the
+// common/arg.cpp options of every llama.cpp tool.  Returns 0, or -1 with
+// llama_vis_last_error() naming the flag and the valid range.
+LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value);
+
+// Message of the last failed llama_vis_* call (or of a context that failed to
+// attach its expert cache), "" if none.  Thread-local.
+LLAMA_API const char * llama_vis_last_error(void);
+
+struct llama_vis_moe_stats {
+    int32_t n_slots;        // slots of a managed layer (0: layer not managed)
+    int32_t managed;        // 1 if the layer (or, for totals, any layer) is managed
+    int64_t n_routed;       // distinct experts looked up (per pass of every ubatch)
+    int64_t n_hits;         // ... that were already resident
+    int64_t n_misses;       // ... that had to be loaded (n_hits + n_misses == n_routed)
+    int64_t bytes_loaded;   // bytes copied into slabs (n_misses * expert bytes)
+    int64_t load_us;        // time spent loading (the stall of exact mode), microseconds
+    int64_t n_calls;        // ubatch x layer evaluations
+    int64_t n_passes;       // expert passes (> n_calls when a ubatch routed more experts than slots)
+};
+
+// Stats of layer il, or totals over all layers with il = -1.
+// Returns 0, or -1 if ctx has no expert cache or il is out of range.
+LLAMA_API int32_t llama_vis_moe_get_stats(const struct llama_context * ctx, int32_t il, struct llama_vis_moe_stats * out);
+LLAMA_API void    llama_vis_moe_reset_stats(struct llama_context * ctx);
+
+// Number of managed layers of ctx (0 when the cache is off or every layer fits).
+LLAMA_API int32_t llama_vis_moe_n_managed(const struct llama_context * ctx);
+
+// Print the stats table (as at exit with --moe-stats) through the llama log.
+LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
+
 #ifdef __cplusplus
 }
 #endif

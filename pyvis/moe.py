@@ -1,0 +1,44 @@
+"""A `llama_cpp.Llama` with the fork's expert cache: `pyvis.moe.load(path, slots=...)`.
+
+    import pyvis.moe
+    llm = pyvis.moe.load("model.gguf", slots=16, pinned_layers=1, n_ctx=2048)
+    llm("Hello", max_tokens=16)
+    print(pyvis.moe.stats(llm))          # totals; stats(llm, layer) per layer
+
+The options are the --moe-* flags of the C tools (docs/residency.md).
+"""
+from __future__ import annotations
+
+from . import _native
+from ._native import MoeParams, MoeStats, VisError, llama_cpp
+
+__all__ = ["load", "stats", "layer_stats", "reset_stats", "MoeParams", "MoeStats", "VisError"]
+
+
+def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
+         trace: str | None = None, **llama_kwargs) -> "llama_cpp.Llama":
+    """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama."""
+    params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
+    previous = _native.moe_default_params()
+    _native.moe_set_params(params)
+    try:
+        return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
+    except ValueError as e:
+        err = _native.last_error()
+        if err:
+            raise VisError(err) from e
+        raise
+    finally:
+        _native.moe_set_params(previous)
+
+
+def stats(llm) -> MoeStats | None:
+    return _native.moe_stats(llm, -1)
+
+
+def layer_stats(llm, layer: int) -> MoeStats | None:
+    return _native.moe_stats(llm, layer)
+
+
+def reset_stats(llm) -> None:
+    _native.moe_reset_stats(llm)

@@ -1,0 +1,865 @@
+// vis-moe-cache.cpp - expert residency: per-layer slot pools ("slabs"), the
+// expert->slot remap that runs before mul_mat_id, LRU eviction, stats and the
+// routing trace.  Design and flags: docs/residency.md.
+//
+// Exactness.  A managed layer's three mul_mat_id read a slab [ne0, ne1,
+// n_slots + 1] holding byte-identical copies of resident experts, with ids
+// remapped to slots.  Output column (i, t) of mul_mat_id depends only on the
+// matrix bytes and the input column, and - on CPU - the kernel chosen per
+// expert depends on the rows routed to it, never on n_as.  When a ubatch
+// routes more distinct experts than there are slots, its experts are split
+// into passes of at most n_slots experts; every pass runs the *whole* ubatch,
+// pairs whose expert belongs to another pass point at a dedicated staging slot
+// (the "+ 1", never holding a real expert, so no real expert gains rows), and
+// a final get_rows copies each pair from the pass that owned its expert.  Each
+// real expert therefore sees exactly the rows it sees upstream.
+#include "vis-moe.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+#include "llama-batch.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+// ---------------------------------------------------------------------------
+// errors and process-wide parameters
+// ---------------------------------------------------------------------------
+static thread_local std::string g_last_error;
+
+const char * llama_vis_last_error(void) {
+    return g_last_error.c_str();
+}
+
+static std::mutex           g_params_mutex;
+static bool                 g_params_set = false;
+static llama_vis_moe_params g_params;
+static std::string          g_trace_path;
+
+static long long env_ll(const char * name, long long def) {
+    const char * v = std::getenv(name);
+    if (v == nullptr || *v == '\0') {
+        return def;
+    }
+    char * end = nullptr;
+    const long long r = std::strtoll(v, &end, 10);
+    if (end == v || *end != '\0') {
+        LLAMA_LOG_WARN("vis-moe: ignoring %s=%s (not an integer)\n", name, v);
+        return def;
+    }
+    return r;
+}
+
+llama_vis_moe_params llama_vis_moe_default_params(void) {
+    llama_vis_moe_params p = {};
+    p.n_slots     = (int32_t) env_ll("VIS_MOE_SLOTS", 0);
+    p.cache_mib   = (int64_t) env_ll("VIS_MOE_CACHE_MIB", 0);
+    p.n_pinned    = (int32_t) env_ll("VIS_MOE_PINNED", 0);
+    p.print_stats = (int32_t) env_ll("VIS_MOE_STATS", 0);
+    const char * tr = std::getenv("VIS_MOE_TRACE");
+    p.trace_path  = (tr && *tr) ? tr : nullptr;
+    return p;
+}
+
+static bool validate_params(const llama_vis_moe_params & p, std::string & err) {
+    if (p.n_slots < 0) {
+        err = "--moe-slots must be >= 0 (0 = off), got " + std::to_string(p.n_slots);
+        return false;
+    }
+    if (p.cache_mib < 0) {
+        err = "--moe-cache-mib must be >= 0 (0 = off), got " + std::to_string(p.cache_mib);
+        return false;
+    }
+    if (p.n_slots > 0 && p.cache_mib > 0) {
+        err = "--moe-slots and --moe-cache-mib are alternatives: give one of them";
+        return false;
+    }
+    if (p.n_pinned < -1) {
+        err = "--moe-pinned-layers must be >= 0, or -1 for all, got " + std::to_string(p.n_pinned);
+        return false;
+    }
+    return true;
+}
+
+int32_t llama_vis_moe_set_params(const llama_vis_moe_params * params) {
+    llama_vis_moe_params p = params ? *params : llama_vis_moe_default_params();
+    std::string err;
+    if (!validate_params(p, err)) {
+        g_last_error = err;
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_params_mutex);
+    g_trace_path = p.trace_path ? p.trace_path : "";
+    p.trace_path = g_trace_path.empty() ? nullptr : g_trace_path.c_str();
+    g_params     = p;
+    g_params_set = true;
+    return 0;
+}
+
+static llama_vis_moe_params current_params(std::string & trace_path) {
+    std::lock_guard<std::mutex> lock(g_params_mutex);
+    llama_vis_moe_params p = g_params_set ? g_params : llama_vis_moe_default_params();
+    trace_path = p.trace_path ? p.trace_path : "";
+    return p;
+}
+
+// CLI flags (registered in common/arg.cpp by patch 0003)
+static void vis_moe_cli_apply(const std::string & flag, const std::string & value) {
+    std::string trace;
+    llama_vis_moe_params p = current_params(trace);
+    auto as_int = [&](long long lo) {
+        char * end = nullptr;
+        const long long v = std::strtoll(value.c_str(), &end, 10);
+        if (value.empty() || *end != '\0' || v < lo) {
+            throw std::invalid_argument(flag + ": expected an integer >= " + std::to_string(lo) + ", got '" + value + "'");
+        }
+        return v;
+    };
+    if (flag == "--moe-slots") {
+        p.n_slots = (int32_t) as_int(0);
+    } else if (flag == "--moe-cache-mib") {
+        p.cache_mib = as_int(0);
+    } else if (flag == "--moe-pinned-layers") {
+        p.n_pinned = (int32_t) as_int(-1);
+    } else if (flag == "--moe-stats") {
+        p.print_stats = 1;
+    } else if (flag == "--moe-trace") {
+        trace = value;
+    } else {
+        throw std::invalid_argument("unknown vis-moe flag " + flag);
+    }
+    p.trace_path = trace.empty() ? nullptr : trace.c_str();
+    if (llama_vis_moe_set_params(&p) != 0) {
+        throw std::invalid_argument(g_last_error);
+    }
+}
+
+int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
+    try {
+        vis_moe_cli_apply(flag ? flag : "", value ? value : "");
+    } catch (const std::exception & e) {
+        g_last_error = e.what();
+        return -1;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// the cache
+// ---------------------------------------------------------------------------
+enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
+static const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
+
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE };
+
+struct vis_moe_op_ud {
+    vis_moe_context * vm;
+    int il;
+    int pass;
+    vis_op_kind kind;
+};
+
+struct vis_moe_layer {
+    bool managed  = false;
+    int  n_slots  = 0;      // cache slots; slot index n_slots is the staging slot
+    int  n_expert = 0;
+    int64_t expert_bytes = 0;
+
+    std::array<ggml_tensor *, VIS_T_COUNT> orig = {};
+    std::array<ggml_tensor *, VIS_T_COUNT> slab = {};
+
+    std::vector<int32_t>  slot_of;    // expert -> slot, -1 if not resident
+    std::vector<int32_t>  expert_of;  // slot -> expert, -1 if empty
+    std::vector<uint64_t> last_use;   // slot -> tick of last use
+
+    // plan of the ubatch being computed
+    std::vector<int32_t> pass_of;     // expert -> pass, -1 if not routed
+    int n_plan_passes = 0;
+    std::vector<std::vector<int32_t>> passes;
+
+    llama_vis_moe_stats stats = {};
+};
+
+struct vis_moe_context {
+    const llama_context * lctx  = nullptr;
+    const llama_model   * model = nullptr;
+    llama_vis_moe_params  params = {};
+    std::string           trace_path;
+    FILE *                trace = nullptr;
+    int32_t               ubatch_index = -1;
+
+    std::vector<vis_moe_layer> layers;  // indexed by layer
+    int n_managed = 0;
+    int n_expert_used = 0;
+
+    std::vector<ggml_context *>          ctxs;
+    std::vector<ggml_backend_buffer_t>   bufs;
+    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
+    std::vector<uint8_t>                 staging;
+    uint64_t tick = 0;
+
+    // current ubatch (trace)
+    std::vector<int32_t> ub_pos;
+    std::vector<int32_t> ub_seq;
+    std::vector<int32_t> ub_out;   // rows of the output tokens (the last layer only computes those)
+    uint8_t              ub_image = 0;
+
+    std::mutex err_mutex;
+    bool        failed = false;
+    std::string failure;
+
+    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind) {
+        auto & p = uds[{il, pass, (int) kind}];
+        if (!p) {
+            p.reset(new vis_moe_op_ud{this, il, pass, kind});
+        }
+        return p.get();
+    }
+
+    void fail(const std::string & msg) {
+        std::lock_guard<std::mutex> lock(err_mutex);
+        if (!failed) {
+            failed  = true;
+            failure = msg;
+        }
+    }
+
+    ~vis_moe_context() {
+        if (trace) {
+            fclose(trace);
+        }
+        for (auto * b : bufs) {
+            ggml_backend_buffer_free(b);
+        }
+        for (auto * c : ctxs) {
+            ggml_free(c);
+        }
+    }
+};
+
+static std::mutex g_registry_mutex;
+static std::map<const llama_context *, std::unique_ptr<vis_moe_context>> g_registry;
+
+vis_moe_context * vis_moe_context_get(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    auto it = g_registry.find(lctx);
+    return it == g_registry.end() ? nullptr : it->second.get();
+}
+
+// ---------------------------------------------------------------------------
+// trace: docs/residency.md#routing-trace
+// ---------------------------------------------------------------------------
+static const char     VIS_TRACE_MAGIC[8]  = { 'V', 'I', 'S', 'T', 'R', 'A', 'C', 'E' };
+static const uint32_t VIS_TRACE_VERSION   = 1;
+static const uint32_t VIS_TRACE_REC_TAG   = 0x31434552; // "REC1"
+
+static void trace_open(vis_moe_context & vm) {
+    vm.trace = std::fopen(vm.trace_path.c_str(), "wb");
+    if (!vm.trace) {
+        throw std::runtime_error("--moe-trace: cannot open '" + vm.trace_path + "' for writing: " + std::strerror(errno));
+    }
+    const auto & hp = vm.model->hparams;
+    const uint32_t hdr[4] = { VIS_TRACE_VERSION, hp.n_layer(), hp.n_expert, (uint32_t) vm.n_expert_used };
+    std::fwrite(VIS_TRACE_MAGIC, 1, sizeof(VIS_TRACE_MAGIC), vm.trace);
+    std::fwrite(hdr, sizeof(uint32_t), 4, vm.trace);
+}
+
+static void trace_record(vis_moe_context & vm, int il, const ggml_tensor * ids, const ggml_tensor * weights) {
+    const int32_t k        = (int32_t) ids->ne[0];
+    const int32_t n_tokens = (int32_t) ids->ne[1];
+    const int32_t rec[5]   = { (int32_t) VIS_TRACE_REC_TAG, vm.ubatch_index, il, n_tokens, k };
+    std::fwrite(rec, sizeof(int32_t), 5, vm.trace);
+    std::vector<int32_t> seq(n_tokens, -1), pos(n_tokens, -1);
+    std::vector<uint8_t> mod(n_tokens, vm.ub_image);
+    // a layer sees every token of the ubatch, or (the last layer) only the output tokens
+    const bool all_rows = n_tokens == (int) vm.ub_pos.size();
+    for (int t = 0; t < n_tokens; ++t) {
+        const int row = all_rows ? t : (t < (int) vm.ub_out.size() ? vm.ub_out[t] : -1);
+        if (row >= 0 && row < (int) vm.ub_pos.size()) {
+            pos[t] = vm.ub_pos[row];
+            seq[t] = vm.ub_seq[row];
+        }
+    }
+    std::fwrite(seq.data(), sizeof(int32_t), n_tokens, vm.trace);
+    std::fwrite(pos.data(), sizeof(int32_t), n_tokens, vm.trace);
+    std::fwrite(mod.data(), 1, n_tokens, vm.trace);
+    std::fwrite(ids->data, sizeof(int32_t), (size_t) k * n_tokens, vm.trace);  // contiguous
+    std::vector<float> w((size_t) k * n_tokens, 0.0f);
+    if (weights && weights->type == GGML_TYPE_F32 && ggml_nelements(weights) == (int64_t) w.size()) {
+        if (ggml_is_contiguous(weights)) {
+            std::memcpy(w.data(), weights->data, w.size() * sizeof(float));
+        } else {  // [1, k, n_tokens] with strides
+            for (int t = 0; t < n_tokens; ++t) {
+                for (int i = 0; i < k; ++i) {
+                    w[(size_t) t * k + i] = *(const float *) ((const char *) weights->data + i * weights->nb[1] + t * weights->nb[2]);
+                }
+            }
+        }
+    }
+    std::fwrite(w.data(), sizeof(float), w.size(), vm.trace);
+}
+
+// ---------------------------------------------------------------------------
+// residency
+// ---------------------------------------------------------------------------
+static void load_expert(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        ggml_tensor * src = L.orig[ti];
+        ggml_tensor * dst = L.slab[ti];
+        if (!src) {
+            continue;
+        }
+        const size_t nb   = src->nb[2];
+        const size_t soff = (size_t) e * nb;
+        const size_t doff = (size_t) s * nb;
+        const bool src_host = ggml_backend_buffer_is_host(src->buffer);
+        const bool dst_host = ggml_backend_buffer_is_host(dst->buffer);
+        if (src_host && dst_host) {
+            std::memcpy((char *) dst->data + doff, (const char *) src->data + soff, nb);
+        } else if (src_host) {
+            ggml_backend_tensor_set(dst, (const char *) src->data + soff, doff, nb);
+        } else {
+            vm.staging.resize(nb);
+            ggml_backend_tensor_get(src, vm.staging.data(), soff, nb);
+            if (dst_host) {
+                std::memcpy((char *) dst->data + doff, vm.staging.data(), nb);
+            } else {
+                ggml_backend_tensor_set(dst, vm.staging.data(), doff, nb);
+            }
+        }
+    }
+}
+
+// make the experts of pass p resident and write the slot ids for that pass
+static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t tick = ++vm.tick;
+    const std::vector<int32_t> empty;
+    const std::vector<int32_t> & experts = p < (int) L.passes.size() ? L.passes[p] : empty;
+    L.stats.n_passes++;
+
+    // hits first: protect them from eviction by this pass
+    for (int e : experts) {
+        const int s = L.slot_of[e];
+        if (s >= 0) {
+            L.last_use[s] = tick;
+            L.stats.n_hits++;
+        }
+    }
+    // misses: an empty slot, else the least recently used slot not needed by this pass
+    for (int e : experts) {
+        if (L.slot_of[e] >= 0) {
+            continue;
+        }
+        int victim = -1;
+        for (int s = 0; s < L.n_slots; ++s) {
+            if (L.expert_of[s] < 0) {
+                victim = s;
+                break;
+            }
+            if (L.last_use[s] == tick) {
+                continue;  // used by this pass
+            }
+            if (victim < 0 || L.last_use[s] < L.last_use[victim]) {
+                victim = s;
+            }
+        }
+        GGML_ASSERT(victim >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
+        if (L.expert_of[victim] >= 0) {
+            L.slot_of[L.expert_of[victim]] = -1;
+        }
+        load_expert(vm, L, e, victim);
+        L.expert_of[victim] = e;
+        L.slot_of[e]        = victim;
+        L.last_use[victim]  = tick;
+        L.stats.n_misses++;
+        L.stats.bytes_loaded += L.expert_bytes;
+    }
+    L.stats.n_routed += (int64_t) experts.size();
+
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        out[j] = L.pass_of[e] == p ? L.slot_of[e] : L.n_slots;  // staging slot for other passes
+    }
+    L.stats.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// split the experts routed by this ubatch into passes of at most n_slots (hits first)
+static void plan_ubatch(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs) {
+    for (int e = 0; e < L.n_expert; ++e) {
+        L.pass_of[e] = -1;
+    }
+    std::vector<int32_t> hits, misses;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        GGML_ASSERT(e >= 0 && e < L.n_expert);
+        if (L.pass_of[e] == -1) {
+            L.pass_of[e] = -2;  // seen
+            (L.slot_of[e] >= 0 ? hits : misses).push_back(e);
+        }
+    }
+    L.passes.clear();
+    std::vector<int32_t> order = hits;
+    order.insert(order.end(), misses.begin(), misses.end());
+    for (size_t i = 0; i < order.size(); i += L.n_slots) {
+        const size_t end = std::min(order.size(), i + (size_t) L.n_slots);
+        L.passes.emplace_back(order.begin() + i, order.begin() + end);
+        for (size_t x = i; x < end; ++x) {
+            L.pass_of[order[x]] = (int32_t) L.passes.size() - 1;
+        }
+    }
+    L.stats.n_calls++;
+}
+
+static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * ud = (vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud->vm;
+    const int64_t n_pairs = ggml_nelements(a);
+    const auto * ids = (const int32_t *) a->data;
+    auto * out = (int32_t *) dst->data;
+    try {
+        switch (ud->kind) {
+            case VIS_OP_TRACE:
+                if (vm.trace) {
+                    trace_record(vm, ud->il, a, b);
+                }
+                std::memcpy(out, ids, n_pairs * sizeof(int32_t));
+                break;
+            case VIS_OP_PASS: {
+                vis_moe_layer & L = vm.layers[ud->il];
+                if (ud->pass == 0) {
+                    if (vm.trace) {
+                        trace_record(vm, ud->il, a, b);
+                    }
+                    plan_ubatch(L, ids, n_pairs);
+                }
+                run_pass(vm, L, ud->pass, ids, n_pairs, out);
+            } break;
+            case VIS_OP_SELECT: {
+                const vis_moe_layer & L = vm.layers[ud->il];
+                for (int64_t j = 0; j < n_pairs; ++j) {
+                    out[j] = (int32_t) (L.pass_of[ids[j]] * n_pairs + j);
+                }
+            } break;
+        }
+    } catch (const std::exception & e) {
+        vm.fail(e.what());
+        // keep the graph running on finite data; the ubatch is reported as failed
+        for (int64_t j = 0; j < n_pairs; ++j) {
+            out[j] = ud->kind == VIS_OP_SELECT ? (int32_t) j : (ud->kind == VIS_OP_PASS ? vm.layers[ud->il].n_slots : ids[j]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// attach / detach
+// ---------------------------------------------------------------------------
+static int64_t layer_expert_bytes(const llama_layer & l) {
+    int64_t b = 0;
+    for (const ggml_tensor * t : { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps }) {
+        b += t ? (int64_t) t->nb[2] : 0;
+    }
+    return b;
+}
+
+static bool layer_is_moe(const llama_layer & l) {
+    return l.ffn_gate_exps || l.ffn_up_exps || l.ffn_down_exps || l.ffn_gate_up_exps;
+}
+
+static void attach_impl(const llama_context * lctx, const llama_model & model);
+
+void vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
+    try {
+        attach_impl(lctx, model);
+    } catch (const std::exception & e) {
+        g_last_error = e.what();
+        LLAMA_LOG_ERROR("vis-moe: %s\n", e.what());
+        throw;
+    }
+}
+
+static void attach_impl(const llama_context * lctx, const llama_model & model) {
+    std::string trace_path;
+    const llama_vis_moe_params p = current_params(trace_path);
+    const bool cache_on = p.n_slots > 0 || p.cache_mib > 0;
+    if (!cache_on && trace_path.empty()) {
+        return;  // feature off: no object, no graph change
+    }
+    const auto & hp = model.hparams;
+    if (hp.n_expert == 0) {
+        if (cache_on || !trace_path.empty()) {
+            LLAMA_LOG_WARN("vis-moe: the model has no routed experts; --moe-* options ignored\n");
+        }
+        return;
+    }
+
+    auto vm = std::make_unique<vis_moe_context>();
+    vm->lctx  = lctx;
+    vm->model = &model;
+    vm->params = p;
+    vm->trace_path = trace_path;
+    vm->n_expert_used = (int) hp.n_expert_used_max();
+    const int n_layer = (int) hp.n_layer();
+    vm->layers.resize(n_layer);
+
+    std::vector<int> moe_layers;
+    for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
+        if (layer_is_moe(model.layers[il])) {
+            moe_layers.push_back(il);
+        }
+    }
+    const int n_moe  = (int) moe_layers.size();
+    const int k      = vm->n_expert_used;
+    const int n_exp  = (int) hp.n_expert;
+    const int pinned = p.n_pinned < 0 ? n_moe : p.n_pinned;
+    if (pinned > n_moe) {
+        throw std::runtime_error("--moe-pinned-layers " + std::to_string(p.n_pinned) + " exceeds the model's " +
+                                 std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
+    }
+    std::vector<int> managed(moe_layers.begin() + pinned, moe_layers.end());
+
+    int n_slots = p.n_slots;
+    if (cache_on && p.cache_mib > 0 && !managed.empty()) {
+        int64_t per_slot = 0;  // bytes of one slot in every managed layer
+        for (int il : managed) {
+            per_slot += layer_expert_bytes(model.layers[il]);
+        }
+        const int64_t budget = p.cache_mib << 20;
+        const int64_t slots_total = budget / per_slot;  // includes the staging slot
+        n_slots = (int) std::min<int64_t>(slots_total - 1, n_exp);
+        if (n_slots < k) {
+            const double need = (double) per_slot * (k + 1) / (1 << 20);
+            throw std::runtime_error("--moe-cache-mib " + std::to_string(p.cache_mib) + " is too small: the " +
+                                     std::to_string(managed.size()) + " managed layers need at least " +
+                                     std::to_string((int64_t) std::ceil(need)) + " MiB (top-k " + std::to_string(k) +
+                                     " slots + 1 staging slot each); raise it or pin fewer layers");
+        }
+    }
+    if (cache_on && n_slots < k) {
+        throw std::runtime_error("--moe-slots " + std::to_string(n_slots) + " is below the model's top-k (" +
+                                 std::to_string(k) + "): valid range " + std::to_string(k) + ".." + std::to_string(n_exp) +
+                                 " (0 = off)");
+    }
+
+    // slabs, grouped by buffer type of the layer's device
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    for (int il : cache_on ? managed : std::vector<int>{}) {
+        const llama_layer & l = model.layers[il];
+        if (n_slots >= n_exp) {
+            continue;  // everything fits: bypass, upstream graph
+        }
+        if (l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s) {
+            LLAMA_LOG_WARN("vis-moe: layer %d has per-expert scales; left fully resident\n", il);
+            continue;
+        }
+        vis_moe_layer & L = vm->layers[il];
+        L.orig = { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
+        for (ggml_tensor * t : L.orig) {
+            if (t && t->extra != nullptr) {
+                throw std::runtime_error(std::string("vis-moe: ") + t->name + " is held in a repacked CPU buffer (" +
+                                         ggml_backend_buffer_name(t->buffer) + "), which cannot serve single experts; "
+                                         "run with --no-repack (-nr) to use the expert cache");
+            }
+            if (t && !ggml_is_contiguous(t)) {
+                throw std::runtime_error(std::string("vis-moe: ") + t->name + " is not contiguous");
+            }
+        }
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+        ggml_context *& c = ctx_of[buft];
+        if (!c) {
+            ggml_init_params ip = { /*.mem_size =*/ ggml_tensor_overhead() * (size_t) (4 * n_layer + 8),
+                                    /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+            c = ggml_init(ip);
+            vm->ctxs.push_back(c);
+        }
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            ggml_tensor * t = L.orig[ti];
+            if (!t) {
+                continue;
+            }
+            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], n_slots + 1);
+            ggml_format_name(L.slab[ti], "vis_slab.blk.%d.%s", il, VIS_T_NAME[ti]);
+        }
+        L.managed      = true;
+        L.n_slots      = n_slots;
+        L.n_expert     = n_exp;
+        L.expert_bytes = layer_expert_bytes(l);
+        L.slot_of.assign(n_exp, -1);
+        L.pass_of.assign(n_exp, -1);
+        L.expert_of.assign(n_slots, -1);
+        L.last_use.assign(n_slots, 0);
+        L.stats.n_slots = n_slots;
+        L.stats.managed = 1;
+        vm->n_managed++;
+    }
+    size_t slab_bytes = 0;
+    for (auto & [buft, c] : ctx_of) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+        if (!buf) {
+            throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
+                                     "; lower --moe-slots / --moe-cache-mib");
+        }
+        ggml_backend_buffer_clear(buf, 0);  // the staging slot and the padding hold finite zeros
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        slab_bytes += ggml_backend_buffer_get_size(buf);
+        vm->bufs.push_back(buf);
+    }
+    if (!trace_path.empty()) {
+        trace_open(*vm);
+    }
+    if (vm->n_managed > 0) {
+        LLAMA_LOG_INFO("vis-moe: expert cache: %d of %d MoE layers managed (%d pinned), %d slots of %d experts each, "
+                       "slabs %.2f MiB\n", vm->n_managed, n_moe, pinned, n_slots, n_exp, slab_bytes / 1048576.0);
+    } else if (cache_on) {
+        LLAMA_LOG_INFO("vis-moe: expert cache: every MoE layer fits (%d slots >= %d experts, or pinned); upstream graph\n",
+                       n_slots, n_exp);
+    }
+    if (vm->n_managed == 0 && trace_path.empty()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_registry[lctx] = std::move(vm);
+}
+
+void vis_moe_context_detach(const llama_context * lctx) {
+    vis_moe_context * cur = vis_moe_context_get(lctx);
+    if (!cur) {
+        return;
+    }
+    if (cur->params.print_stats && cur->n_managed > 0) {
+        llama_vis_moe_stats tot;
+        llama_vis_moe_get_stats(lctx, -1, &tot);
+        if (tot.n_calls > 0) {  // not for contexts that never ran (e.g. --fit probes)
+            llama_vis_moe_print_stats(lctx);
+        }
+    }
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_registry.erase(lctx);
+}
+
+void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
+    if (!vm) {
+        return;
+    }
+    vm->ubatch_index++;
+    if (!vm->trace) {
+        return;
+    }
+    vm->ub_pos.assign(ub.n_tokens, -1);
+    vm->ub_seq.assign(ub.n_tokens, -1);
+    vm->ub_out.clear();
+    for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+        if (ub.output && ub.output[t]) {
+            vm->ub_out.push_back((int32_t) t);
+        }
+        vm->ub_pos[t] = ub.pos ? ub.pos[t] : -1;
+        vm->ub_seq[t] = (ub.seq_id && ub.n_seq_id && ub.n_seq_id[t] > 0) ? ub.seq_id[t][0] : -1;
+    }
+    vm->ub_image = ub.embd != nullptr ? 1 : 0;
+}
+
+bool vis_moe_end_ubatch(vis_moe_context * vm) {
+    if (!vm) {
+        return true;
+    }
+    if (vm->trace) {
+        std::fflush(vm->trace);
+    }
+    std::lock_guard<std::mutex> lock(vm->err_mutex);
+    if (vm->failed) {
+        g_last_error = vm->failure;
+        LLAMA_LOG_ERROR("vis-moe: %s\n", vm->failure.c_str());
+        vm->failed = false;
+        return false;
+    }
+    return true;
+}
+
+uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
+    if (!vm) {
+        return 0;
+    }
+    uint32_t extra = 0;
+    for (const auto & L : vm->layers) {
+        if (!L.managed) {
+            extra += vm->trace ? 4 : 0;
+            continue;
+        }
+        const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
+        const int passes = (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots);
+        extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
+    }
+    return extra;
+}
+
+// ---------------------------------------------------------------------------
+// graph
+// ---------------------------------------------------------------------------
+vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
+                                         ggml_tensor * selected_experts, ggml_tensor * weights_, int64_t n_tokens)
+    : ctx(ctx_), gf(gf_), il(il_) {
+    vm = const_cast<vis_moe_context *>(vm_);
+    if (!vm || il < 0 || il >= (int) vm->layers.size()) {
+        vm = nullptr;
+        return;
+    }
+    const vis_moe_layer & L = vm->layers[il];
+    if (!L.managed && !vm->trace) {
+        vm = nullptr;  // bypass: upstream graph
+        return;
+    }
+    weights  = weights_;
+    ids_cont = ggml_cont(ctx, selected_experts);
+    ggml_format_name(ids_cont, "vis_moe_ids-%d", il);
+    if (!L.managed) {
+        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_op, 1, vm->ud(il, 0, VIS_OP_TRACE));
+        ggml_format_name(t, "vis_moe_trace-%d", il);
+        ggml_build_forward_expand(gf, t);
+        vm = nullptr;
+        return;
+    }
+    managed = true;
+    const int64_t pairs = selected_experts->ne[0] * n_tokens;
+    n_pass = (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots);
+}
+
+ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
+    if (!managed) {
+        return selected_experts;
+    }
+    ggml_tensor * dep = p == 0 ? weights : last;
+    ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, dep, vis_op, 1, vm->ud(il, p, VIS_OP_PASS));
+    ggml_format_name(t, "vis_moe_slots-%d.%d", il, p);
+    return t;
+}
+
+ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
+    if (!managed || w == nullptr) {
+        return w;
+    }
+    const vis_moe_layer & L = vm->layers[il];
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (L.orig[ti] == w) {
+            return L.slab[ti];
+        }
+    }
+    return w;
+}
+
+void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
+    outs.push_back(experts);
+    last = experts;
+}
+
+ggml_tensor * vis_moe_layer_graph::output() {
+    GGML_ASSERT(!outs.empty());
+    if (!managed || outs.size() == 1) {
+        return outs[0];
+    }
+    ggml_tensor * cat = outs[0];
+    for (size_t p = 1; p < outs.size(); ++p) {
+        cat = ggml_concat(ctx, cat, outs[p], 2);
+    }
+    const int64_t n_embd = outs[0]->ne[0], k = outs[0]->ne[1], n_tokens = outs[0]->ne[2];
+    ggml_tensor * sel = ggml_map_custom2(ctx, ids_cont, last, vis_op, 1, vm->ud(il, 0, VIS_OP_SELECT));
+    ggml_format_name(sel, "vis_moe_select-%d", il);
+    ggml_tensor * rows = ggml_reshape_2d(ctx, cat, n_embd, k * n_tokens * (int64_t) outs.size());
+    ggml_tensor * got  = ggml_get_rows(ctx, rows, ggml_reshape_1d(ctx, sel, k * n_tokens));
+    got = ggml_reshape_3d(ctx, got, n_embd, k, n_tokens);
+    ggml_format_name(got, "vis_moe_experts-%d", il);
+    return got;
+}
+
+// ---------------------------------------------------------------------------
+// stats API
+// ---------------------------------------------------------------------------
+int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis_moe_stats * out) {
+    vis_moe_context * vm = vis_moe_context_get(ctx);
+    if (!vm || !out) {
+        return -1;
+    }
+    if (il >= 0) {
+        if (il >= (int32_t) vm->layers.size()) {
+            return -1;
+        }
+        *out = vm->layers[il].stats;
+        return 0;
+    }
+    llama_vis_moe_stats tot = {};
+    for (const auto & L : vm->layers) {
+        const auto & s = L.stats;
+        tot.n_slots = std::max(tot.n_slots, s.n_slots);
+        tot.managed |= s.managed;
+        tot.n_routed += s.n_routed;
+        tot.n_hits += s.n_hits;
+        tot.n_misses += s.n_misses;
+        tot.bytes_loaded += s.bytes_loaded;
+        tot.load_us += s.load_us;
+        tot.n_calls += s.n_calls;
+        tot.n_passes += s.n_passes;
+    }
+    *out = tot;
+    return 0;
+}
+
+void llama_vis_moe_reset_stats(llama_context * ctx) {
+    vis_moe_context * vm = vis_moe_context_get(ctx);
+    if (!vm) {
+        return;
+    }
+    for (auto & L : vm->layers) {
+        const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
+        L.stats = {};
+        L.stats.n_slots = n_slots;
+        L.stats.managed = managed;
+    }
+}
+
+int32_t llama_vis_moe_n_managed(const llama_context * ctx) {
+    vis_moe_context * vm = vis_moe_context_get(ctx);
+    return vm ? vm->n_managed : 0;
+}
+
+void llama_vis_moe_print_stats(const llama_context * ctx) {
+    vis_moe_context * vm = vis_moe_context_get(ctx);
+    if (!vm) {
+        return;
+    }
+    std::fprintf(stderr, "vis-moe: expert cache stats (%d managed layers)\n", vm->n_managed);
+    std::fprintf(stderr, "vis-moe: %5s %6s %10s %10s %10s %8s %12s %10s %8s\n", "layer", "slots", "routed", "hits", "misses",
+                   "hit%", "MiB loaded", "stall ms", "passes");
+    for (size_t il = 0; il < vm->layers.size(); ++il) {
+        const auto & s = vm->layers[il].stats;
+        if (!s.managed) {
+            continue;
+        }
+        std::fprintf(stderr, "vis-moe: %5zu %6d %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n", il,
+                       s.n_slots, s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
+                       s.bytes_loaded / 1048576.0, s.load_us / 1000.0, s.n_passes);
+    }
+    llama_vis_moe_stats t;
+    llama_vis_moe_get_stats(ctx, -1, &t);
+    std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n", "total", "",
+                   t.n_routed, t.n_hits, t.n_misses, t.n_routed ? 100.0 * t.n_hits / t.n_routed : 0.0,
+                   t.bytes_loaded / 1048576.0, t.load_us / 1000.0, t.n_passes);
+}

@@ -1,0 +1,67 @@
+// vis-moe.h - internal interface of the expert-residency cache, used by the
+// ggml-patches hooks in llama-context.cpp and llama-graph.cpp.
+//
+// Public C API: llama-vis.h.  Design: docs/residency.md.
+#pragma once
+
+#include "llama-vis.h"
+#include "ggml.h"
+
+#include <cstdint>
+#include <vector>
+
+struct llama_context;
+struct llama_model;
+struct llama_ubatch;
+struct vis_moe_context;
+
+// ---- context lifetime (patch 0002, llama-context.cpp) -----------------------
+
+// Create the cache for a new context from the current process-wide params.
+// Throws std::runtime_error with a message naming the flag on bad configuration.
+void vis_moe_context_attach(const llama_context * lctx, const llama_model & model);
+void vis_moe_context_detach(const llama_context * lctx);
+vis_moe_context * vis_moe_context_get(const llama_context * lctx);
+
+// Record the ubatch about to be computed (positions, sequences, modality for the trace).
+void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);
+// After compute: false if a load failed during the ubatch (message in llama_vis_last_error()).
+bool vis_moe_end_ubatch(vis_moe_context * vm);
+
+// Extra graph nodes the cache may add for a ubatch of n_tokens.
+uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
+
+// ---- graph (patch 0002, llm_graph_context::build_moe_ffn) -------------------
+//
+// For one MoE layer of one graph.  An unmanaged layer (or no cache) yields one
+// pass whose ids and weights are upstream's: the graph is unchanged.
+class vis_moe_layer_graph {
+public:
+    vis_moe_layer_graph(const vis_moe_context * vm, ggml_context * ctx, ggml_cgraph * gf, int il,
+                        ggml_tensor * selected_experts, ggml_tensor * weights, int64_t n_tokens);
+
+    int n_passes() const { return n_pass; }
+
+    // ids for the three mul_mat_id of pass p (slot ids when managed)
+    ggml_tensor * mm_ids(int p, ggml_tensor * selected_experts);
+
+    // the tensor the mul_mat_id of pass p reads instead of w (a slab when managed)
+    ggml_tensor * weight(ggml_tensor * w) const;
+
+    // collect the weighted expert outputs [n_embd, n_used, n_tokens] of pass p
+    void push_output(ggml_tensor * experts);
+    // the combined expert outputs: each (token, slot) taken from the pass that owned its expert
+    ggml_tensor * output();
+
+private:
+    vis_moe_context * vm = nullptr;
+    ggml_context    * ctx;
+    ggml_cgraph     * gf;
+    int               il;
+    int               n_pass = 1;
+    bool              managed = false;
+    ggml_tensor     * ids_cont = nullptr;  // contiguous copy of the routed ids
+    ggml_tensor     * weights  = nullptr;
+    ggml_tensor     * last     = nullptr;  // ordering dependency between passes
+    std::vector<ggml_tensor *> outs;
+};
