@@ -492,7 +492,7 @@ void vis_moe_context_attach(const llama_context * lctx, const llama_model & mode
         attach_impl(lctx, model);
     } catch (const std::exception & e) {
         g_last_error = e.what();
-        LLAMA_LOG_ERROR("vis-moe: %s\n", e.what());
+        LLAMA_LOG_ERROR("%s\n", e.what());
         throw;
     }
 }
@@ -706,7 +706,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots);
+        const int passes = std::max(1, (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots));
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
@@ -739,8 +739,8 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         return;
     }
     managed = true;
-    const int64_t pairs = selected_experts->ne[0] * n_tokens;
-    n_pass = (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots);
+    const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
+    n_pass = std::max(1, (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots));
 }
 
 ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
