@@ -14,6 +14,9 @@ PY="${PYTHON:-python3}"
 CACHE="${VIS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vis-moe}"
 JOBS="${VIS_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 export CCACHE_DIR="${CCACHE_DIR:-$CACHE/ccache}"
+# paths relative to the checkout, so a fresh clone elsewhere (CI) still hits the cache
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}"
+export CCACHE_NOHASHDIR=true
 step() { printf '\n== %s\n' "$*"; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
