@@ -402,7 +402,7 @@ def register(sub) -> None:
                        "size, and LRU vs Belady miss curves per cache size. Definitions: "
                        "pyvis/routing_report.py.")
     s.add_argument("-m", "--model", help="MoE GGUF to trace")
-    s.add_argument("--trace", help="read this routing trace (.npz) instead of running a model")
+    s.add_argument("--trace", help="read this routing trace (.npz, or a --moe-trace file) instead of running a model")
     s.add_argument("-f", "--file", default="heldout", help="text: heldout (Vim user manual, default), vim-all, "
                    "calibration, or a file")
     s.add_argument("-c", "--ctx-size", type=int, default=256, help="chunk size in tokens (default: 256)")

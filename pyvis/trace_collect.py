@@ -73,10 +73,33 @@ class Trace:
         return p
 
 
+def from_vis_trace(path: str | os.PathLike, seq: int | None = None) -> Trace:
+    """A trace written by the fork's `--moe-trace FILE` (pyvis.trace) as [layers, tokens, k].
+
+    Layers that saw fewer rows than the others (upstream computes the last layer
+    for output rows only) are left out, and so are rows of other sequences when
+    `seq` is given.
+    """
+    from . import trace as vis_trace
+    t = vis_trace.read(path)
+    if seq is not None:
+        t = t.for_mask(t.seq == seq)
+    per = {int(il): t.for_layer(int(il)) for il in t.layers()}
+    if not per:
+        raise TraceError(f"{path}: the trace holds no routing records")
+    n = max(len(x) for x in per.values())
+    keep = [il for il, x in per.items() if len(x) == n]
+    return Trace(ids=np.stack([per[il].ids for il in keep]), n_expert=t.n_expert, layers=np.array(keep),
+                 meta={"source": str(path), "format": "vis-moe trace v1"})
+
+
 def load(path: str | os.PathLike) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
+    with open(p, "rb") as f:
+        if f.read(8) == b"VISTRACE":
+            return from_vis_trace(p)
     try:
         z = np.load(p, allow_pickle=False)
         return Trace(ids=z["ids"], n_expert=int(z["n_expert"]), layers=z["layers"],
