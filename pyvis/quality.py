@@ -218,7 +218,13 @@ def compare(configs: list[Config], ref: Config | None, text: str = "heldout", ct
     for c in configs:
         if progress:
             progress(f"KL divergence of {c.name()} against {ref.name()}")
-        res["results"].append(kl_divergence(c, base, ctx, threads, batch, timeout))
+        try:
+            res["results"].append(kl_divergence(c, base, ctx, threads, batch, timeout))
+        except QualityError as e:   # one failing configuration does not lose the others
+            if len(configs) == 1:
+                raise
+            res["results"].append({"config": c.name(), "model": c.model, "overrides": c.overrides,
+                                   "error": str(e).splitlines()[0]})
     return res
 
 
@@ -230,6 +236,9 @@ def format_results(res: dict) -> str:
         out.append(f"{'configuration':60s} {'PPL':>9s} {'PPL/ref':>8s} {'mean KLD':>9s} {'KLD p99':>8s} "
                    f"{'same top':>8s}")
         for r in res["results"]:
+            if "error" in r:
+                out.append(f"{r['config'][:60]:60s} failed: {r['error'][:200]}")
+                continue
             out.append(f"{r['config'][:60]:60s} {r['ppl']:9.4f} {r['ppl_ratio']:8.4f} {r['kld']:9.5f} "
                        f"{r['kld_p99']:8.4f} {100 * r['same_top']:7.2f}%")
     else:
@@ -262,7 +271,7 @@ def _cmd_quality(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-    return 0
+    return 1 if any("error" in r for r in res["results"]) else 0
 
 
 def register(sub) -> None:

@@ -234,6 +234,11 @@ def miss_curves(tr: Trace, sizes: list[int] | None = None, max_tokens: int | Non
             "lru_mean": lru.mean(0).tolist(), "belady_mean": bel.mean(0).tolist(), "cold_mean": float(cold.mean())}
 
 
+def default_budgets(k: int, E: int) -> list[int]:
+    """k, and a quarter and a half of the way from k to E (recall@E is trivially 1)."""
+    return sorted({k, min(E, k + max(1, (E - k) // 4)), min(E, k + max(1, (E - k) // 2))})
+
+
 def default_cache_sizes(k: int, E: int, max_points: int = 9) -> list[int]:
     if E - k + 1 <= max_points + 8:
         return list(range(k, E + 1))
@@ -245,7 +250,7 @@ def analyse(tr: Trace, budgets: list[int] | None = None, distances: tuple[int, .
             train_frac: float | None = 0.5, miss_tokens: int | None = None) -> dict:
     k, E = tr.k, tr.n_expert
     if budgets is None:
-        budgets = sorted({k, min(E, 2 * k)})
+        budgets = default_budgets(k, E)
     sk = usage_skew(tr)
     co = coactivation_n80(tr)
     ru = reuse(tr)
@@ -413,7 +418,8 @@ def register(sub) -> None:
     s.add_argument("--trace-out", help="save the collected trace here (.npz)")
     s.add_argument("-o", "--out-dir", help="write NAME.json and PNG heatmaps here")
     s.add_argument("--name", help="file stem for --out-dir outputs (default: model stem + -kK)")
-    s.add_argument("--budgets", type=int, nargs="+", help="B values for cross-layer recall@B (default: k 2k)")
+    s.add_argument("--budgets", type=int, nargs="+",
+                   help="B values for cross-layer recall@B (default: k, k+(E-k)/4, k+(E-k)/2)")
     s.add_argument("--distance", type=int, nargs="+", default=[1, 2], help="layer distances d (default: 1 2)")
     s.add_argument("--window", type=int, nargs="+", default=[8, 32, 128], help="working-set windows "
                    "(default: 8 32 128)")

@@ -206,3 +206,13 @@ def test_corpus_texts_are_disjoint_and_recorded():
     assert c.files and len(c.sha256) == 64
     with pytest.raises(corpus.CorpusError, match="unknown held-out"):
         corpus.heldout("nope")
+
+
+def test_presets_fit_smollm2():
+    for name, want in (("shared+16", (16, 64, 8)), ("shared+64", (64, 16, 32)), ("mixtral8", (8, 192, 1))):
+        s = moefy.preset(name)
+        moefy.check_spec(s, 1536, 30)
+        m = (1536 - s.n_shared) // s.n_expert
+        assert (s.n_expert, m, max(1, s.n_shared // m)) == want
+    with pytest.raises(moefy.MoefyError, match="unknown preset"):
+        moefy.preset("nope")

@@ -150,6 +150,13 @@ def test_lru_and_belady_against_references(seed):
         assert b <= got[C]
 
 
+def test_default_budgets_and_cache_sizes():
+    assert rr.default_budgets(8, 16) == [8, 10, 12]
+    assert rr.default_budgets(2, 4) == [2, 3]
+    assert rr.default_cache_sizes(8, 16) == list(range(8, 17))
+    assert rr.default_cache_sizes(8, 64) == [8, 15, 22, 29, 36, 43, 50, 57, 64]
+
+
 def test_analyse_and_report_text(tr, tmp_path):
     r = rr.analyse(tr, budgets=[2], distances=(1,), windows=(2,), train_frac=None)
     assert r["reuse"] == pytest.approx([0.3, 0.3])
