@@ -89,8 +89,10 @@ class MoefySpec:
 PRESETS: dict[str, dict] = {
     # 512 always-on neurons + 16 routed experts of 64 neurons (1024/16)
     "shared+16": dict(n_expert=16, n_shared=512, n_expert_used=8),
-    # finer grained, closer to modern MoEs: 512 shared + 64 experts of 16 neurons
-    "shared+64": dict(n_expert=64, n_shared=512, n_expert_used=32),
+    # finer grained, closer to modern MoEs: 512 shared + 64 experts of 16 neurons.  Default top-24:
+    # stock llama.cpp's graph (2 nodes per selected expert, max(1024, 8 * n_tensors) nodes) aborts
+    # at k >= 32 for this 30-layer model
+    "shared+64": dict(n_expert=64, n_shared=512, n_expert_used=24),
     # coarse Mixtral-style: no shared neurons, 8 experts of 192 neurons (written with one all-zero
     # shared expert, because llama.cpp's deepseek loader requires the shared tensors)
     "mixtral8": dict(n_expert=8, n_shared=0, n_expert_used=2),
