@@ -207,3 +207,132 @@ def moe_n_managed(ctx) -> int:
 
 def moe_print_stats(ctx) -> None:
     _moe_print(_ctx_ptr(ctx))
+
+
+# ---------------------------------------------------------------------------
+# paging tiers, memory probe and planner (src/vis-moe-store.cpp, src/vis-moe-plan.cpp)
+# ---------------------------------------------------------------------------
+class llama_vis_moe_tier_params(ctypes.Structure):
+    _fields_ = [
+        ("store", ctypes.c_int32),
+        ("host_mib", ctypes.c_int64),
+        ("mem_mib", ctypes.c_int64),
+        ("io_threads", ctypes.c_int32),
+        ("direct_io", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("mlock", ctypes.c_int32),
+    ]
+
+
+class llama_vis_moe_io_stats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "slab_hits", "host_hits", "file_reads", "model_copies", "bytes_read", "bytes_storage", "read_us",
+        "host_bytes", "host_used", "host_evictions", "slab_bytes")] + [
+        (n, ctypes.c_int32) for n in ("direct_io", "unified", "locked", "io_threads")] + [
+        ("major_faults", ctypes.c_int64), ("rss_peak", ctypes.c_int64)]
+
+
+class llama_vis_mem_info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "mem_total", "mem_available", "swap_total", "swap_free", "zram_bytes", "cgroup_limit", "cgroup_usage")] + [
+        ("cgroup_version", ctypes.c_int32)] + [(n, ctypes.c_int64) for n in (
+        "rss", "rss_peak", "major_faults", "limit", "available")]
+
+
+class llama_vis_moe_plan_request(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("budget", "resident_bytes", "kv_bytes", "reserve_bytes", "expert_bytes")] + [
+        (n, ctypes.c_int32) for n in ("n_managed_layers", "n_expert", "n_expert_used", "unified")] + [
+        ("device_bytes", ctypes.c_int64), ("host_mib", ctypes.c_int64), ("n_slots", ctypes.c_int32)]
+
+
+class llama_vis_moe_plan(ctypes.Structure):
+    _fields_ = [("ok", ctypes.c_int32), ("n_slots", ctypes.c_int32)] + [(n, ctypes.c_int64) for n in (
+        "slab_bytes", "host_bytes", "budget", "fixed_bytes", "min_budget", "file_only_bytes")]
+
+
+_tier_default = _bind("llama_vis_moe_tier_default_params", [], llama_vis_moe_tier_params)
+_tier_get = _bind("llama_vis_moe_get_tier_params", [], llama_vis_moe_tier_params)
+_tier_set = _bind("llama_vis_moe_set_tier_params", [ctypes.POINTER(llama_vis_moe_tier_params)], ctypes.c_int32)
+_io_stats = _bind("llama_vis_moe_get_io_stats", [ctypes.c_void_p, ctypes.POINTER(llama_vis_moe_io_stats)], ctypes.c_int32)
+_mem_probe = _bind("llama_vis_mem_probe", [ctypes.POINTER(llama_vis_mem_info)], ctypes.c_int32)
+_plan = _bind("llama_vis_moe_plan", [ctypes.POINTER(llama_vis_moe_plan_request), ctypes.POINTER(llama_vis_moe_plan)],
+              ctypes.c_int32)
+
+_SWITCH = {-1: "auto", 0: "off", 1: "on"}
+_SWITCH_IN = {"auto": -1, "off": 0, "on": 1, False: 0, True: 1, None: -1}
+
+
+@dataclass(frozen=True)
+class TierParams:
+    """Paging-tier settings (the --moe-store/-host-mib/-mem/-io-threads/-direct-io/-unified/-mlock flags).
+    See docs/paging.md."""
+    store: str = "file"              # "file": managed experts read from the GGUF on demand; "model": loaded by llama.cpp
+    host_mib: int = -1               # tier-2 host cache in MiB; -1 = planned by mem (else 0)
+    mem: int | str = 0               # process memory budget in MiB, "auto", or 0 = off
+    io_threads: int = 4
+    direct_io: str = "auto"          # auto | on | off
+    unified: str = "auto"            # auto | on | off
+    mlock: bool = True
+
+    def to_c(self) -> llama_vis_moe_tier_params:
+        mem = -1 if self.mem == "auto" else int(self.mem)
+        return llama_vis_moe_tier_params(1 if self.store == "model" else 0, int(self.host_mib), mem, int(self.io_threads),
+                                         _SWITCH_IN[self.direct_io], _SWITCH_IN[self.unified], int(bool(self.mlock)))
+
+    @staticmethod
+    def from_c(c: llama_vis_moe_tier_params) -> "TierParams":
+        return TierParams("model" if c.store == 1 else "file", c.host_mib, "auto" if c.mem_mib == -1 else c.mem_mib,
+                          c.io_threads, _SWITCH[c.direct_io], _SWITCH[c.unified], bool(c.mlock))
+
+
+def tier_params() -> TierParams:
+    return TierParams.from_c(_tier_get())
+
+
+def tier_default_params() -> TierParams:
+    return TierParams.from_c(_tier_default())
+
+
+def set_tier_params(p: TierParams | None) -> None:
+    """Set the paging-tier parameters for models loaded and contexts created from now on (None: defaults)."""
+    if p is not None and p.store not in ("file", "model"):
+        raise VisError(f"store must be 'file' or 'model', got {p.store!r}")
+    c = p.to_c() if p is not None else None
+    if _tier_set(ctypes.byref(c) if c is not None else None) != 0:
+        raise VisError(last_error())
+
+
+def _struct_dict(s) -> dict:
+    return {name: int(getattr(s, name)) for name, _ in s._fields_}
+
+
+def io_stats(ctx) -> dict | None:
+    """Per-tier stats of a context (slab/host hits, file reads, bytes, I/O wait, peak RSS); None without a cache."""
+    s = llama_vis_moe_io_stats()
+    if _io_stats(_ctx_ptr(ctx), ctypes.byref(s)) != 0:
+        return None
+    return _struct_dict(s)
+
+
+def mem_probe() -> dict:
+    """What this machine gives us: MemTotal/MemAvailable, swap, zram, cgroup v1/v2 limit and usage, RSS."""
+    m = llama_vis_mem_info()
+    _mem_probe(ctypes.byref(m))
+    return _struct_dict(m)
+
+
+def plan(**request) -> dict:
+    """llama_vis_moe_plan: split a budget over resident weights, KV, compute, slabs and the host cache.
+    Keys of llama_vis_moe_plan_request; returns the plan as a dict with 'ok' and, if not ok, 'error'."""
+    rq = llama_vis_moe_plan_request()
+    defaults = dict(reserve_bytes=-1, host_mib=-1, unified=1)
+    for k, v in {**defaults, **request}.items():
+        setattr(rq, k, int(v))
+    out = llama_vis_moe_plan()
+    if _plan(ctypes.byref(rq), ctypes.byref(out)) != 0:
+        raise VisError(last_error())
+    d = _struct_dict(out)
+    d["ok"] = bool(d["ok"])
+    if not d["ok"]:
+        d["error"] = last_error()
+    return d

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
     s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     s.set_defaults(fn=_cmd_generate)
-    from . import moefy, quality, routing_report; [m.register(sub) for m in (moefy, routing_report, quality)]  # noqa: E702,E501
+    from . import moefy, plan, quality, routing_report; [m.register(sub) for m in (moefy, routing_report, quality, plan)]  # noqa: E702,E501
     return p
 
 

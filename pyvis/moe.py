@@ -10,18 +10,26 @@ The options are the --moe-* flags of the C tools (docs/residency.md).
 from __future__ import annotations
 
 from . import _native
-from ._native import MoeParams, MoeStats, VisError, llama_cpp
+from ._native import MoeParams, MoeStats, TierParams, VisError, llama_cpp
 
-__all__ = ["load", "stats", "layer_stats", "reset_stats", "MoeParams", "MoeStats", "VisError"]
+__all__ = ["load", "stats", "layer_stats", "io_stats", "reset_stats", "MoeParams", "MoeStats", "TierParams", "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
-         trace: str | None = None, **llama_kwargs) -> "llama_cpp.Llama":
-    """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama."""
+         trace: str | None = None, store: str = "file", host_mib: int = -1, mem: int | str = 0, io_threads: int = 4,
+         direct_io: str = "auto", unified: str = "auto", mlock: bool = True, **llama_kwargs) -> "llama_cpp.Llama":
+    """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
+
+    slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
+    direct_io, unified, mlock: the paging tiers (docs/paging.md); with store="file" (default) the managed
+    experts are not loaded at start but read from the GGUF file on demand.
+    """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
-    previous = _native.moe_default_params()
+    tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
+    previous, previous_tier = _native.moe_default_params(), _native.tier_default_params()
     _native.moe_set_params(params)
     try:
+        _native.set_tier_params(tier)
         return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
     except ValueError as e:
         err = _native.last_error()
@@ -30,6 +38,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
         raise
     finally:
         _native.moe_set_params(previous)
+        _native.set_tier_params(previous_tier)
 
 
 def stats(llm) -> MoeStats | None:
@@ -38,6 +47,11 @@ def stats(llm) -> MoeStats | None:
 
 def layer_stats(llm, layer: int) -> MoeStats | None:
     return _native.moe_stats(llm, layer)
+
+
+def io_stats(llm) -> dict | None:
+    """Per-tier stats: slab/host hits, file reads, bytes read, I/O wait, peak RSS (docs/paging.md)."""
+    return _native.io_stats(llm)
 
 
 def reset_stats(llm) -> None:

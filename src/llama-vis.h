@@ -104,6 +104,100 @@ LLAMA_API int32_t llama_vis_moe_n_managed(const struct llama_context * ctx);
 // Print the stats table (as at exit with --moe-stats) through the llama log.
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 
+// ---------------------------------------------------------------------------
+// Paging tiers (src/vis-moe-store.cpp, src/vis-moe-plan.cpp, docs/paging.md)
+//
+//   tier 1  the slabs above (device memory; host memory on CPU / Jetson)
+//   tier 2  a host-RAM expert cache with its own byte budget and LRU
+//   tier 3  the GGUF file: managed experts are not loaded at start; each miss
+//           is one positioned read of exactly its bytes (O_DIRECT where the
+//           filesystem allows it), the misses of a layer read in parallel.
+// ---------------------------------------------------------------------------
+struct llama_vis_moe_tier_params {
+    int32_t store;       // 0 = file (tier 3; default), 1 = model (experts loaded by llama.cpp, copied from RAM/mmap)
+    int64_t host_mib;    // tier-2 budget in MiB; -1 = planned by --moe-mem (else 0), 0 = none
+    int64_t mem_mib;     // total memory budget of the process for --moe-mem: 0 = off, -1 = auto (cgroup, MemAvailable)
+    int32_t io_threads;  // parallel expert reads (default 4)
+    int32_t direct_io;   // -1 = auto (O_DIRECT where allowed), 0 = buffered reads (pages dropped after), 1 = O_DIRECT
+    int32_t unified;     // -1 = auto, 0 = off, 1 = on: slabs are written straight from the file (CPU; Jetson with
+                         //      GGML_CUDA_ENABLE_UNIFIED_MEMORY=1); tier 2 then never holds what a slab holds
+    int32_t mlock;       // 1 = lock slabs and the host cache in memory (default), 0 = don't
+};
+
+// Defaults from VIS_MOE_STORE, VIS_MOE_HOST_MIB, VIS_MOE_MEM, VIS_MOE_IO_THREADS, VIS_MOE_DIRECT_IO,
+// VIS_MOE_UNIFIED, VIS_MOE_MLOCK, else the values above.
+LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_tier_default_params(void);
+LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_get_tier_params(void);
+// For models loaded and contexts created from now on; NULL resets.  0, or -1 with llama_vis_last_error().
+LLAMA_API int32_t llama_vis_moe_set_tier_params(const struct llama_vis_moe_tier_params * params);
+
+struct llama_vis_moe_io_stats {
+    int64_t slab_hits;      // tier 1: routed experts found in a slab
+    int64_t host_hits;      // tier 2: misses served from the host cache
+    int64_t file_reads;     // tier 3: misses read from the file (experts)
+    int64_t model_copies;   // misses copied from llama.cpp's own copy (store = model)
+    int64_t bytes_read;     // payload bytes read from the file
+    int64_t bytes_storage;  // bytes requested from storage (O_DIRECT reads are 4 KiB-aligned supersets)
+    int64_t read_us;        // wall time compute waited for file reads
+    int64_t host_bytes;     // tier-2 capacity in bytes
+    int64_t host_used;      // bytes in tier 2 now
+    int64_t host_evictions;
+    int64_t slab_bytes;     // tier-1 bytes
+    int32_t direct_io;      // 1 if reads use O_DIRECT
+    int32_t unified;        // 1 if slabs are filled straight from the file
+    int32_t locked;         // 1 if slabs and host cache are locked in memory
+    int32_t io_threads;
+    int64_t major_faults;   // major page faults of the process since the context was created
+    int64_t rss_peak;       // peak resident set of the process (VmHWM), bytes
+};
+// Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache.
+LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);
+
+// What this machine gives us.
+struct llama_vis_mem_info {
+    int64_t mem_total;       // MemTotal
+    int64_t mem_available;   // MemAvailable
+    int64_t swap_total;      // SwapTotal
+    int64_t swap_free;       // SwapFree
+    int64_t zram_bytes;      // memory used by zram swap devices (0 if none)
+    int64_t cgroup_limit;    // tightest memory limit over our cgroup and its parents (v1 or v2), -1 if none
+    int64_t cgroup_usage;    // usage of the cgroup holding that limit (page cache included), -1 if unknown
+    int32_t cgroup_version;  // 2, 1, or 0 if no memory cgroup was found
+    int64_t rss;             // VmRSS of this process
+    int64_t rss_peak;        // VmHWM of this process
+    int64_t major_faults;    // major page faults of this process so far
+    int64_t limit;           // min(cgroup_limit, MemTotal): what the process may ever use
+    int64_t available;       // min(cgroup_limit - cgroup_usage + rss, MemAvailable + rss): what it may use now
+};
+LLAMA_API int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out);
+
+// How one memory budget splits over resident weights, KV cache, compute, slabs and the host cache.
+struct llama_vis_moe_plan_request {
+    int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available)
+    int64_t resident_bytes;    // weights that stay resident (everything but the managed experts)
+    int64_t kv_bytes;          // KV cache
+    int64_t reserve_bytes;     // compute buffers, runtime and slack; < 0: estimated by the caller's default
+    int64_t expert_bytes;      // one expert of one managed layer (gate + up + down)
+    int32_t n_managed_layers;  // MoE layers after the pinned prefix
+    int32_t n_expert;
+    int32_t n_expert_used;     // top-k
+    int32_t unified;           // 1: slabs live in the same memory (CPU, Jetson); 0: discrete GPU
+    int64_t device_bytes;      // discrete GPU: device memory for slabs (ignored when unified)
+    int64_t host_mib;          // explicit tier-2 budget; -1: plan it
+    int32_t n_slots;           // explicit slots per layer; 0: plan them
+};
+struct llama_vis_moe_plan {
+    int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
+    int32_t n_slots;           // slots per managed layer (n_expert: everything resident)
+    int64_t slab_bytes;        // tier 1 (including one staging slot per layer)
+    int64_t host_bytes;        // tier 2
+    int64_t budget;            // the budget planned for
+    int64_t fixed_bytes;       // resident weights + KV + reserve
+    int64_t min_budget;        // the smallest budget that runs (top-k slots + staging per layer, no host cache)
+    int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
+};
+LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
+
 #ifdef __cplusplus
 }
 #endif

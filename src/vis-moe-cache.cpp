@@ -14,6 +14,7 @@
 // a final get_rows copies each pair from the pass that owned its expert.  Each
 // real expert therefore sees exactly the rows it sees upstream.
 #include "vis-moe.h"
+#include "vis-moe-store.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -37,6 +38,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <sys/resource.h>
+
 // ---------------------------------------------------------------------------
 // errors and process-wide parameters
 // ---------------------------------------------------------------------------
@@ -44,6 +47,10 @@ static thread_local std::string g_last_error;
 
 const char * llama_vis_last_error(void) {
     return g_last_error.c_str();
+}
+
+void vis_moe_set_last_error(const std::string & msg) {
+    g_last_error = msg;
 }
 
 static std::mutex           g_params_mutex;
@@ -111,6 +118,81 @@ int32_t llama_vis_moe_set_params(const llama_vis_moe_params * params) {
     return 0;
 }
 
+// ---- paging tiers (docs/paging.md) ----
+static bool                      g_tier_set = false;
+static llama_vis_moe_tier_params g_tier;
+
+static int32_t env_switch(const char * name, int32_t def) {
+    const char * v = std::getenv(name);
+    if (v == nullptr || *v == '\0') {
+        return def;
+    }
+    const std::string s = v;
+    if (s == "auto") return -1;
+    if (s == "on" || s == "1" || s == "true") return 1;
+    if (s == "off" || s == "0" || s == "false") return 0;
+    LLAMA_LOG_WARN("vis-moe: ignoring %s=%s (expected auto, on or off)\n", name, v);
+    return def;
+}
+
+llama_vis_moe_tier_params llama_vis_moe_tier_default_params(void) {
+    llama_vis_moe_tier_params t = {};
+    const char * st = std::getenv("VIS_MOE_STORE");
+    t.store      = (st && std::string(st) == "model") ? 1 : 0;
+    t.host_mib   = (int64_t) env_ll("VIS_MOE_HOST_MIB", -1);
+    const char * mem = std::getenv("VIS_MOE_MEM");
+    t.mem_mib    = (mem && std::string(mem) == "auto") ? -1 : (int64_t) env_ll("VIS_MOE_MEM", 0);
+    t.io_threads = (int32_t) env_ll("VIS_MOE_IO_THREADS", 4);
+    t.direct_io  = env_switch("VIS_MOE_DIRECT_IO", -1);
+    t.unified    = env_switch("VIS_MOE_UNIFIED", -1);
+    t.mlock      = env_switch("VIS_MOE_MLOCK", 1) != 0 ? 1 : 0;
+    return t;
+}
+
+static bool validate_tier(const llama_vis_moe_tier_params & t, std::string & err) {
+    if (t.store != 0 && t.store != 1) {
+        err = "--moe-store must be file or model";
+        return false;
+    }
+    if (t.host_mib < -1) {
+        err = "--moe-host-mib must be >= 0 (0 = no host cache), got " + std::to_string(t.host_mib);
+        return false;
+    }
+    if (t.mem_mib < -1) {
+        err = "--moe-mem must be auto or a number of MiB > 0, got " + std::to_string(t.mem_mib);
+        return false;
+    }
+    if (t.io_threads < 1 || t.io_threads > 64) {
+        err = "--moe-io-threads must be in 1..64, got " + std::to_string(t.io_threads);
+        return false;
+    }
+    for (int32_t v : { t.direct_io, t.unified }) {
+        if (v < -1 || v > 1) {
+            err = "--moe-direct-io / --moe-unified take auto, on or off";
+            return false;
+        }
+    }
+    return true;
+}
+
+llama_vis_moe_tier_params llama_vis_moe_get_tier_params(void) {
+    std::lock_guard<std::mutex> lock(g_params_mutex);
+    return g_tier_set ? g_tier : llama_vis_moe_tier_default_params();
+}
+
+int32_t llama_vis_moe_set_tier_params(const llama_vis_moe_tier_params * params) {
+    const llama_vis_moe_tier_params t = params ? *params : llama_vis_moe_tier_default_params();
+    std::string err;
+    if (!validate_tier(t, err)) {
+        g_last_error = err;
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_params_mutex);
+    g_tier     = t;
+    g_tier_set = true;
+    return 0;
+}
+
 static llama_vis_moe_params current_params(std::string & trace_path) {
     std::lock_guard<std::mutex> lock(g_params_mutex);
     llama_vis_moe_params p = g_params_set ? g_params : llama_vis_moe_default_params();
@@ -118,7 +200,66 @@ static llama_vis_moe_params current_params(std::string & trace_path) {
     return p;
 }
 
+// Called by the model loader (patch 0004) for routed-expert tensors: defer them to the file tier?
+bool vis_moe_store_deferral(int & n_pinned, int64_t n_expert) {
+    std::string trace;
+    const llama_vis_moe_params      p = current_params(trace);
+    const llama_vis_moe_tier_params t = llama_vis_moe_get_tier_params();
+    const bool cache_on = p.n_slots > 0 || p.cache_mib > 0 || t.mem_mib != 0;
+    if (!cache_on || t.store != 0 || p.n_pinned < 0) {
+        return false;
+    }
+    if (p.n_slots > 0 && p.n_slots >= n_expert) {
+        return false;  // everything fits: upstream loads it
+    }
+    n_pinned = p.n_pinned;
+    return true;
+}
+
 // CLI flags (registered in common/arg.cpp by patch 0003)
+static bool vis_moe_tier_cli_apply(const std::string & flag, const std::string & value) {
+    llama_vis_moe_tier_params t = llama_vis_moe_get_tier_params();
+    auto as_int = [&](long long lo, long long hi) {
+        char * end = nullptr;
+        const long long v = std::strtoll(value.c_str(), &end, 10);
+        if (value.empty() || *end != '\0' || v < lo || v > hi) {
+            throw std::invalid_argument(flag + ": expected an integer in " + std::to_string(lo) + ".." + std::to_string(hi) +
+                                        ", got '" + value + "'");
+        }
+        return v;
+    };
+    auto as_switch = [&](bool allow_auto) -> int32_t {
+        if (allow_auto && value == "auto") return -1;
+        if (value == "on" || value == "1") return 1;
+        if (value == "off" || value == "0") return 0;
+        throw std::invalid_argument(flag + ": expected " + (allow_auto ? "auto, " : "") + "on or off, got '" + value + "'");
+    };
+    if (flag == "--moe-store") {
+        if (value != "file" && value != "model") {
+            throw std::invalid_argument("--moe-store: expected file or model, got '" + value + "'");
+        }
+        t.store = value == "model" ? 1 : 0;
+    } else if (flag == "--moe-host-mib") {
+        t.host_mib = as_int(0, 1ll << 40);
+    } else if (flag == "--moe-mem") {
+        t.mem_mib = value == "auto" ? -1 : as_int(1, 1ll << 40);
+    } else if (flag == "--moe-io-threads") {
+        t.io_threads = (int32_t) as_int(1, 64);
+    } else if (flag == "--moe-direct-io") {
+        t.direct_io = as_switch(true);
+    } else if (flag == "--moe-unified") {
+        t.unified = as_switch(true);
+    } else if (flag == "--moe-mlock") {
+        t.mlock = as_switch(false);
+    } else {
+        return false;
+    }
+    if (llama_vis_moe_set_tier_params(&t) != 0) {
+        throw std::invalid_argument(g_last_error);
+    }
+    return true;
+}
+
 static void vis_moe_cli_apply(const std::string & flag, const std::string & value) {
     std::string trace;
     llama_vis_moe_params p = current_params(trace);
@@ -140,6 +281,8 @@ static void vis_moe_cli_apply(const std::string & flag, const std::string & valu
         p.print_stats = 1;
     } else if (flag == "--moe-trace") {
         trace = value;
+    } else if (flag.rfind("--moe-", 0) == 0 && vis_moe_tier_cli_apply(flag, value)) {
+        // a paging-tier flag
     } else {
         throw std::invalid_argument("unknown vis-moe flag " + flag);
     }
@@ -182,6 +325,10 @@ struct vis_moe_layer {
 
     std::array<ggml_tensor *, VIS_T_COUNT> orig = {};
     std::array<ggml_tensor *, VIS_T_COUNT> slab = {};
+    std::array<const vis_deferred_tensor *, VIS_T_COUNT> file = {};  // tier 3 (deferred at load), else null
+    std::array<size_t, VIS_T_COUNT> part_off = {};  // offset of each tensor's slice in a packed expert
+    bool deferred     = false;  // experts come from the file
+    bool direct_write = false;  // slabs are CPU-writable: read straight into them
 
     std::vector<int32_t>  slot_of;    // expert -> slot, -1 if not resident
     std::vector<int32_t>  expert_of;  // slot -> expert, -1 if empty
@@ -212,6 +359,20 @@ struct vis_moe_context {
     std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
     std::vector<uint8_t>                 staging;
     uint64_t tick = 0;
+
+    // paging tiers (vis-moe-store.h)
+    llama_vis_moe_tier_params       tier = {};
+    std::unique_ptr<vis_io_pool>    io;
+    std::unique_ptr<vis_host_cache> host;
+    bool    host_exclusive = false;  // unified memory: tier 2 never holds what a slab holds
+    bool    unified        = false;
+    bool    locked         = false;
+    int64_t slab_bytes     = 0;
+    int64_t majflt0        = 0, majflt_last = 0;
+    bool    warned_faults  = false;
+    int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
+    int64_t     plan_budget = 0;  // --moe-mem: the budget planned for
+    std::string plan_source;
 
     // current ubatch (trace)
     std::vector<int32_t> ub_pos;
@@ -317,7 +478,39 @@ static void trace_record(vis_moe_context & vm, int il, const ggml_tensor * ids, 
 // ---------------------------------------------------------------------------
 // residency
 // ---------------------------------------------------------------------------
-static void load_expert(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
+// copy expert slice ti of a packed expert buffer into slot s (or back)
+static void slab_write(vis_moe_layer & L, int s, const uint8_t * packed) {
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        ggml_tensor * dst = L.slab[ti];
+        if (!dst) {
+            continue;
+        }
+        const size_t nb = dst->nb[2];
+        if (ggml_backend_buffer_is_host(dst->buffer)) {
+            std::memcpy((char *) dst->data + (size_t) s * nb, packed + L.part_off[ti], nb);
+        } else {
+            ggml_backend_tensor_set(dst, packed + L.part_off[ti], (size_t) s * nb, nb);
+        }
+    }
+}
+
+static void slab_read(const vis_moe_layer & L, int s, uint8_t * packed) {
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        const ggml_tensor * src = L.slab[ti];
+        if (!src) {
+            continue;
+        }
+        const size_t nb = src->nb[2];
+        if (ggml_backend_buffer_is_host(src->buffer)) {
+            std::memcpy(packed + L.part_off[ti], (const char *) src->data + (size_t) s * nb, nb);
+        } else {
+            ggml_backend_tensor_get(src, packed + L.part_off[ti], (size_t) s * nb, nb);
+        }
+    }
+}
+
+// store = model: copy expert e from llama.cpp's own copy of the weights
+static void model_copy(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         ggml_tensor * src = L.orig[ti];
         ggml_tensor * dst = L.slab[ti];
@@ -345,8 +538,69 @@ static void load_expert(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
     }
 }
 
+// Fill the slots of this pass's misses: tier 2 first, then the file (in parallel), or the model's copy.
+static void fill_misses(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<std::pair<int, int>> & misses) {
+    std::vector<vis_read_req> reqs;
+    std::vector<std::pair<int, size_t>> staged;  // (slot, offset in vm.staging) to copy after the reads
+    std::vector<int> staged_expert;
+    if (L.deferred && !L.direct_write) {
+        vm.staging.resize(std::max<size_t>(vm.staging.size(), misses.size() * (size_t) L.expert_bytes));
+    }
+    size_t stage_off = 0;
+    for (const auto & [e, s] : misses) {
+        if (vm.host) {
+            if (const uint8_t * h = vm.host->find(il, e)) {
+                slab_write(L, s, h);
+                if (vm.host_exclusive) {
+                    vm.host->erase(il, e);
+                }
+                vm.n_host_hits++;
+                continue;
+            }
+        }
+        if (!L.deferred) {
+            model_copy(vm, L, e, s);
+            vm.n_model_copies++;
+            continue;
+        }
+        vm.n_file_reads++;
+        if (L.direct_write) {
+            for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+                if (L.file[ti]) {
+                    reqs.push_back({ L.file[ti], il, e, (char *) L.slab[ti]->data + (size_t) s * L.slab[ti]->nb[2] });
+                }
+            }
+        } else {
+            uint8_t * buf = vm.staging.data() + stage_off;
+            for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+                if (L.file[ti]) {
+                    reqs.push_back({ L.file[ti], il, e, buf + L.part_off[ti] });
+                }
+            }
+            staged.emplace_back(s, stage_off);
+            staged_expert.push_back(e);
+            stage_off += (size_t) L.expert_bytes;
+        }
+    }
+    if (reqs.empty()) {
+        return;
+    }
+    reqs.front().src->file->check_unchanged();
+    vm.io->read(reqs);
+    for (size_t i = 0; i < staged.size(); ++i) {
+        const uint8_t * buf = vm.staging.data() + staged[i].second;
+        slab_write(L, staged[i].first, buf);
+        if (vm.host && !vm.host_exclusive) {
+            // discrete GPU: tier 2 keeps a pinned-host copy of what went to the device
+            if (uint8_t * h = vm.host->insert(il, staged_expert[i])) {
+                std::memcpy(h, buf, (size_t) L.expert_bytes);
+            }
+        }
+    }
+}
+
 // make the experts of pass p resident and write the slot ids for that pass
-static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
+static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
     const auto t0 = std::chrono::steady_clock::now();
     const uint64_t tick = ++vm.tick;
     const std::vector<int32_t> empty;
@@ -359,9 +613,11 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int p, const int32
         if (s >= 0) {
             L.last_use[s] = tick;
             L.stats.n_hits++;
+            vm.n_slab_hits++;
         }
     }
     // misses: an empty slot, else the least recently used slot not needed by this pass
+    std::vector<std::pair<int, int>> misses;
     for (int e : experts) {
         if (L.slot_of[e] >= 0) {
             continue;
@@ -380,17 +636,36 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int p, const int32
             }
         }
         GGML_ASSERT(victim >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
-        if (L.expert_of[victim] >= 0) {
-            L.slot_of[L.expert_of[victim]] = -1;
+        const int old = L.expert_of[victim];
+        if (old >= 0) {
+            L.slot_of[old] = -1;
+            if (vm.host && vm.host_exclusive && L.deferred) {
+                // unified memory: the evicted expert moves down to tier 2 instead of being dropped
+                if (uint8_t * h = vm.host->insert(il, old)) {
+                    slab_read(L, victim, h);
+                }
+            }
         }
-        load_expert(vm, L, e, victim);
         L.expert_of[victim] = e;
         L.slot_of[e]        = victim;
         L.last_use[victim]  = tick;
+        misses.emplace_back(e, victim);
         L.stats.n_misses++;
         L.stats.bytes_loaded += L.expert_bytes;
     }
     L.stats.n_routed += (int64_t) experts.size();
+
+    try {
+        fill_misses(vm, L, il, misses);
+    } catch (...) {
+        // never leave a slot marked as holding an expert it does not hold
+        for (const auto & [e, s] : misses) {
+            L.slot_of[e]  = -1;
+            L.expert_of[s] = -1;
+        }
+        L.stats.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+        throw;
+    }
 
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
@@ -452,7 +727,7 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
                     }
                     plan_ubatch(L, ids, n_pairs);
                 }
-                run_pass(vm, L, ud->pass, ids, n_pairs, out);
+                run_pass(vm, L, ud->il, ud->pass, ids, n_pairs, out);
             } break;
             case VIS_OP_SELECT: {
                 const vis_moe_layer & L = vm.layers[ud->il];
@@ -497,18 +772,52 @@ void vis_moe_context_attach(const llama_context * lctx, const llama_model & mode
     }
 }
 
+// is the memory behind buffer `buf` (on device `dev`) writable by the CPU?
+static bool cpu_writable(ggml_backend_buffer_t buf, ggml_backend_dev_t dev) {
+    if (ggml_backend_buffer_is_host(buf)) {
+        return true;
+    }
+    // Jetson: an integrated GPU whose buffers are CUDA managed memory (GGML_CUDA_ENABLE_UNIFIED_MEMORY=1)
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    const char * um = std::getenv("GGML_CUDA_ENABLE_UNIFIED_MEMORY");
+    return props.type == GGML_BACKEND_DEVICE_TYPE_IGPU && um && *um && std::strcmp(um, "0") != 0;
+}
+
+// bytes of the compute buffers and runtime, estimated before the graph is reserved
+static int64_t estimate_reserve(const llama_context * lctx, const llama_model & model) {
+    const auto & hp = model.hparams;
+    const int64_t n_ub  = lctx ? (int64_t) lctx->n_ubatch() : 512;
+    const int64_t n_voc = model.vocab.n_tokens();
+    const int64_t n_ff  = (int64_t) hp.n_ff_exp();
+    const int64_t act   = n_ub * 4 * (n_voc + 16 * (int64_t) hp.n_embd + 4 * (int64_t) hp.n_expert_used_max() * n_ff);
+    return act + (64ll << 20);  // + runtime (binary, libraries, heap: ~45 MiB measured for llama-cli)
+}
+
 static void attach_impl(const llama_context * lctx, const llama_model & model) {
     std::string trace_path;
-    const llama_vis_moe_params p = current_params(trace_path);
-    const bool cache_on = p.n_slots > 0 || p.cache_mib > 0;
+    const llama_vis_moe_params      p    = current_params(trace_path);
+    const llama_vis_moe_tier_params tier = llama_vis_moe_get_tier_params();
+    const auto & hp = model.hparams;
+    const int n_layer = (int) hp.n_layer();
+
+    // layers whose experts the loader deferred to the file (patch 0004) must be served by the cache
+    std::vector<bool> deferred(n_layer, false);
+    bool any_deferred = false;
+    for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
+        const llama_layer & l = model.layers[il];
+        for (const ggml_tensor * t : { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps }) {
+            if (t && vis_moe_deferred(t)) {
+                deferred[il] = any_deferred = true;
+            }
+        }
+    }
+    const bool cache_on = p.n_slots > 0 || p.cache_mib > 0 || tier.mem_mib != 0 || any_deferred;
     if (!cache_on && trace_path.empty()) {
         return;  // feature off: no object, no graph change
     }
-    const auto & hp = model.hparams;
     if (hp.n_expert == 0) {
-        if (cache_on || !trace_path.empty()) {
-            LLAMA_LOG_WARN("vis-moe: the model has no routed experts; --moe-* options ignored\n");
-        }
+        LLAMA_LOG_WARN("vis-moe: the model has no routed experts; --moe-* options ignored\n");
         return;
     }
 
@@ -516,9 +825,9 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
     vm->lctx  = lctx;
     vm->model = &model;
     vm->params = p;
+    vm->tier   = tier;
     vm->trace_path = trace_path;
     vm->n_expert_used = (int) hp.n_expert_used_max();
-    const int n_layer = (int) hp.n_layer();
     vm->layers.resize(n_layer);
 
     std::vector<int> moe_layers;
@@ -536,13 +845,40 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
                                  std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
     }
     std::vector<int> managed(moe_layers.begin() + pinned, moe_layers.end());
+    for (int il : moe_layers) {
+        if (deferred[il] && std::find(managed.begin(), managed.end(), il) == managed.end()) {
+            throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " was deferred to the file at load but is pinned "
+                                     "now; create contexts with the --moe-pinned-layers the model was loaded with");
+        }
+    }
+
+    // device of the slabs and whether the CPU can write them (tier 1 in unified memory)
+    int64_t per_slot = 0;  // bytes of one slot in every managed layer
+    int64_t exp_max  = 0;
+    for (int il : managed) {
+        per_slot += layer_expert_bytes(model.layers[il]);
+        exp_max   = std::max(exp_max, layer_expert_bytes(model.layers[il]));
+    }
+    bool all_host_devices = true;
+    for (int il : managed) {
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            ggml_backend_dev_props props;
+            ggml_backend_dev_get_props(dev, &props);
+            const char * um = std::getenv("GGML_CUDA_ENABLE_UNIFIED_MEMORY");
+            const bool igpu_um = props.type == GGML_BACKEND_DEVICE_TYPE_IGPU && um && *um && std::strcmp(um, "0") != 0;
+            all_host_devices = all_host_devices && igpu_um;
+        }
+    }
+    if (tier.unified == 1 && !all_host_devices) {
+        throw std::runtime_error("--moe-unified on: the slabs' device is not CPU-writable memory; it needs the CPU backend or "
+                                 "an integrated GPU (Jetson) with GGML_CUDA_ENABLE_UNIFIED_MEMORY=1 (use auto or off)");
+    }
+    vm->unified = tier.unified != 0 && all_host_devices;
 
     int n_slots = p.n_slots;
-    if (cache_on && p.cache_mib > 0 && !managed.empty()) {
-        int64_t per_slot = 0;  // bytes of one slot in every managed layer
-        for (int il : managed) {
-            per_slot += layer_expert_bytes(model.layers[il]);
-        }
+    int64_t host_bytes = tier.host_mib > 0 ? (tier.host_mib << 20) : 0;
+    if (p.cache_mib > 0 && !managed.empty()) {
         const int64_t budget = p.cache_mib << 20;
         const int64_t slots_total = budget / per_slot;  // includes the staging slot
         n_slots = (int) std::min<int64_t>(slots_total - 1, n_exp);
@@ -553,8 +889,69 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
                                      std::to_string((int64_t) std::ceil(need)) + " MiB (top-k " + std::to_string(k) +
                                      " slots + 1 staging slot each); raise it or pin fewer layers");
         }
+    } else if (tier.mem_mib != 0 && !managed.empty() && model.hparams.no_alloc) {
+        n_slots = p.n_slots > 0 ? p.n_slots : k;  // a memory-fit probe (--fit): nothing is loaded, nothing to plan
+    } else if (tier.mem_mib != 0 && !managed.empty()) {
+        // --moe-mem: split one budget over resident weights, KV cache, compute, slabs and the host cache
+        int64_t model_bytes = 0, kv_bytes = 0, deferred_bytes = 0;
+        // weights that stay resident: every tensor but the deferred experts (mapped buffers span
+        // file ranges, so buffer sizes would overcount); the context's own memory_breakdown()
+        // needs the scheduler, which does not exist yet
+        for (const auto & [name, t] : model.tensors_by_name) {
+            model_bytes += (int64_t) ggml_nbytes(t);
+        }
+        if (lctx && lctx->get_memory()) {
+            for (const auto & [buft, size] : lctx->get_memory()->memory_breakdown()) {
+                kv_bytes += (int64_t) size;
+            }
+        }
+        for (int il : managed) {
+            if (deferred[il]) {
+                deferred_bytes += (int64_t) n_exp * layer_expert_bytes(model.layers[il]);
+            }
+        }
+        llama_vis_moe_plan_request rq = {};
+        rq.budget           = tier.mem_mib > 0 ? (tier.mem_mib << 20) : 0;
+        rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes);
+        rq.kv_bytes         = kv_bytes;
+        rq.reserve_bytes    = estimate_reserve(lctx, model);
+        rq.expert_bytes     = per_slot / (int64_t) managed.size();
+        rq.n_managed_layers = (int32_t) managed.size();
+        rq.n_expert         = n_exp;
+        rq.n_expert_used    = k;
+        rq.unified          = all_host_devices ? 1 : 0;
+        rq.host_mib         = tier.host_mib;
+        rq.n_slots          = p.n_slots;
+        if (!all_host_devices) {
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(model.dev_layer(managed.front()), &free, &total);
+            rq.device_bytes = (int64_t) (free * 9 / 10);
+        }
+        struct llama_vis_moe_plan plan;
+        llama_vis_moe_plan(&rq, &plan);
+        if (!plan.ok) {
+            throw std::runtime_error(std::string("--moe-mem ") + (tier.mem_mib < 0 ? "auto" : std::to_string(tier.mem_mib)) +
+                                     ": " + g_last_error);
+        }
+        n_slots    = plan.n_slots;
+        host_bytes = plan.host_bytes;
+        vm->plan_budget = plan.budget;
+        if (tier.mem_mib < 0) {
+            llama_vis_mem_info mi;
+            llama_vis_mem_probe(&mi);
+            vm->plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget
+                ? "auto: cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("auto: MemAvailable");
+        } else {
+            vm->plan_source = "--moe-mem";
+        }
+        LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f + slabs %.0f "
+                       "(%d slots x %zu layers) + host cache %.0f MiB\n", plan.budget / 1048576.0,
+                       rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
+                       plan.slab_bytes / 1048576.0, n_slots, managed.size(), plan.host_bytes / 1048576.0);
+    } else if (n_slots <= 0) {
+        n_slots = n_exp;  // deferred layers with the cache off: every expert gets a slot
     }
-    if (cache_on && n_slots < k) {
+    if (n_slots < k) {
         throw std::runtime_error("--moe-slots " + std::to_string(n_slots) + " is below the model's top-k (" +
                                  std::to_string(k) + "): valid range " + std::to_string(k) + ".." + std::to_string(n_exp) +
                                  " (0 = off)");
@@ -562,26 +959,44 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
 
     // slabs, grouped by buffer type of the layer's device
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
-    for (int il : cache_on ? managed : std::vector<int>{}) {
+    for (int il : managed) {
         const llama_layer & l = model.layers[il];
-        if (n_slots >= n_exp) {
+        if (n_slots >= n_exp && !deferred[il]) {
             continue;  // everything fits: bypass, upstream graph
         }
         if (l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s) {
+            if (deferred[il]) {
+                throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " has per-expert scales, which the file "
+                                         "tier does not page yet; run with --moe-store model");
+            }
             LLAMA_LOG_WARN("vis-moe: layer %d has per-expert scales; left fully resident\n", il);
             continue;
         }
         vis_moe_layer & L = vm->layers[il];
         L.orig = { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
-        for (ggml_tensor * t : L.orig) {
-            if (t && t->extra != nullptr) {
+        L.deferred = deferred[il];
+        size_t off = 0;
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            ggml_tensor * t = L.orig[ti];
+            if (!t) {
+                continue;
+            }
+            if (!L.deferred && t->extra != nullptr) {
                 throw std::runtime_error(std::string("vis-moe: ") + t->name + " is held in a repacked CPU buffer (" +
                                          ggml_backend_buffer_name(t->buffer) + "), which cannot serve single experts; "
                                          "run with --no-repack (-nr) to use the expert cache");
             }
-            if (t && !ggml_is_contiguous(t)) {
+            if (!ggml_is_contiguous(t)) {
                 throw std::runtime_error(std::string("vis-moe: ") + t->name + " is not contiguous");
             }
+            if (L.deferred) {
+                L.file[ti] = vis_moe_deferred(t);
+                if (!L.file[ti]) {
+                    throw std::runtime_error(std::string("vis-moe: ") + t->name + " of a deferred layer has no file record");
+                }
+            }
+            L.part_off[ti] = off;
+            off += t->nb[2];
         }
         ggml_backend_dev_t dev = model.dev_layer(il);
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
@@ -592,44 +1007,80 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
             c = ggml_init(ip);
             vm->ctxs.push_back(c);
         }
+        const int ns = std::min(n_slots, n_exp);
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             ggml_tensor * t = L.orig[ti];
             if (!t) {
                 continue;
             }
-            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], n_slots + 1);
+            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + 1);
             ggml_format_name(L.slab[ti], "vis_slab.blk.%d.%s", il, VIS_T_NAME[ti]);
         }
         L.managed      = true;
-        L.n_slots      = n_slots;
+        L.n_slots      = ns;
         L.n_expert     = n_exp;
         L.expert_bytes = layer_expert_bytes(l);
         L.slot_of.assign(n_exp, -1);
         L.pass_of.assign(n_exp, -1);
-        L.expert_of.assign(n_slots, -1);
-        L.last_use.assign(n_slots, 0);
-        L.stats.n_slots = n_slots;
+        L.expert_of.assign(ns, -1);
+        L.last_use.assign(ns, 0);
+        L.stats.n_slots = ns;
         L.stats.managed = 1;
         vm->n_managed++;
     }
     size_t slab_bytes = 0;
+    bool locked = true;
     for (auto & [buft, c] : ctx_of) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
         if (!buf) {
             throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
-                                     "; lower --moe-slots / --moe-cache-mib");
+                                     "; lower --moe-slots / --moe-cache-mib / --moe-mem");
         }
         ggml_backend_buffer_clear(buf, 0);  // the staging slot and the padding hold finite zeros
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         slab_bytes += ggml_backend_buffer_get_size(buf);
+        if (tier.mlock && ggml_backend_buffer_is_host(buf)) {
+            locked = vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs") && locked;
+        } else if (tier.mlock) {
+            locked = false;
+        }
         vm->bufs.push_back(buf);
+    }
+    vm->slab_bytes = (int64_t) slab_bytes;
+    for (int il : managed) {
+        vis_moe_layer & L = vm->layers[il];
+        if (L.managed && L.deferred) {
+            L.direct_write = vm->unified && cpu_writable(L.slab[0] ? L.slab[0]->buffer : L.slab[3]->buffer, model.dev_layer(il));
+        }
+    }
+    if (vm->n_managed > 0 && any_deferred) {
+        vm->io = std::make_unique<vis_io_pool>(tier.io_threads, tier.direct_io);
+    }
+    if (vm->n_managed > 0 && host_bytes > 0 && n_slots < n_exp) {
+        vm->host = std::make_unique<vis_host_cache>((size_t) host_bytes, (size_t) exp_max, tier.mlock != 0);
+        vm->host_exclusive = vm->unified;
+        locked = locked && vm->host->locked();
+    }
+    vm->locked = tier.mlock && locked && vm->n_managed > 0;
+    {
+        rusage ru = {};
+        getrusage(RUSAGE_SELF, &ru);
+        vm->majflt0 = vm->majflt_last = ru.ru_majflt;
     }
     if (!trace_path.empty()) {
         trace_open(*vm);
     }
     if (vm->n_managed > 0) {
         LLAMA_LOG_INFO("vis-moe: expert cache: %d of %d MoE layers managed (%d pinned), %d slots of %d experts each, "
-                       "slabs %.2f MiB\n", vm->n_managed, n_moe, pinned, n_slots, n_exp, slab_bytes / 1048576.0);
+                       "slabs %.2f MiB\n", vm->n_managed, n_moe, pinned, std::min(n_slots, n_exp), n_exp, slab_bytes / 1048576.0);
+        if (any_deferred) {
+            LLAMA_LOG_INFO("vis-moe: tiers: slabs %.2f MiB (%s) | host cache %.2f MiB (%s) | file: %s, %d I/O threads%s\n",
+                           slab_bytes / 1048576.0, vm->unified ? "filled straight from the file" : "filled through a staging buffer",
+                           (vm->host ? vm->host->capacity_blocks() * vm->host->block_bytes() : 0) / 1048576.0,
+                           vm->host ? (vm->host_exclusive ? "exclusive of the slabs" : "inclusive") : "off",
+                           tier.direct_io == 0 ? "buffered reads, pages dropped" : "O_DIRECT where allowed",
+                           tier.io_threads, vm->locked ? ", memory locked" : "");
+        }
     } else if (cache_on) {
         LLAMA_LOG_INFO("vis-moe: expert cache: every MoE layer fits (%d slots >= %d experts, or pinned); upstream graph\n",
                        n_slots, n_exp);
@@ -685,10 +1136,22 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
     if (vm->trace) {
         std::fflush(vm->trace);
     }
+    if (vm->n_managed > 0) {
+        // the kernel paging our working set in and out means the budget is too large for the machine
+        rusage ru = {};
+        getrusage(RUSAGE_SELF, &ru);
+        const int64_t d = ru.ru_majflt - vm->majflt_last;
+        vm->majflt_last = ru.ru_majflt;
+        if (d >= 256 && !vm->warned_faults) {
+            vm->warned_faults = true;
+            LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "
+                           "(swap or evicted mmap pages); lower --moe-mem / --moe-slots / --moe-host-mib or use --moe-mem auto\n", d);
+        }
+    }
     std::lock_guard<std::mutex> lock(vm->err_mutex);
     if (vm->failed) {
         g_last_error = vm->failure;
-        LLAMA_LOG_ERROR("vis-moe: %s\n", vm->failure.c_str());
+        LLAMA_LOG_ERROR("%s\n", vm->failure.c_str());
         vm->failed = false;
         return false;
     }
@@ -822,10 +1285,67 @@ int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis
     return 0;
 }
 
+static int64_t rss_peak_bytes() {
+    FILE * f = std::fopen("/proc/self/status", "r");
+    if (!f) {
+        return -1;
+    }
+    char line[256];
+    int64_t kib = -1;
+    while (std::fgets(line, sizeof(line), f)) {
+        if (std::strncmp(line, "VmHWM:", 6) == 0) {
+            kib = std::strtoll(line + 6, nullptr, 10);
+        }
+    }
+    std::fclose(f);
+    return kib < 0 ? -1 : kib * 1024;
+}
+
+int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_stats * out) {
+    vis_moe_context * vm = vis_moe_context_get(ctx);
+    if (!vm || !out) {
+        return -1;
+    }
+    llama_vis_moe_io_stats st = {};
+    st.slab_hits    = vm->n_slab_hits;
+    st.host_hits    = vm->n_host_hits;
+    st.file_reads   = vm->n_file_reads;
+    st.model_copies = vm->n_model_copies;
+    if (vm->io) {
+        const auto & c = vm->io->counters();
+        st.bytes_read    = c.bytes_read;
+        st.bytes_storage = c.bytes_device;
+        st.read_us       = c.wait_us;
+        st.direct_io     = c.n_direct > 0 ? 1 : 0;
+        st.io_threads    = vm->io->n_threads();
+    }
+    if (vm->host) {
+        st.host_bytes     = (int64_t) (vm->host->capacity_blocks() * vm->host->block_bytes());
+        st.host_used      = (int64_t) (vm->host->used_blocks() * vm->host->block_bytes());
+        st.host_evictions = vm->host->n_evictions;
+    }
+    st.slab_bytes = vm->slab_bytes;
+    st.unified    = vm->unified ? 1 : 0;
+    st.locked     = vm->locked ? 1 : 0;
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    st.major_faults = ru.ru_majflt - vm->majflt0;
+    st.rss_peak     = rss_peak_bytes();
+    *out = st;
+    return 0;
+}
+
 void llama_vis_moe_reset_stats(llama_context * ctx) {
     vis_moe_context * vm = vis_moe_context_get(ctx);
     if (!vm) {
         return;
+    }
+    vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
+    if (vm->io) {
+        vm->io->reset_counters();
+    }
+    if (vm->host) {
+        vm->host->n_evictions = 0;
     }
     for (auto & L : vm->layers) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
@@ -862,4 +1382,20 @@ void llama_vis_moe_print_stats(const llama_context * ctx) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n", "total", "",
                    t.n_routed, t.n_hits, t.n_misses, t.n_routed ? 100.0 * t.n_hits / t.n_routed : 0.0,
                    t.bytes_loaded / 1048576.0, t.load_us / 1000.0, t.n_passes);
+    llama_vis_moe_io_stats io;
+    if (llama_vis_moe_get_io_stats(ctx, &io) == 0 && (io.file_reads > 0 || io.host_hits > 0 || vm->io)) {
+        const double secs = io.read_us / 1e6;
+        std::fprintf(stderr, "vis-moe: tiers: slab hits %" PRId64 " | host-cache hits %" PRId64 " | file reads %" PRId64
+                             " (%.2f MiB payload, %.2f MiB from storage%s, %.2f s waiting, %.0f MiB/s) | model copies %" PRId64 "\n",
+                     io.slab_hits, io.host_hits, io.file_reads, io.bytes_read / 1048576.0, io.bytes_storage / 1048576.0,
+                     io.direct_io ? " with O_DIRECT" : " buffered", secs, secs > 0 ? io.bytes_read / 1048576.0 / secs : 0.0,
+                     io.model_copies);
+        std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
+                             "peak RSS %.2f MiB, major faults %" PRId64 "\n",
+                     io.slab_bytes / 1048576.0, io.host_used / 1048576.0, io.host_bytes / 1048576.0, io.host_evictions,
+                     io.locked ? "locked" : "not locked", io.rss_peak / 1048576.0, io.major_faults);
+        if (vm->plan_budget > 0) {
+            std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm->plan_budget / 1048576.0, vm->plan_source.c_str());
+        }
+    }
 }

@@ -8,12 +8,21 @@
 #include "ggml.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 struct llama_context;
 struct llama_model;
 struct llama_ubatch;
 struct vis_moe_context;
+
+// set llama_vis_last_error() (thread-local)
+void vis_moe_set_last_error(const std::string & msg);
+
+// Model load (src/vis-moe-store.cpp): defer routed-expert tensors to the file tier?
+// true with n_pinned = the pinned prefix when the expert cache with the file store is on
+// and n_expert experts do not all fit the slots.
+bool vis_moe_store_deferral(int & n_pinned, int64_t n_expert);
 
 // ---- context lifetime (patch 0002, llama-context.cpp) -----------------------
 

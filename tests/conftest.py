@@ -31,9 +31,10 @@ def text_model(request, fixture_dir) -> Path:
     return fixture_dir / f"{request.param}.gguf"
 
 
-def run(cmd: list, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+def run(cmd: list, timeout: float = 120, extra_env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     """Run a command with a hard timeout; never hangs the suite."""
     env = dict(os.environ)
     env.setdefault("LLAMA_LOG_COLORS", "0")
+    env.update(extra_env or {})
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, env=env, **kw)

@@ -1,0 +1,193 @@
+"""`pyvis plan`: how a model would be split across the memory tiers on this machine.
+
+    pyvis plan MODEL.gguf [--budget auto|MIB] [-c N] [--pinned L] [--slots N] [--host-mib N] [--device-mib N]
+
+Reads only the GGUF header (no weights) and asks the same two C functions the
+runtime uses for `--moe-mem` (src/vis-moe-plan.cpp): `llama_vis_mem_probe`
+(cgroup v1/v2 limit, MemAvailable, swap, zram) and `llama_vis_moe_plan`.
+See docs/paging.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIB = 1 << 20
+_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+
+
+@dataclass
+class ModelShape:
+    path: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    n_vocab: int
+    n_ff_exp: int
+    kv_bytes_per_token: int
+    file_bytes: int
+    total_bytes: int                      # all tensor bytes
+    expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.expert_bytes)
+
+
+def _kv(fields: dict, key: str, default=None):
+    f = fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_shape(path: str | Path) -> ModelShape:
+    """MoE shape and byte counts of a GGUF, from its header."""
+    from gguf import GGUFReader
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such model file")
+    try:
+        r = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable GGUF file ({e}); re-download or re-convert the model") from e
+    fields = r.fields
+    arch = _kv(fields, "general.architecture")
+    if not arch:
+        raise ValueError(f"{path}: general.architecture missing; is this a model GGUF?")
+    g = lambda k, d=None: _kv(fields, f"{arch}.{k}", d)  # noqa: E731
+    n_layer = int(g("block_count", 0))
+    n_embd = int(g("embedding_length", 0))
+    n_head = g("attention.head_count", 1)
+    n_head = int(n_head[0] if isinstance(n_head, list) else n_head)
+    n_head_kv = g("attention.head_count_kv", n_head)
+    n_head_kv = int(max(n_head_kv) if isinstance(n_head_kv, list) else n_head_kv)
+    k_len = int(g("attention.key_length", n_embd // max(n_head, 1)))
+    v_len = int(g("attention.value_length", n_embd // max(n_head, 1)))
+    if g("attention.kv_lora_rank") is not None:  # MLA: the cache holds the compressed latent + rope part
+        k_len = int(g("attention.kv_lora_rank")) + int(g("rope.dimension_count", 64))
+        v_len = 0
+        n_head_kv = 1
+    tokens = _kv(fields, "tokenizer.ggml.tokens")
+    shape = ModelShape(
+        path=str(path), arch=str(arch), n_layer=n_layer, n_expert=int(g("expert_count", 0)),
+        n_expert_used=int(g("expert_used_count", 0)), n_embd=n_embd,
+        n_vocab=len(tokens) if tokens is not None else 0, n_ff_exp=int(g("expert_feed_forward_length", 0)),
+        kv_bytes_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,  # F16 K and V
+        file_bytes=path.stat().st_size, total_bytes=0)
+    for t in r.tensors:
+        nb = int(t.n_bytes)
+        shape.total_bytes += nb
+        m = _EXPS.match(t.name)
+        if m:
+            il = int(m.group(1))
+            n_exp = int(t.shape[-1]) if len(t.shape) else 1
+            shape.expert_bytes[il] = shape.expert_bytes.get(il, 0) + nb // max(n_exp, 1)
+    return shape
+
+
+def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
+    """Compute buffers + runtime, the same estimate as estimate_reserve() in src/vis-moe-cache.cpp."""
+    return n_ubatch * 4 * (s.n_vocab + 16 * s.n_embd + 4 * s.n_expert_used * s.n_ff_exp) + 64 * MIB
+
+
+def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
+              pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None) -> dict:
+    from . import _native
+    moe = shape.moe_layers
+    if pinned < 0:
+        pinned = len(moe)
+    if pinned > len(moe):
+        raise ValueError(f"--pinned {pinned} exceeds the model's {len(moe)} MoE layers (valid: 0..{len(moe)}, -1 = all)")
+    managed = moe[pinned:]
+    expert = max((shape.expert_bytes[il] for il in managed), default=0)
+    managed_bytes = sum(shape.expert_bytes[il] * shape.n_expert for il in managed)
+    unified = device_mib is None
+    req = dict(budget=(budget_mib or 0) * MIB, resident_bytes=shape.total_bytes - managed_bytes,
+               kv_bytes=shape.kv_bytes_per_token * n_ctx, reserve_bytes=reserve_bytes(shape, n_ubatch),
+               expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
+               n_expert_used=shape.n_expert_used, unified=int(unified),
+               device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots)
+    p = _native.plan(**req)
+    p["request"] = req
+    p["managed_layers"] = len(managed)
+    p["pinned_layers"] = pinned
+    p["managed_bytes"] = managed_bytes
+    return p
+
+
+def _fmt(b: int) -> str:
+    return f"{b / MIB:10.1f} MiB"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from . import _native
+    try:
+        shape = read_shape(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    budget = None if args.budget == "auto" else int(args.budget)
+    mem = _native.mem_probe()
+    try:
+        p = make_plan(shape, budget_mib=budget, n_ctx=args.ctx_size, n_ubatch=args.ubatch_size, pinned=args.pinned,
+                      slots=args.slots, host_mib=args.host_mib, device_mib=args.device_mib)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"model": shape.__dict__ | {"expert_bytes": {str(k): v for k, v in shape.expert_bytes.items()}},
+                          "machine": mem, "plan": p}, indent=2))
+        return 0 if p["ok"] else 2
+    cg = (f"cgroup v{mem['cgroup_version']} limit {mem['cgroup_limit'] / MIB:.0f} MiB (usage {mem['cgroup_usage'] / MIB:.0f} MiB)"
+          if mem["cgroup_limit"] > 0 else "no cgroup memory limit")
+    print(f"machine: MemTotal {mem['mem_total'] / MIB:.0f} MiB, MemAvailable {mem['mem_available'] / MIB:.0f} MiB, "
+          f"swap {mem['swap_total'] / MIB:.0f} MiB ({mem['swap_free'] / MIB:.0f} free), zram {mem['zram_bytes'] / MIB:.0f} MiB, {cg}")
+    print(f"model:   {shape.path}: {shape.arch}, {shape.n_layer} layers, {len(shape.moe_layers)} MoE layers x "
+          f"{shape.n_expert} experts (top-{shape.n_expert_used}), {shape.file_bytes / MIB:.0f} MiB file, "
+          f"{max(shape.expert_bytes.values(), default=0) / MIB:.2f} MiB per expert")
+    src = "the machine's limit (auto)" if budget is None else "--budget"
+    print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens\n")
+    rq = p["request"]
+    rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
+            ("KV cache", rq["kv_bytes"]),
+            ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
+            (f"tier 1  slabs: {p['n_slots']} slots (+1 staging) x {p['managed_layers']} layers", p["slab_bytes"]),
+            ("tier 2  host expert cache", p["host_bytes"]),
+            ("tier 3  GGUF file only (read on demand)", p["file_only_bytes"])]
+    for label, b in rows:
+        print(f"  {label:<62s} {_fmt(b)}")
+    if args.device_mib is not None:
+        print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
+    print()
+    if not p["ok"]:
+        print(f"does not fit: {p['error']}", file=sys.stderr)
+        return 2
+    print(f"fits: run with --moe-mem {args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
+          + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("plan", help="show how a model would be split over slabs, host cache and file on this machine",
+                       description="Plan the memory tiers for MODEL on this machine: the budget (the cgroup v1/v2 "
+                       "limit or MemAvailable with --budget auto), resident weights, KV cache, compute, tier-1 "
+                       "slabs, tier-2 host cache and what stays on the file. Same planner as `--moe-mem`.")
+    s.add_argument("model", help="GGUF model")
+    s.add_argument("--budget", default="auto", help="memory budget in MiB, or auto (default: auto)")
+    s.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
+    s.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default: 512)")
+    s.add_argument("--pinned", type=int, default=0, help="MoE layers kept fully resident (-1 = all; default: 0)")
+    s.add_argument("--slots", type=int, default=0, help="fixed slots per managed layer (default: planned)")
+    s.add_argument("--host-mib", type=int, default=-1, help="fixed host-cache size in MiB (default: planned)")
+    s.add_argument("--device-mib", type=int, default=None,
+                   help="discrete GPU: device memory for slabs in MiB (default: unified memory, CPU or Jetson)")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.set_defaults(fn=_cmd_plan)

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Benchmark the paging tiers against upstream under memory cgroups (docs/paging.md).
+
+    .venv/bin/python scripts/bench_paging.py MODEL.gguf [--fractions 0.5 0.25 0.125] [--out DIR]
+        [--upstream-bin DIR] [-n 32] [--prompt-tokens 128]
+
+For every budget (a fraction of the model file's bytes) it runs, from a cold page
+cache (drop_caches before each run), inside a fresh memory cgroup with that hard
+limit, in the same invocation:
+
+  upstream          upstream llama-cli, default load (mmap + CPU weight repacking)
+  upstream-nr       upstream llama-cli, mmap and --no-repack
+  ours              our llama-cli, --moe-mem auto (tiers sized from the cgroup limit), --moe-trace
+
+and reports prefill and decode tok/s, bytes read from storage per generated token
+(getrusage inblock of the child), peak cgroup memory, whether the run finished, and
+for ours the misses against Belady's optimum for the same capacity (pyvis.cachesim).
+Needs root (cgroups, drop_caches).  Results: OUT/results.json and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT_WORDS = ("The expert cache keeps the experts a token needs resident and reads the others from the file; "
+                "a memory budget splits into slabs, a host cache and the file itself. ")
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class Cgroup:
+    def __init__(self, limit: int):
+        self.name = f"vis-bench-{uuid.uuid4().hex[:8]}"
+        v1 = Path("/sys/fs/cgroup/memory")
+        v2 = Path("/sys/fs/cgroup")
+        if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text():
+            self.dir = v2 / self.name
+            self.dir.mkdir()
+            (self.dir / "memory.max").write_text(str(limit))
+            if (self.dir / "memory.swap.max").exists():
+                (self.dir / "memory.swap.max").write_text("0")
+            self.peak_file, self.events = self.dir / "memory.peak", self.dir / "memory.events"
+        else:
+            self.dir = v1 / self.name
+            self.dir.mkdir()
+            (self.dir / "memory.limit_in_bytes").write_text(str(limit))
+            self.peak_file, self.events = self.dir / "memory.max_usage_in_bytes", self.dir / "memory.oom_control"
+
+    def wrap(self, cmd: list) -> list:
+        return ["sh", "-c", f'echo $$ > {self.dir / "cgroup.procs"} && exec "$@"', "sh", *map(str, cmd)]
+
+    def peak(self) -> int:
+        return int(self.peak_file.read_text()) if self.peak_file.exists() else -1
+
+    def oom_killed(self) -> bool:
+        txt = self.events.read_text() if self.events.exists() else ""
+        m = re.search(r"oom_kill (\d+)", txt)
+        return bool(m and int(m.group(1)) > 0)
+
+    def remove(self) -> None:
+        for _ in range(100):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int) -> dict:
+    drop_caches()
+    cg = Cgroup(limit)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = dict(name=name, rc=rc, wall_s=round(wall, 1), peak_bytes=cg.peak(), oom_killed=cg.oom_killed(),
+             read_bytes=(after.ru_inblock - before.ru_inblock) * 512, cmd=" ".join(map(str, cmd)))
+    cg.remove()
+    m = re.search(r"\[ Prompt: ([\d.]+) t/s \| Generation: ([\d.]+) t/s \]", out)
+    r["finished"] = rc == 0 and m is not None and "Error:" not in out
+    if m:
+        r["prefill_tps"], r["decode_tps"] = float(m.group(1)), float(m.group(2))
+    r["read_bytes_per_token"] = r["read_bytes"] / max(n_predict, 1)
+    for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
+                     ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB")):
+        mm = re.search(pat, out)
+        if mm:
+            r[key] = int(mm.group(1))
+    mm = re.search(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)", out)
+    if mm:
+        r["routed"], r["hits"], r["misses"] = map(int, mm.groups())
+    slots = re.search(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
+    if slots:
+        r["slots"] = int(slots.group(1))
+    if not r["finished"]:
+        r["tail"] = out[-1500:]
+    print(f"  {name:12s} rc={rc} finished={r['finished']} decode={r.get('decode_tps')} prefill={r.get('prefill_tps')} "
+          f"peak={r['peak_bytes'] / 2**20:.0f} MiB read={r['read_bytes'] / 2**20:.0f} MiB wall={wall:.0f}s", flush=True)
+    return r
+
+
+def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
+    from pyvis import trace as vtrace
+    from pyvis.cachesim import belady_misses, layer_requests, lru_misses
+    t = vtrace.read(trace_path)
+    opt = lru = 0
+    for il in t.layers().tolist():
+        req = layer_requests(t, il)
+        opt += belady_misses(req, slots)
+        lru += lru_misses(req, slots)
+    return dict(belady_misses=opt, lru_sim_misses=lru, ours_misses=misses, ratio=misses / opt if opt else None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    ap.add_argument("--out", default="bench-paging")
+    ap.add_argument("--bin", default=str(ROOT / "build/bin"), help="our build's bin dir")
+    ap.add_argument("--upstream-bin", default=None, help="pristine upstream bin dir (default: ours with features off)")
+    ap.add_argument("-n", "--n-predict", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--only", nargs="+", default=["upstream", "upstream-nr", "ours"])
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra args for ours")
+    a = ap.parse_args()
+    model = Path(a.model).resolve()
+    size = model.stat().st_size
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    up = Path(a.upstream_bin or a.bin)
+    prompt = (PROMPT_WORDS * (a.prompt_tokens // 30 + 1))
+    base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", "0"]
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
+    for frac in a.fractions:
+        limit = int(size * frac)
+        print(f"== budget {frac:.3f} x {size / 2**30:.2f} GiB = {limit / 2**20:.0f} MiB", flush=True)
+        for name in a.only:
+            if name == "upstream":
+                cmd = [up / "llama-cli", *base]
+            elif name == "upstream-nr":
+                cmd = [up / "llama-cli", *base, "-nr"]
+            else:
+                trace = out / f"ours-{frac}.trace"
+                cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
+                       *a.extra]
+            r = run_one(name, cmd, limit, a.timeout, a.n_predict)
+            r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size)
+            if name == "ours" and r.get("misses") is not None and r.get("slots"):
+                r.update(belady_ratio(out / f"ours-{frac}.trace", r["slots"], r["misses"]))
+                print(f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
+                      f"LRU simulated {r['lru_sim_misses']}", flush=True)
+            results = [x for x in results if not (x["name"] == name and x["fraction"] == frac)] + [r]
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | peak MiB | misses/Belady |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda x: (-x["fraction"], x["name"])):
+        rows.append(f"| {r['fraction']:.3f} ({r['limit_bytes'] / 2**20:.0f} MiB) | {r['name']} | "
+                    f"{'yes' if r['finished'] else ('OOM-killed' if r['oom_killed'] else str(r['rc']))} | "
+                    f"{r.get('prefill_tps', '-')} | {r.get('decode_tps', '-')} | {r['read_bytes_per_token'] / 2**20:.1f} | "
+                    f"{r['peak_bytes'] / 2**20:.0f} | {('%.2f' % r['ratio']) if r.get('ratio') else '-'} |")
+    (out / "results.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+// vis-moe-plan.cpp - what memory this machine gives us (cgroup v1/v2 limits,
+// MemAvailable, swap, zram) and how one budget splits over the tiers of the
+// expert cache.  `pyvis plan` calls the same two functions (docs/paging.md).
+#include "llama-vis.h"
+#include "vis-moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <dirent.h>
+#include <sys/resource.h>
+
+static int64_t read_int_file(const std::string & path, bool & ok) {
+    std::ifstream f(path);
+    std::string s;
+    ok = false;
+    if (!(f >> s)) {
+        return -1;
+    }
+    if (s == "max") {
+        ok = true;
+        return -1;
+    }
+    char * end = nullptr;
+    const long long v = std::strtoll(s.c_str(), &end, 10);
+    if (end == s.c_str()) {
+        return -1;
+    }
+    ok = true;
+    return (int64_t) v;
+}
+
+static int64_t meminfo_kib(const std::string & text, const char * key) {
+    const auto p = text.find(std::string(key) + ":");
+    if (p == std::string::npos) {
+        return -1;
+    }
+    return std::strtoll(text.c_str() + p + std::strlen(key) + 1, nullptr, 10) * 1024;
+}
+
+static std::string slurp(const char * path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+// Walk from our cgroup up to the root of the mount, keeping the tightest limit.
+// `dir` is the mount point, `rel` our path inside it.  v1 "unlimited" is a huge number.
+static void cgroup_walk(const std::string & dir, std::string rel, const char * limit_file, const char * usage_file,
+                        int64_t & limit, int64_t & usage) {
+    for (;;) {
+        const std::string d = dir + rel;
+        bool ok = false;
+        const int64_t l = read_int_file(d + "/" + limit_file, ok);
+        if (ok && l > 0 && l < (int64_t) 1 << 60 && (limit < 0 || l < limit)) {
+            limit = l;
+            bool ok2 = false;
+            usage = read_int_file(d + "/" + usage_file, ok2);
+            if (!ok2) {
+                usage = -1;
+            }
+        }
+        if (rel.empty() || rel == "/") {
+            break;
+        }
+        const auto s = rel.find_last_of('/');
+        rel = s == std::string::npos || s == 0 ? "" : rel.substr(0, s);
+    }
+}
+
+static void probe_cgroup(llama_vis_mem_info & m) {
+    m.cgroup_limit = -1;
+    m.cgroup_usage = -1;
+    m.cgroup_version = 0;
+    std::ifstream f("/proc/self/cgroup");
+    std::string line;
+    std::string v1_path, v2_path;
+    bool have_v2 = false;
+    while (std::getline(f, line)) {
+        // hierarchy-ID:controller-list:cgroup-path
+        const auto a = line.find(':');
+        const auto b = line.find(':', a + 1);
+        if (a == std::string::npos || b == std::string::npos) {
+            continue;
+        }
+        const std::string ctrl = line.substr(a + 1, b - a - 1);
+        const std::string path = line.substr(b + 1);
+        if (line.compare(0, a, "0") == 0 && ctrl.empty()) {
+            v2_path = path;
+            have_v2 = true;
+        }
+        std::stringstream cs(ctrl);
+        std::string c;
+        while (std::getline(cs, c, ',')) {
+            if (c == "memory") {
+                v1_path = path;
+            }
+        }
+    }
+    // v1: /sys/fs/cgroup/memory/<path>; inside a cgroup namespace the path may not exist: use the mount root
+    if (!v1_path.empty()) {
+        const std::string mnt = "/sys/fs/cgroup/memory";
+        std::string rel = v1_path == "/" ? "" : v1_path;
+        std::ifstream probe(mnt + rel + "/memory.limit_in_bytes");
+        if (!probe.good()) {
+            rel = "";
+        }
+        int64_t lim = -1, use = -1;
+        cgroup_walk(mnt, rel, "memory.limit_in_bytes", "memory.usage_in_bytes", lim, use);
+        if (std::ifstream(mnt + "/memory.limit_in_bytes").good()) {
+            m.cgroup_version = 1;
+        }
+        if (lim > 0) {
+            m.cgroup_limit = lim;
+            m.cgroup_usage = use;
+        }
+    }
+    if (have_v2) {
+        for (const char * mnt : { "/sys/fs/cgroup", "/sys/fs/cgroup/unified" }) {
+            std::string rel = v2_path == "/" ? "" : v2_path;
+            if (!std::ifstream(std::string(mnt) + "/cgroup.controllers").good()) {
+                continue;
+            }
+            if (!std::ifstream(std::string(mnt) + rel + "/cgroup.controllers").good()) {
+                rel = "";
+            }
+            int64_t lim = -1, use = -1;
+            cgroup_walk(mnt, rel, "memory.max", "memory.current", lim, use);
+            if (std::ifstream(std::string(mnt) + rel + "/memory.max").good() || lim > 0) {
+                if (m.cgroup_version == 0) {
+                    m.cgroup_version = 2;
+                }
+            }
+            if (lim > 0 && (m.cgroup_limit < 0 || lim < m.cgroup_limit)) {
+                m.cgroup_limit = lim;
+                m.cgroup_usage = use;
+                m.cgroup_version = 2;
+            }
+            break;
+        }
+    }
+}
+
+static int64_t zram_used() {
+    int64_t total = 0;
+    DIR * d = opendir("/sys/block");
+    if (!d) {
+        return 0;
+    }
+    while (dirent * e = readdir(d)) {
+        if (std::strncmp(e->d_name, "zram", 4) != 0) {
+            continue;
+        }
+        // mm_stat: orig_data_size compr_data_size mem_used_total ...
+        std::ifstream f(std::string("/sys/block/") + e->d_name + "/mm_stat");
+        long long orig = 0, compr = 0, used = 0;
+        if (f >> orig >> compr >> used) {
+            total += used;
+        }
+    }
+    closedir(d);
+    return total;
+}
+
+int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out) {
+    if (!out) {
+        return -1;
+    }
+    llama_vis_mem_info m = {};
+    const std::string mi = slurp("/proc/meminfo");
+    m.mem_total     = meminfo_kib(mi, "MemTotal");
+    m.mem_available = meminfo_kib(mi, "MemAvailable");
+    m.swap_total    = meminfo_kib(mi, "SwapTotal");
+    m.swap_free     = meminfo_kib(mi, "SwapFree");
+    m.zram_bytes    = zram_used();
+    probe_cgroup(m);
+    const std::string st = slurp("/proc/self/status");
+    m.rss      = meminfo_kib(st, "VmRSS");
+    m.rss_peak = meminfo_kib(st, "VmHWM");
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    m.major_faults = ru.ru_majflt;
+
+    m.limit = m.mem_total;
+    if (m.cgroup_limit > 0) {
+        m.limit = std::min(m.limit, m.cgroup_limit);
+    }
+    // what the process may use: what it holds plus what is still free
+    int64_t avail = m.mem_available + std::max<int64_t>(m.rss, 0);
+    if (m.cgroup_limit > 0) {
+        // page cache charged to the cgroup is reclaimable, so the limit itself is what we may grow to
+        avail = std::min(avail, m.cgroup_limit);
+    }
+    m.available = std::min(avail, m.limit);
+    *out = m;
+    return 0;
+}
+
+static std::string mib(int64_t b) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.0f MiB", std::ceil(b / 1048576.0));
+    return buf;
+}
+
+int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out) {
+    if (!req || !out) {
+        vis_moe_set_last_error("llama_vis_moe_plan: NULL argument");
+        return -1;
+    }
+    const auto & r = *req;
+    struct llama_vis_moe_plan p = {};
+    if (r.n_managed_layers <= 0 || r.expert_bytes <= 0 || r.n_expert <= 0) {
+        // nothing to page: everything is resident
+        p.ok = 1;
+        p.n_slots = r.n_expert;
+        p.fixed_bytes = r.resident_bytes + r.kv_bytes + std::max<int64_t>(r.reserve_bytes, 0);
+        p.budget = r.budget;
+        p.min_budget = p.fixed_bytes;
+        *out = p;
+        return 0;
+    }
+    int64_t budget = r.budget;
+    if (budget <= 0) {
+        llama_vis_mem_info m;
+        llama_vis_mem_probe(&m);
+        budget = m.available;
+    }
+    const int64_t reserve = r.reserve_bytes >= 0 ? r.reserve_bytes : (64ll << 20) + budget / 32;
+    const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer
+    const int     k       = std::max(1, (int) r.n_expert_used);
+    p.budget      = budget;
+    p.fixed_bytes = r.resident_bytes + r.kv_bytes + reserve;
+    const int64_t host_fixed = r.host_mib > 0 ? (r.host_mib << 20) : 0;
+    p.min_budget = p.fixed_bytes + (r.unified ? (int64_t) (k + 1) * row : 0) + host_fixed;
+    const int64_t all_experts = (int64_t) r.n_expert * row;
+
+    int64_t free_host = budget - p.fixed_bytes - host_fixed;
+    int slots = r.n_slots;
+    if (r.unified) {
+        if (slots <= 0) {
+            slots = (int) std::min<int64_t>(r.n_expert, free_host / row - 1);
+        }
+    } else {
+        if (slots <= 0) {
+            slots = (int) std::min<int64_t>(r.n_expert, r.device_bytes / row - 1);
+        }
+    }
+    if (slots < k) {
+        const std::string where = r.unified ? "memory budget" : "device memory";
+        vis_moe_set_last_error("the " + where + " of " + mib(r.unified ? budget : r.device_bytes) + " is too small: " +
+                               std::to_string(r.n_managed_layers) + " managed layers need at least " +
+                               std::to_string(k) + " expert slots + 1 staging slot each (" + mib((int64_t) (k + 1) * row) +
+                               ")" + (r.unified ? " on top of " + mib(p.fixed_bytes) + " for resident weights, KV cache and compute" : "") +
+                               " = " + mib(r.unified ? p.min_budget : (int64_t) (k + 1) * row) +
+                               "; raise the budget, shorten the context (-c) or pin fewer layers (--moe-pinned-layers)");
+        p.ok = 0;
+        p.n_slots = std::max(slots, 0);
+        *out = p;
+        return 0;
+    }
+    slots = std::min(slots, r.n_expert);
+    p.n_slots    = slots;
+    p.slab_bytes = (int64_t) (slots + 1) * row;
+    if (r.host_mib >= 0) {
+        p.host_bytes = r.host_mib << 20;
+    } else if (slots < r.n_expert) {
+        // tier 2 gets what is left, never more than the experts the slabs do not hold
+        const int64_t left = r.unified ? free_host - p.slab_bytes : budget - p.fixed_bytes;
+        const int64_t not_in_slabs = r.unified ? all_experts - (int64_t) slots * row : all_experts;
+        p.host_bytes = std::max<int64_t>(0, std::min(left, not_in_slabs));
+        if (p.host_bytes < r.expert_bytes) {
+            p.host_bytes = 0;
+        }
+    }
+    if (r.unified && p.fixed_bytes + p.slab_bytes + p.host_bytes > budget) {
+        vis_moe_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.fixed_bytes) +
+                               " resident + " + mib(p.slab_bytes) + " slabs + " + mib(p.host_bytes) +
+                               " host cache; lower --moe-host-mib or --moe-slots");
+        p.ok = 0;
+        *out = p;
+        return 0;
+    }
+    const int64_t cached = (int64_t) slots * row + (r.unified ? p.host_bytes : 0);
+    p.file_only_bytes = std::max<int64_t>(0, all_experts - std::max(cached, r.unified ? 0 : p.host_bytes));
+    p.ok = 1;
+    *out = p;
+    return 0;
+}
