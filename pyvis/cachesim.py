@@ -31,47 +31,51 @@ def layer_requests(t: Trace, layer: int) -> list[list[int]]:
     return out
 
 
+def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
+    """The runtime's passes for one request: resident experts first, then the rest, `capacity` at a time."""
+    order = [e for e in s if e in resident] + [e for e in s if e not in resident]
+    return [order[j:j + capacity] for j in range(0, len(order), capacity)]
+
+
 def belady_misses(requests: list[list[int]], capacity: int) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
-    together).  A set larger than the capacity is served in chunks of `capacity`, like the runtime's passes."""
+    together; a set larger than the capacity is served in passes, as the runtime does).  On a miss it evicts
+    the resident expert whose next use is farthest, never one the current pass needs."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
-    # flatten to a sequence of steps, each a set of at most `capacity` experts
-    steps: list[list[int]] = []
-    for s in requests:
-        for i in range(0, len(s), capacity):
-            steps.append(s[i:i + capacity])
-    # next use of each expert after each step
-    INF = len(steps) + 1
-    next_use: list[dict[int, int]] = [dict() for _ in steps]
+    INF = len(requests) + 1
+    next_req: list[dict[int, int]] = [dict() for _ in requests]   # next use strictly after request i
     upcoming: dict[int, int] = {}
-    for i in range(len(steps) - 1, -1, -1):
-        next_use[i] = dict(upcoming)   # next use strictly after step i
-        for e in steps[i]:
+    for i in range(len(requests) - 1, -1, -1):
+        next_req[i] = dict(upcoming)
+        for e in requests[i]:
             upcoming[e] = i
     resident: set[int] = set()
     misses = 0
-    for i, s in enumerate(steps):
-        need = set(s)
-        for e in s:
-            if e in resident:
-                continue
-            misses += 1
-            if len(resident) >= capacity:
-                nu = next_use[i]
-                victim = max((r for r in resident if r not in need), key=lambda r: nu.get(r, INF))
-                resident.remove(victim)
-            resident.add(e)
+    for i, s in enumerate(requests):
+        chunks = _chunks(s, resident, capacity)
+        for ci, chunk in enumerate(chunks):
+            need = set(chunk)
+            later = {e for c in chunks[ci + 1:] for e in c}   # needed again by this request's later passes
+            nu = next_req[i]
+            for e in chunk:
+                if e in resident:
+                    continue
+                misses += 1
+                if len(resident) >= capacity:
+                    victim = max((r for r in resident if r not in need),
+                                 key=lambda r: i if r in later else nu.get(r, INF))
+                    resident.remove(victim)
+                resident.add(e)
     return misses
 
 
 def lru_misses(requests: list[list[int]], capacity: int) -> int:
-    """Loads of an LRU cache of `capacity` experts (hits of a set are touched before its misses load)."""
+    """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading)."""
     lru: OrderedDict[int, None] = OrderedDict()
     misses = 0
     for s in requests:
-        for i in range(0, len(s), capacity):
-            chunk = s[i:i + capacity]
+        for chunk in _chunks(s, lru, capacity):
             need = set(chunk)
             for e in chunk:
                 if e in lru:

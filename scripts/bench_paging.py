@@ -101,7 +101,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int) -> d
         r["prefill_tps"], r["decode_tps"] = float(m.group(1)), float(m.group(2))
     r["read_bytes_per_token"] = r["read_bytes"] / max(n_predict, 1)
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
-                     ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB")):
+                     ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB"),
+                     ("rss_peak_mib", r"peak RSS (\d+)")):
         mm = re.search(pat, out)
         if mm:
             r[key] = int(mm.group(1))

@@ -39,6 +39,7 @@
 #include <string>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 // ---------------------------------------------------------------------------
 // errors and process-wide parameters
@@ -308,7 +309,7 @@ int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
 static const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
 
-enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE };
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_MERGE };
 
 struct vis_moe_op_ud {
     vis_moe_context * vm;
@@ -329,6 +330,8 @@ struct vis_moe_layer {
     std::array<size_t, VIS_T_COUNT> part_off = {};  // offset of each tensor's slice in a packed expert
     bool deferred     = false;  // experts come from the file
     bool direct_write = false;  // slabs are CPU-writable: read straight into them
+    bool cpu_passes   = false;  // CPU-only layer: pairs of other passes are skipped (id -1, patch 0006)
+                                // and passes merge in place, instead of staging slot + concat
 
     std::vector<int32_t>  slot_of;    // expert -> slot, -1 if not resident
     std::vector<int32_t>  expert_of;  // slot -> expert, -1 if empty
@@ -669,7 +672,8 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, con
 
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
-        out[j] = L.pass_of[e] == p ? L.slot_of[e] : L.n_slots;  // staging slot for other passes
+        // pairs of other passes: not computed on CPU (-1), else sent to the staging slot
+        out[j] = L.pass_of[e] == p ? L.slot_of[e] : (L.cpu_passes ? -1 : L.n_slots);
     }
     L.stats.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -699,6 +703,22 @@ static void plan_ubatch(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs)
         }
     }
     L.stats.n_calls++;
+}
+
+// in place: copy the rows of the pairs pass p owns from b (that pass's expert outputs) into a
+static void vis_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * c, int ith,
+                         int nth, void * userdata) {
+    auto * ud = (vis_moe_op_ud *) userdata;
+    const vis_moe_layer & L = ud->vm->layers[ud->il];
+    const int64_t n_pairs = ggml_nelements(c);
+    const auto * ids = (const int32_t *) c->data;
+    const size_t row = b->nb[1];
+    GGML_ASSERT(dst->data == a->data && ggml_is_contiguous(a) && ggml_is_contiguous(b) && a->nb[1] == row);
+    for (int64_t j = ith; j < n_pairs; j += nth) {
+        if (L.pass_of[ids[j]] == ud->pass) {
+            std::memcpy((char *) dst->data + j * row, (const char *) b->data + j * row, row);
+        }
+    }
 }
 
 static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
@@ -1052,9 +1072,35 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         if (L.managed && L.deferred) {
             L.direct_write = vm->unified && cpu_writable(L.slab[0] ? L.slab[0]->buffer : L.slab[3]->buffer, model.dev_layer(il));
         }
+        if (L.managed) {
+            // CPU-only run: the CPU mul_mat_id skips id -1 (patch 0006), so passes compute only their own pairs;
+            // with a GPU present the scheduler may offload a host-weight mul_mat_id, so keep the staging slot there
+            const ggml_tensor * any_slab = L.slab[0] ? L.slab[0] : L.slab[3];
+            L.cpu_passes = ggml_backend_buffer_is_host(any_slab->buffer) && model.devices.empty();
+        }
     }
     if (vm->n_managed > 0 && any_deferred) {
         vm->io = std::make_unique<vis_io_pool>(tier.io_threads, tier.direct_io);
+        if (tier.mlock && !model.hparams.no_alloc) {
+            // The resident weights are mapped file pages: under memory pressure the kernel would drop them and
+            // fault them back in every token (mmap thrash). Lock them, tensor by tensor (mapped ranges also
+            // span deferred experts, which must stay out of memory).
+            const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+            size_t n_locked = 0;
+            bool ok = true;
+            for (const auto & [name, t] : model.tensors_by_name) {
+                if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t)) {
+                    continue;
+                }
+                const uintptr_t a = (uintptr_t) t->data & ~(uintptr_t) (page - 1);
+                const uintptr_t b = ((uintptr_t) t->data + ggml_nbytes(t) + page - 1) & ~(uintptr_t) (page - 1);
+                ok = vis_mlock_region((void *) a, b - a, "the resident weights") && ok;
+                n_locked += b - a;
+            }
+            if (ok && n_locked > 0) {
+                LLAMA_LOG_INFO("vis-moe: locked %.2f MiB of resident weights in memory\n", n_locked / 1048576.0);
+            }
+        }
     }
     if (vm->n_managed > 0 && host_bytes > 0 && n_slots < n_exp) {
         vm->host = std::make_unique<vis_host_cache>((size_t) host_bytes, (size_t) exp_max, tier.mlock != 0);
@@ -1230,6 +1276,16 @@ ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
 }
 
 void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
+    if (managed && vm->layers[il].cpu_passes && !outs.empty()) {
+        // merge this pass into the accumulator in place: one pass's outputs alive at a time
+        ggml_tensor * acc = ggml_map_custom3_inplace(ctx, outs[0], experts, ids_cont, vis_merge_op, GGML_N_TASKS_MAX,
+                                                     vm->ud(il, (int) n_merged + 1, VIS_OP_MERGE));
+        ggml_format_name(acc, "vis_moe_merge-%d.%d", il, (int) n_merged + 1);
+        n_merged++;
+        outs[0] = acc;
+        last    = acc;
+        return;
+    }
     outs.push_back(experts);
     last = experts;
 }
@@ -1237,7 +1293,7 @@ void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
 ggml_tensor * vis_moe_layer_graph::output() {
     GGML_ASSERT(!outs.empty());
     if (!managed || outs.size() == 1) {
-        return outs[0];
+        return outs[0];  // one pass, or the CPU in-place merge
     }
     ggml_tensor * cat = outs[0];
     for (size_t p = 1; p < outs.size(); ++p) {

@@ -73,4 +73,5 @@ private:
     ggml_tensor     * weights  = nullptr;
     ggml_tensor     * last     = nullptr;  // ordering dependency between passes
     std::vector<ggml_tensor *> outs;
+    size_t            n_merged = 0;  // passes merged in place (CPU layers)
 };

@@ -362,7 +362,7 @@ def test_runtime_lru_matches_the_simulation(fixture_dir, tmp_path):
     path = tmp_path / "lru.trace"
     slots = 16
     llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=slots, trace=str(path), n_ctx=128, n_threads=2, verbose=False)
-    llm.eval(llm.tokenize(b"lru", add_bos=True)[:2])   # a prefill that routes at most 16 experts per layer
+    llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
     for _ in range(12):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
