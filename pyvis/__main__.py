@@ -1,0 +1,6 @@
+"""`python -m pyvis` = the `pyvis` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
