@@ -1,0 +1,140 @@
+"""Pruned multimodal evaluation (pyvis.vlm) on the qwen3vlmoe fixture (M-RoPE + deepstack).
+
+* keep ratio 1 is byte-identical to upstream's mtmd_helper_eval_chunks (text + several images);
+* kept tokens are decoded at their original (t, y, x, z) positions and the text after a pruned
+  image continues at pos_0 + max(nx, ny), as the routing trace of the decode shows;
+* the affinity probe's prefix routing equals the routing of the unpruned decode;
+* bad input fails with a clear error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyvis import _mmproj_fixture as mm
+from pyvis import prune
+from pyvis import trace as vtrace
+
+vlm = pytest.importorskip("pyvis.vlm")
+
+PROMPT = "Describe the image."
+
+
+@pytest.fixture(scope="module")
+def files(fixture_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("img")
+    big = mm.write_test_image(str(d / "big.png"), 160, 128, seed=3)       # 5 x 4 merged grid
+    return {"model": fixture_dir / "qwen3vlmoe.gguf", "mmproj": fixture_dir / "qwen3vlmoe-mmproj.gguf",
+            "img": fixture_dir / "test-image.png", "big": big, "dir": d}
+
+
+@pytest.fixture(scope="module")
+def session(files):
+    s = vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2)
+    yield s
+    s.close()
+
+
+def _bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("n_batch", [512, 5])
+def test_keep_all_is_byte_identical_to_mtmd_helper(files, n_batch):
+    prompt = f"First {vlm.M.mtmd_default_marker().decode()} then {vlm.M.mtmd_default_marker().decode()}: " \
+             "what differs?"
+    imgs = [files["img"], files["big"]]
+    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_batch=n_batch, n_threads=2) as s:
+        ref, ref_past = s.eval_reference(prompt, imgs)
+        for method in ("none", "affinity", "random"):
+            p = s.prepare(prompt, imgs, keep_ratio=1.0, method=method)
+            assert p.n_past == ref_past
+            assert len(p.images) == 2 and p.n_image_kept == p.n_image_tokens
+            assert np.array_equal(_bits(p.logits), _bits(ref)), method
+        # and a pruned prompt is not (the check above can fail)
+        p = s.prepare(prompt, imgs, keep_ratio=0.5, method="random")
+        assert p.n_past == ref_past
+        assert not np.array_equal(_bits(p.logits), _bits(ref))
+
+
+def _expected_positions(pos_0, nx, idx):
+    idx = np.asarray(idx)
+    return np.stack([np.full(idx.size, pos_0), pos_0 + idx // nx, pos_0 + idx % nx, np.zeros(idx.size, int)])
+
+
+@pytest.mark.parametrize("method", ["random", "saliency", "entropy", "affinity"])
+def test_kept_tokens_keep_their_positions(files, tmp_path, method):
+    tr = tmp_path / "decode.trace"
+    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2,
+                     moe=vlm.MoeParams(trace=str(tr))) as s:
+        p = s.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method=method, seed=5)
+    im = p.images[0]
+    assert (im.nx, im.ny, im.n_tokens) == (5, 4, 20) == (*mm.expected_image_tokens(160, 128), 20)
+    assert im.n_kept == 10 and np.all(np.diff(im.kept) > 0)
+    assert np.array_equal(im.positions, _expected_positions(im.pos_0, im.nx, im.kept))
+    # what llama.cpp saw: layer 0 of the decode trace
+    t = vtrace.read(tr).for_layer(0)
+    img = t.modality == 1
+    assert img.sum() == im.n_kept
+    assert set(t.pos[img].tolist()) == {im.pos_0}                     # section 0 (t) of every kept token
+    after = np.flatnonzero(img)[-1] + 1
+    assert t.pos[after] == im.pos_0 + max(im.nx, im.ny)               # text continues past the full extent
+    assert p.n_past == t.pos.max() + 1
+
+
+def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path):
+    tr = tmp_path / "full.trace"
+    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2,
+                     moe=vlm.MoeParams(trace=str(tr))) as s:
+        s.prepare(PROMPT, [files["big"]], method="none")
+    full = vtrace.read(tr).for_layer(0)
+    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2) as s:
+        p = s.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method="affinity", alpha=0.1, keep_scores=True)
+    im = p.images[0]
+    assert im.prefix_ids.shape == (1, 20, 4)
+    assert np.array_equal(im.prefix_ids[0], full.ids[full.modality == 1])
+    # the kept set is Algorithm 1 on the scores and prefix routing the session used
+    want = prune.affinity_select(im.scores["saliency"], prune.expert_masks(im.prefix_ids, 16), 0.5, 0.1, 2.0)
+    assert im.kept.tolist() == want.tolist()
+
+
+def test_generate_continues_after_pruned_image(session, files):
+    p = session.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method="entropy")
+    n0 = p.n_past
+    p.generate(4)
+    assert p.n_past == n0 + len(p.generated) and len(p.generated) >= 1
+    q = vlm.prepare(session, PROMPT, [files["big"]], keep_ratio=0.5, method="entropy")
+    assert np.array_equal(_bits(q.logits), _bits(p.logits))          # same prompt, same result
+    assert q.images[0].kept.tolist() == p.images[0].kept.tolist()     # deterministic
+
+
+def test_bad_input_errors(session, files, tmp_path):
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"this is not an image at all" * 10)
+    with pytest.raises(vlm.VLMError, match="empty"):
+        session.prepare(PROMPT, [empty])
+    with pytest.raises(vlm.VLMError, match="not found"):
+        session.prepare(PROMPT, [tmp_path / "missing.png"])
+    with pytest.raises(vlm.VLMError, match="failed to load image"):
+        session.prepare(PROMPT, [junk])
+    for bad in (0.0, 1.5, -1):
+        with pytest.raises(vlm.VLMError, match="keep ratio"):
+            session.prepare(PROMPT, [files["img"]], keep_ratio=bad, method="random")
+    with pytest.raises(vlm.VLMError, match="alpha"):
+        session.prepare(PROMPT, [files["img"]], keep_ratio=0.2, alpha=0.5, method="affinity")
+    with pytest.raises(vlm.VLMError, match="unknown pruning method"):
+        session.prepare(PROMPT, [files["img"]], method="magic")
+    with pytest.raises(vlm.VLMError, match="media markers"):
+        session.prepare(f"{session.marker} {session.marker}", [files["img"]])
+    # the session still works after the errors
+    assert session.prepare(PROMPT, [files["img"]]).n_image_tokens == 12
+
+
+def test_model_without_vision_is_an_error(fixture_dir):
+    # a text-only MoE model with the VL projector (n_embd mismatch), and a text GGUF as the projector
+    with pytest.raises(vlm.VLMError, match="projector"):
+        vlm.Session(fixture_dir / "qwen3moe.gguf", fixture_dir / "qwen3vlmoe-mmproj.gguf", n_ctx=128)
+    with pytest.raises(vlm.VLMError, match="projector"):
+        vlm.Session(fixture_dir / "qwen3vlmoe.gguf", fixture_dir / "qwen3moe.gguf", n_ctx=128)
