@@ -70,16 +70,18 @@ class VLMError(RuntimeError):
 # --------------------------------------------------------------------------
 # native additions (optional: used when this libllama/libmtmd has them)
 # --------------------------------------------------------------------------
-def _native_fn(name: str):
-    return getattr(_native, name, None)
+def _native_has(*names: str) -> bool:
+    return all(callable(getattr(_native, n, None)) for n in names)
 
 
 def native_saliency_available() -> bool:
-    return _native_fn("mtmd_saliency_available") is not None and bool(_native.mtmd_saliency_available())
+    """The build has the encoder-saliency functions (docs/vlm-native-api.md section 1)."""
+    return _native_has("saliency_enable", "mtmd_saliency")
 
 
 def native_layer_limit_available() -> bool:
-    return _native_fn("set_layer_limit") is not None
+    """The build has the layer limit and in-memory routing capture (docs/vlm-native-api.md 2-3)."""
+    return _native_has("set_layer_limit", "moe_capture", "moe_routes")
 
 
 # --------------------------------------------------------------------------
@@ -260,6 +262,7 @@ class Session:
         self.vocab = L.llama_model_get_vocab(self.model.model)
         self.info = _native.moe_info(self.model.model)
         self.marker = (M.mtmd_default_marker() or b"<__media__>").decode()
+        self.saliency_layers = 1          # last k encoder layers averaged for the attention saliency
 
     def _context_params(self):
         cp = L.llama_context_default_params()
@@ -431,7 +434,7 @@ class Session:
                       use_shadow: bool) -> np.ndarray:
         """Routing ids [n_layers, N, k] of all N image rows in the first n_layers MoE layers."""
         if not use_shadow:
-            return _native.probe_prefix_routing(self, rows, pos, n_past, n_layers, non_causal)
+            return self._probe_native(rows, pos, n_past, n_layers, non_causal)
         from . import trace as vtrace
         sh = self._shadow_ctx()
         off = Path(self._shadow_trace).stat().st_size
@@ -457,6 +460,33 @@ class Session:
                 raise VLMError(f"probe: layer {il} routed {len(t)} rows for {rows.shape[0]} image tokens")
             ids.append(t.ids)
         return np.stack(ids)
+
+    def moe_layers(self) -> list[int]:
+        """Model layer indices of the MoE layers (first_moe_layer onwards)."""
+        i = self.info
+        return list(range(i.first_moe_layer, i.n_layer)) if i.first_moe_layer >= 0 else []
+
+    def _probe_native(self, rows, pos, n_past, n_layers, non_causal) -> np.ndarray:
+        """Run all image rows through only the layers up to the n_layers-th MoE layer of the main context,
+        capture their routing in memory, then drop the probe's KV (llama_memory_seq_rm)."""
+        c = self.main
+        moe = self.moe_layers()[:n_layers]
+        limit = moe[-1] + 1
+        _native.moe_capture(c.ptr, True)
+        try:
+            _native.set_layer_limit(c.ptr, limit)
+            try:
+                self._decode_embd(c, rows, pos, non_causal)
+            finally:
+                _native.set_layer_limit(c.ptr, 0)
+            ids = [np.asarray(_native.moe_routes(c.ptr, il)) for il in moe]
+        finally:
+            _native.moe_capture(c.ptr, False)
+            L.llama_memory_seq_rm(L.llama_get_memory(c.ptr), 0, n_past, -1)
+        for il, x in zip(moe, ids):
+            if x.shape[0] != rows.shape[0]:
+                raise VLMError(f"probe: layer {il} routed {x.shape[0]} rows for {rows.shape[0]} image tokens")
+        return np.stack(ids).astype(np.int32)
 
     # ---- evaluation
     def eval_reference(self, prompt: str, images, chat_template: bool = True) -> tuple[np.ndarray, int]:
@@ -588,12 +618,24 @@ class Session:
         tm: dict[str, float] = {}
         t0 = time.perf_counter()
         want_attn = method in ("saliency", "affinity") and saliency != "entropy" and native_saliency_available()
-        if want_attn:
-            attn = _native.mtmd_encode_chunk_with_saliency(self.mctx, chunk, n)
-        else:
-            attn = None
+        attn = None
+        if want_attn:      # saliency only for this encode: other encodes stay upstream's graph
+            _native.saliency_enable(self.mctx, self.saliency_layers)
+        try:
             if M.mtmd_encode_chunk(self.mctx, chunk) != 0:
                 raise VLMError(f"encoding image {index} failed")
+            if want_attn:
+                try:
+                    attn = np.asarray(_native.mtmd_saliency(self.mctx), np.float64)
+                except _native.VisError as e:      # e.g. a projector without saliency support
+                    if saliency == "attention":
+                        raise VLMError(f"encoder saliency: {e}") from e
+                    attn = None
+                if attn is not None and attn.size != n:
+                    raise VLMError(f"encoder saliency has {attn.size} scores for {n} image tokens")
+        finally:
+            if want_attn:
+                _native.saliency_enable(self.mctx, 0)
         ptr = M.mtmd_get_output_embd(self.mctx)
         if not ptr:
             raise VLMError(f"image {index}: the encoder returned no embeddings")

@@ -207,3 +207,36 @@ def test_missing_inputs_and_unknown_method():
         prune.select("saliency", 4, 0.5, saliency=[1, 2, 3])
     with pytest.raises(prune.PruneError, match="affinity"):
         prune.select("affinity", 4, 0.5, saliency=np.zeros(4))
+
+
+# --------------------------------------------------------------------------
+# concentration numbers of pyvis prune-report (pure numpy)
+# --------------------------------------------------------------------------
+def test_concentration_numbers():
+    from pyvis import prune_report as pr
+    E = 8
+    # layer 0: every token uses experts {0, 1}; layer 1: tokens spread over all 8 experts, 2 each
+    l0 = np.tile([0, 1], (8, 1))
+    l1 = np.array([[2 * (i % 4), 2 * (i % 4) + 1] for i in range(8)])
+    c = pr.concentration(np.stack([l0, l1]), E)
+    assert c["n_tokens"] == 8
+    assert c["distinct"] == [2, 8]
+    assert c["entropy"][0] == pytest.approx(math.log(2) / math.log(8)) and c["entropy"][1] == pytest.approx(1.0)
+    assert c["topk_cov"] == [1.0, pytest.approx(4 / 16)]
+    # layer 1's experts given layer 0's: the table cannot tell the tokens apart -> recall = 2/8 per token... x k
+    assert c["xl_recall"] == [pytest.approx(0.25)]
+    assert c["mean"]["distinct"] == 5.0
+    # a perfectly predictable pair of layers
+    c2 = pr.concentration(np.stack([l1, (l1 + 1) % E]), E)
+    assert c2["xl_recall"] == [pytest.approx(1.0)]
+    assert pr.usage(np.stack([l0]), E).tolist() == [[8, 8, 0, 0, 0, 0, 0, 0]]
+    empty = pr.concentration(np.zeros((2, 0, 2), np.int64), E)
+    assert empty["n_tokens"] == 0 and math.isnan(empty["mean"]["distinct"])
+
+
+def test_heatmap_png(tmp_path):
+    from pyvis import prune_report as pr
+    p = pr.write_heatmaps({"a": np.array([[1, 0, 3], [2, 2, 0]]), "b": np.array([[0, 0, 4], [1, 1, 1]])},
+                          tmp_path / "h.png", title="t", layers=[3, 4])
+    data = p.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 100
