@@ -138,3 +138,43 @@ def test_model_without_vision_is_an_error(fixture_dir):
         vlm.Session(fixture_dir / "qwen3moe.gguf", fixture_dir / "qwen3vlmoe-mmproj.gguf", n_ctx=128)
     with pytest.raises(vlm.VLMError, match="projector"):
         vlm.Session(fixture_dir / "qwen3vlmoe.gguf", fixture_dir / "qwen3moe.gguf", n_ctx=128)
+
+
+def _cli(argv, capsys):
+    from pyvis import cli
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_chat_cli(files, capsys):
+    base = ["chat", "-m", files["model"], "--mmproj", files["mmproj"], "--image", files["img"], "-c", 512, "-t", 2]
+    rc, out, err = _cli(base + ["--image", files["big"], "--keep-ratio", 0.5, "--prune-method", "affinity", "-n", 3,
+                                "--moe-slots", 8, "--moe-pinned-layers", 1], capsys)
+    assert rc == 0, err
+    assert "image tokens: kept 16 of 32 (affinity, keep ratio 0.5)" in err
+    assert "[image 0] 4x3 grid: kept 6/12" in err and "[image 1] 5x4 grid: kept 10/20" in err
+    assert "expert cache (prefill): hit rate" in err and "prefill" in err
+    rc, out, err = _cli(base + ["--keep-ratio", 1.5], capsys)
+    assert rc == 1 and "keep ratio must be in (0, 1]" in err
+    rc, out, err = _cli(["chat", "-m", files["model"], "--mmproj", files["mmproj"], "--image",
+                         files["dir"] / "nope.png"], capsys)
+    assert rc == 1 and "image not found" in err
+
+
+def test_prune_report_cli(files, tmp_path, capsys):
+    import json
+    rc, out, err = _cli(["prune-report", "-m", files["model"], "--mmproj", files["mmproj"], "--image", files["big"],
+                         "--methods", "random", "affinity", "--keep-ratio", 0.5, "--moe-slots", 8,
+                         "--moe-pinned-layers", 1, "-c", 512, "-t", 2, "-o", tmp_path, "--name", "fx"], capsys)
+    assert rc == 0, err
+    res = json.loads((tmp_path / "fx.json").read_text())["results"]
+    assert [(r["method"], r["keep_ratio"], r["n_image_kept"]) for r in res] == \
+        [("none", 1.0, 20), ("random", 0.5, 10), ("affinity", 0.5, 10)]
+    for r in res:
+        assert r["image"]["n_tokens"] == r["n_image_kept"]
+        assert all(1 <= d <= 16 for d in r["image"]["distinct"])
+        assert 0 < r["cache"]["hit_rate"] < 1 and r["cache"]["n_hits"] + r["cache"]["n_misses"] == r["cache"]["n_routed"]
+    assert res[2]["timings_ms"]["probe"] > 0 and res[1]["timings_ms"]["probe"] == 0
+    assert (tmp_path / "fx-affinity-0.5.png").read_bytes()[:4] == b"\x89PNG"
+    assert "affinity   0.50   10/20" in out
