@@ -17,6 +17,9 @@ expert cache), and the report gives:
     layer l's through a co-occurrence table fitted on the same tokens
     (:func:`pyvis.routing_report.cross_layer_recall`, ``train_frac=None``), mean over l;
 
+* **fidelity proxies**: ``KL`` = KL(unpruned || pruned) of the next-token distribution after the
+  prompt (nats), and ``sal_mass`` = saliency mass of the kept tokens / that of the top-|K| most
+  salient tokens (1 for saliency-only; methods that compute saliency only);
 * PNG heatmaps (expert id x layer) of expert usage share for text / raw image / pruned image
   (VisMMOE Fig. 1-3), one file per method and keep ratio, and a JSON with every number.
 
@@ -139,10 +142,11 @@ def write_heatmaps(panels: dict[str, np.ndarray], path: str | Path, title: str =
 # --------------------------------------------------------------------------
 # running the configurations
 # --------------------------------------------------------------------------
-def _split_trace(path, n_expert: int):
-    """Decode trace -> (text ids [L, Nt, k], image ids [L, Ni, k], layers), full layers only."""
-    from . import trace as vtrace
-    t = vtrace.read(path)
+def _split_trace(p, path):
+    """Decode trace (without the prefix probe) -> (text ids [L, Nt, k], image ids [L, Ni, k], layers),
+    full layers only."""
+    from .vlm import read_decode_trace
+    t = read_decode_trace(p, path)
     per = {int(il): t.for_layer(int(il)) for il in t.layers()}
     n = max(len(x) for x in per.values())
     layers = [il for il, x in per.items() if len(x) == n]
@@ -161,6 +165,7 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
     tr = tmp_dir / f"{method}-{keep_ratio:g}.trace"
     base = moe or MoeParams()
     prefill, rows = [], None
+    prep_kw.setdefault("keep_scores", True)
     for r in range(max(1, repeat)):
         params = MoeParams(base.slots, base.cache_mib, base.pinned_layers, False, str(tr) if r == 0 else None)
         with vlm.Session(model, mmproj, moe=params, **(session_kw or {})) as s:
@@ -170,7 +175,7 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
         if r == 0:
             rows = p
     p = rows
-    txt, img, layers = _split_trace(tr, info.n_expert)
+    txt, img, layers = _split_trace(p, tr)
     st = p.moe_stats
     out = {"method": method, "keep_ratio": keep_ratio, "n_image_tokens": p.n_image_tokens,
            "n_image_kept": p.n_image_kept, "n_text_tokens": p.n_text_tokens,
@@ -183,13 +188,33 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
             "n_calls": st.n_calls},
            "text": concentration(txt, info.n_expert), "image": concentration(img, info.n_expert),
            "usage_text": usage(txt, info.n_expert).tolist(), "usage_image": usage(img, info.n_expert).tolist()}
+    # saliency mass kept, relative to the best possible at this budget (top-|K| by saliency): 1 = saliency-only
+    masses = []
+    for im in p.images:
+        sal = im.scores.get("saliency")
+        if sal is not None and im.n_kept:
+            best = np.sort(sal)[::-1][:im.n_kept].sum()
+            masses.append(float(sal[im.kept].sum() / best) if best > 0 else 1.0)
+    out["saliency_mass"] = float(np.mean(masses)) if masses else None
+    out["alpha"] = prep_kw.get("alpha")
+    out["logits"] = p.logits           # dropped before writing JSON
     tr.unlink(missing_ok=True)
     return out
 
 
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> float:
+    """KL(softmax(ref) || softmax(logits)) in nats: how far pruning moved the next-token distribution."""
+    a = np.asarray(ref_logits, np.float64)
+    b = np.asarray(logits, np.float64)
+    la = a - a.max() - np.log(np.exp(a - a.max()).sum())
+    lb = b - b.max() - np.log(np.exp(b - b.max()).sum())
+    return float((np.exp(la) * (la - lb)).sum())
+
+
 def format_table(results: list[dict]) -> str:
-    head = (f"{'method':9s} {'keep':>5s} {'img kept':>9s} {'prefill ms':>10s} {'score ms':>8s} {'probe ms':>8s} "
-            f"{'distinct':>8s} {'H':>6s} {'topk_cov':>8s} {'xl_rec':>6s} {'hit%':>6s} {'MiB load':>8s} {'passes':>6s}")
+    head = (f"{'method':14s} {'keep':>5s} {'img kept':>9s} {'prefill ms':>10s} {'score ms':>8s} {'probe ms':>8s} "
+            f"{'distinct':>8s} {'H':>6s} {'topk_cov':>8s} {'xl_rec':>6s} {'hit%':>6s} {'MiB load':>8s} {'passes':>6s} "
+            f"{'KL':>7s} {'sal_mass':>8s}")
     out = [head]
     for r in results:
         c = r["image"]["mean"]
@@ -198,10 +223,13 @@ def format_table(results: list[dict]) -> str:
         hit = f"{100 * cache['hit_rate']:6.1f}" if cache else "     -"
         mib = f"{cache['bytes_loaded'] / (1 << 20):8.2f}" if cache else "       -"
         passes = f"{cache['n_passes']:6d}" if cache else "     -"
-        out.append(f"{r['method']:9s} {r['keep_ratio']:5.2f} {r['n_image_kept']:4d}/{r['n_image_tokens']:<4d} "
+        name = r["method"] + (f" a={r['alpha']:g}" if r["method"] == "affinity" else "")
+        kl = f"{r['kl']:7.4f}" if r.get("kl") is not None else "      -"
+        sm = f"{r['saliency_mass']:8.3f}" if r.get("saliency_mass") is not None else "       -"
+        out.append(f"{name:14s} {r['keep_ratio']:5.2f} {r['n_image_kept']:4d}/{r['n_image_tokens']:<4d} "
                    f"{r['prefill_ms']:10.1f} {t.get('score', 0):8.2f} {t.get('probe', 0):8.1f} "
                    f"{c['distinct']:8.2f} {c['entropy']:6.3f} {c['topk_cov']:8.3f} {c['xl_recall']:6.3f} "
-                   f"{hit} {mib} {passes}")
+                   f"{hit} {mib} {passes} {kl} {sm}")
     return "\n".join(out)
 
 
@@ -218,18 +246,28 @@ def _cmd(args) -> int:
     moe = MoeParams(args.moe_slots or 0, args.moe_cache_mib or 0, args.moe_pinned_layers or 0)
     session_kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                       n_threads=args.threads, verbose=args.verbose)
-    prep = dict(alpha=args.alpha, lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
+    prep = dict(lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
                 seed=args.seed, chat_template=not args.no_chat_template)
-    configs = [("none", 1.0)] + [(m, b) for b in ratios for m in methods if m != "none" and b < 1.0]
+    alphas = args.alpha
+    configs = [("none", 1.0, alphas[0])]
+    for b in ratios:
+        for m in methods:
+            if m == "none" or b >= 1.0:
+                continue
+            for a in (alphas if m == "affinity" else alphas[:1]):
+                if m == "affinity" and a > b:
+                    continue
+                configs.append((m, b, a))
     out_dir = Path(args.out_dir) if args.out_dir else None
     tmp = (out_dir or Path(".")) / ".prune-report-tmp"
     results = []
     t0 = time.monotonic()
     try:
-        for i, (m, b) in enumerate(configs):
-            _progress(f"{i + 1}/{len(configs)} {m} keep {b:g} ({time.monotonic() - t0:.1f} s)")
+        for i, (m, b, a) in enumerate(configs):
+            _progress(f"{i + 1}/{len(configs)} {m} keep {b:g}" + (f" alpha {a:g}" if m == "affinity" else "") +
+                      f" ({time.monotonic() - t0:.1f} s)")
             results.append(run_config(args.model, args.mmproj, args.prompt, args.image, m, b, tmp_dir=tmp, moe=moe,
-                                      session_kw=session_kw, repeat=args.repeat, **prep))
+                                      session_kw=session_kw, repeat=args.repeat, alpha=a, **prep))
     except (vlm.VLMError, prune.PruneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -237,6 +275,10 @@ def _cmd(args) -> int:
         if tmp.is_dir() and not any(tmp.iterdir()):
             tmp.rmdir()
     raw = results[0]
+    for r in results:
+        r["kl"] = kl_divergence(raw["logits"], r["logits"])
+    for r in results:
+        del r["logits"]
     info = f"{Path(args.model).name}: top-{raw['k']} of {raw['n_expert']} experts, MoE layers {raw['layers']}"
     print(f"prune report: {info}; {raw['n_text_tokens']} text + {raw['n_image_tokens']} image tokens")
     if moe.slots or moe.cache_mib:
@@ -256,9 +298,10 @@ def _cmd(args) -> int:
         for r in results[1:] or results:
             panels = {f"text ({raw['n_text_tokens']} tok)": np.array(raw["usage_text"]),
                       f"raw image ({raw['n_image_tokens']} tok)": np.array(raw["usage_image"])}
+            tag = r["method"] + (f"-a{r['alpha']:g}" if r["method"] == "affinity" and len(args.alpha) > 1 else "")
             if r is not raw:
-                panels[f"{r['method']} keep {r['keep_ratio']:g} ({r['n_image_kept']} tok)"] = np.array(r["usage_image"])
-            pngs.append(write_heatmaps(panels, out_dir / f"{stem}-{r['method']}-{r['keep_ratio']:g}.png",
+                panels[f"{tag} keep {r['keep_ratio']:g} ({r['n_image_kept']} tok)"] = np.array(r["usage_image"])
+            pngs.append(write_heatmaps(panels, out_dir / f"{stem}-{tag}-{r['keep_ratio']:g}.png",
                                        title=f"{stem}: expert usage share per MoE layer", layers=raw["layers"]))
         (out_dir / f"{stem}.json").write_text(json.dumps({"model": args.model, "mmproj": args.mmproj,
                                                           "images": args.image, "prompt": args.prompt,
@@ -285,7 +328,7 @@ def register(sub) -> None:
                    choices=list(prune.METHODS), help="methods to compare with none (default: all)")
     s.add_argument("--keep-ratio", type=float, nargs="+", default=[0.7, 0.5], help="keep ratios (default: 0.7 0.5;"
                    " 1.0 = the unpruned run, always included)")
-    _common_prune_args(s)
+    _common_prune_args(s, many_alphas=True)
     s.add_argument("--repeat", type=int, default=1, help="prefills per configuration; the median time is "
                    "reported (default: 1)")
     s.add_argument("-o", "--out-dir", help="write NAME-METHOD-KEEP.png heatmaps and NAME.json here")
@@ -293,11 +336,16 @@ def register(sub) -> None:
     s.set_defaults(fn=_cmd)
 
 
-def _common_prune_args(s, moe_trace: bool = False) -> None:
+def _common_prune_args(s, moe_trace: bool = False, many_alphas: bool = False) -> None:
     """Options shared by `pyvis chat` and `pyvis prune-report`."""
     g = s.add_argument_group("pruning")
-    g.add_argument("--alpha", type=float, default=prune.DEFAULT_ALPHA,
-                   help=f"affinity: salient core ratio alpha (default: {prune.DEFAULT_ALPHA})")
+    if many_alphas:
+        g.add_argument("--alpha", type=float, nargs="+", default=[prune.DEFAULT_ALPHA],
+                       help=f"affinity: salient core ratio(s) alpha; several values = one affinity run each "
+                       f"(default: {prune.DEFAULT_ALPHA})")
+    else:
+        g.add_argument("--alpha", type=float, default=prune.DEFAULT_ALPHA,
+                       help=f"affinity: salient core ratio alpha (default: {prune.DEFAULT_ALPHA})")
     g.add_argument("--lambda", dest="lam", type=float, default=prune.DEFAULT_LAMBDA,
                    help=f"affinity: trade-off weight lambda (default: {prune.DEFAULT_LAMBDA:g})")
     g.add_argument("--prefix-layers", type=int, default=1,

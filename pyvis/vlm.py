@@ -121,6 +121,8 @@ class ImageReport:
     scores: dict = field(default_factory=dict)   # name -> [N] in [0, 1]
     prefix_ids: np.ndarray | None = None         # [L, N, k] prefix routing (affinity)
     timings_ms: dict = field(default_factory=dict)
+    probe: str = ""                              # "native", "shadow" or "" (no probe)
+    probe_trace_bytes: tuple | None = None       # (start, end) of the native probe's records in the --moe-trace file
 
 
 @dataclass
@@ -466,10 +468,16 @@ class Session:
         i = self.info
         return list(range(i.first_moe_layer, i.n_layer)) if i.first_moe_layer >= 0 else []
 
+    def _trace_size(self) -> int | None:
+        tr = self.moe.trace if self.moe is not None else None
+        return os.path.getsize(tr) if tr and os.path.exists(tr) else None
+
     def _probe_native(self, rows, pos, n_past, n_layers, non_causal) -> np.ndarray:
         """Run all image rows through only the layers up to the n_layers-th MoE layer of the main context,
         capture their routing in memory, then drop the probe's KV (llama_memory_seq_rm)."""
         c = self.main
+        self._last_probe_bytes = None
+        t_start = self._trace_size()
         moe = self.moe_layers()[:n_layers]
         limit = moe[-1] + 1
         _native.moe_capture(c.ptr, True)
@@ -483,6 +491,8 @@ class Session:
         finally:
             _native.moe_capture(c.ptr, False)
             L.llama_memory_seq_rm(L.llama_get_memory(c.ptr), 0, n_past, -1)
+            if t_start is not None:     # the trace is flushed after every ubatch
+                self._last_probe_bytes = (t_start, self._trace_size())
         for il, x in zip(moe, ids):
             if x.shape[0] != rows.shape[0]:
                 raise VLMError(f"probe: layer {il} routed {x.shape[0]} rows for {rows.shape[0]} image tokens")
@@ -656,6 +666,7 @@ class Session:
         prefix = None
         masks = None
         tm["probe"] = 0.0
+        self._last_probe_bytes = None
         if method == "affinity":
             t0 = time.perf_counter()
             non_causal = bool(M.mtmd_decode_use_non_causal(self.mctx, chunk))
@@ -678,7 +689,9 @@ class Session:
         for k, v in tm.items():
             T[k] = T.get(k, 0.0) + v
         return ImageReport(index, n, len(kept), nx, ny, n_pos, n_past, kept, kpos, src,
-                           scores if keep_scores else {}, prefix, tm)
+                           scores if keep_scores else {}, prefix, tm,
+                           ("shadow" if use_shadow else "native") if method == "affinity" else "",
+                           self._last_probe_bytes)
 
     # ---- generation
     def generate(self, p: Prepared, n_predict: int = 32, temp: float = 0.0, seed: int = 0, top_k: int = 40,
@@ -712,6 +725,28 @@ class Session:
             logits = self._last_logits()
         p.timings_ms["generate"] = _ms(t0)
         return out.decode("utf-8", errors="replace")
+
+
+def read_decode_trace(p: Prepared, path):
+    """The --moe-trace file of a prepared prompt without the native prefix probe's records (the probe runs in
+    the same context, so its routing lands in the same trace)."""
+    from . import trace as vtrace
+    data = Path(path).read_bytes()
+    cuts = sorted(im.probe_trace_bytes for im in p.images if im.probe_trace_bytes)
+    if not cuts:
+        return vtrace.read(path)
+    keep, at = [], 0
+    for a, b in cuts:
+        keep.append(data[at:a])
+        at = b
+    keep.append(data[at:])
+    fd, tmp = tempfile.mkstemp(suffix=".trace")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(keep))
+        return vtrace.read(tmp)
+    finally:
+        os.unlink(tmp)
 
 
 def _ms(t0: float) -> float:

@@ -72,8 +72,8 @@ def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     assert (im.nx, im.ny, im.n_tokens) == (5, 4, 20) == (*mm.expected_image_tokens(160, 128), 20)
     assert im.n_kept == 10 and np.all(np.diff(im.kept) > 0)
     assert np.array_equal(im.positions, _expected_positions(im.pos_0, im.nx, im.kept))
-    # what llama.cpp saw: layer 0 of the decode trace
-    t = vtrace.read(tr).for_layer(0)
+    # what llama.cpp saw: layer 0 of the decode trace (without the native prefix probe's records)
+    t = vlm.read_decode_trace(p, tr).for_layer(0)
     img = t.modality == 1
     assert img.sum() == im.n_kept
     assert set(t.pos[img].tolist()) == {im.pos_0}                     # section 0 (t) of every kept token
@@ -82,20 +82,50 @@ def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     assert p.n_past == t.pos.max() + 1
 
 
-def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path):
+PROBES = ["shadow"] + (["native"] if vlm.native_layer_limit_available() else [])
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("prefix_layers", [1, 2])
+def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, prefix_layers):
     tr = tmp_path / "full.trace"
+    prompt = f"{vlm.M.mtmd_default_marker().decode()} and {vlm.M.mtmd_default_marker().decode()}: " + PROMPT
+    imgs = [files["img"], files["big"]]     # the second image's probe sees the first (pruned) image
     with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2,
                      moe=vlm.MoeParams(trace=str(tr))) as s:
-        s.prepare(PROMPT, [files["big"]], method="none")
-    full = vtrace.read(tr).for_layer(0)
+        s.prepare(prompt, imgs, method="none")
+    full = vtrace.read(tr)
     with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2) as s:
-        p = s.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method="affinity", alpha=0.1, keep_scores=True)
+        ref, _ = s.eval_reference(prompt, imgs)
+        p = s.prepare(prompt, imgs, keep_ratio=0.5, method="affinity", alpha=0.1, keep_scores=True, probe=probe,
+                      prefix_layers=prefix_layers)
+        # the probe left no trace in the context: keep ratio 1 after it is still upstream, bit for bit
+        q = s.prepare(prompt, imgs, keep_ratio=1.0, method="affinity", probe=probe)
+        assert np.array_equal(_bits(q.logits), _bits(ref))
+    # first image: same left context as the unpruned run -> identical prefix routing
     im = p.images[0]
-    assert im.prefix_ids.shape == (1, 20, 4)
-    assert np.array_equal(im.prefix_ids[0], full.ids[full.modality == 1])
+    assert im.probe == probe and im.prefix_ids.shape == (prefix_layers, 12, 4)
+    for l in range(prefix_layers):
+        lt = full.for_layer(l)
+        assert np.array_equal(im.prefix_ids[l], lt.ids[lt.modality == 1][:12])
     # the kept set is Algorithm 1 on the scores and prefix routing the session used
-    want = prune.affinity_select(im.scores["saliency"], prune.expert_masks(im.prefix_ids, 16), 0.5, 0.1, 2.0)
-    assert im.kept.tolist() == want.tolist()
+    for im in p.images:
+        want = prune.affinity_select(im.scores["saliency"], prune.expert_masks(im.prefix_ids, 16), 0.5, 0.1, 2.0)
+        assert im.kept.tolist() == want.tolist()
+    assert p.images[1].prefix_ids.shape == (prefix_layers, 20, 4)
+
+
+@pytest.mark.skipif(len(PROBES) < 2, reason="this build has no native layer limit")
+def test_native_probe_equals_shadow_probe(files):
+    prompt = f"{vlm.M.mtmd_default_marker().decode()} and {vlm.M.mtmd_default_marker().decode()}: " + PROMPT
+    imgs = [files["big"], files["img"]]
+    out = {}
+    for probe in ("shadow", "native"):
+        with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=2) as s:
+            out[probe] = s.prepare(prompt, imgs, keep_ratio=0.5, method="affinity", probe=probe, prefix_layers=2)
+    for a, b in zip(out["shadow"].images, out["native"].images):
+        assert np.array_equal(a.prefix_ids, b.prefix_ids) and a.kept.tolist() == b.kept.tolist()
+    assert np.array_equal(_bits(out["shadow"].logits), _bits(out["native"].logits))
 
 
 def test_generate_continues_after_pruned_image(session, files):
@@ -177,4 +207,5 @@ def test_prune_report_cli(files, tmp_path, capsys):
         assert 0 < r["cache"]["hit_rate"] < 1 and r["cache"]["n_hits"] + r["cache"]["n_misses"] == r["cache"]["n_routed"]
     assert res[2]["timings_ms"]["probe"] > 0 and res[1]["timings_ms"]["probe"] == 0
     assert (tmp_path / "fx-affinity-0.5.png").read_bytes()[:4] == b"\x89PNG"
-    assert "affinity   0.50   10/20" in out
+    assert "affinity a=0.1  0.50   10/20" in out
+    assert res[0]["kl"] == 0.0 and res[1]["kl"] > 0 and 0 < res[2]["saliency_mass"] <= 1
