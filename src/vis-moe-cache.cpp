@@ -14,6 +14,7 @@
 // a final get_rows copies each pair from the pass that owned its expert.  Each
 // real expert therefore sees exactly the rows it sees upstream.
 #include "vis-moe.h"
+#include "vis-vlm.h"  // vis_set_last_error
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -44,6 +45,10 @@ static thread_local std::string g_last_error;
 
 const char * llama_vis_last_error(void) {
     return g_last_error.c_str();
+}
+
+void vis_set_last_error(const std::string & msg) {  // for the other vis-*.cpp (vis-vlm.h)
+    g_last_error = msg;
 }
 
 static std::mutex           g_params_mutex;
