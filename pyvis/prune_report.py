@@ -20,6 +20,8 @@ expert cache), and the report gives:
 * **fidelity proxies**: ``KL`` = KL(unpruned || pruned) of the next-token distribution after the
   prompt (nats), and ``sal_mass`` = saliency mass of the kept tokens / that of the top-|K| most
   salient tokens (1 for saliency-only; methods that compute saliency only);
+* ``core_coverage`` (JSON, affinity): share of the prefix experts the salient core already uses;
+  near 1 the affinity term cannot discriminate (every token's experts are in E_target);
 * PNG heatmaps (expert id x layer) of expert usage share for text / raw image / pruned image
   (VisMMOE Fig. 1-3), one file per method and keep ratio, and a JSON with every number.
 
@@ -108,7 +110,7 @@ def write_heatmaps(panels: dict[str, np.ndarray], path: str | Path, title: str =
         import matplotlib.ticker
         n = len(shares)
         L, E = next(iter(shares.values())).shape
-        fig, axes = plt.subplots(1, n, figsize=(max(3.5, 0.16 * E + 1.2) * n + 1.2, max(2.4, 0.3 * L + 1.6)),
+        fig, axes = plt.subplots(1, n, figsize=(n * min(6.0, 2.5 + 0.05 * E) + 1.2, min(9.0, max(2.4, 0.22 * L + 1.6))),
                                  squeeze=False, layout="constrained")
         im = None
         names = layers if layers is not None and len(layers) == L else list(range(L))
@@ -196,6 +198,8 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
             best = np.sort(sal)[::-1][:im.n_kept].sum()
             masses.append(float(sal[im.kept].sum() / best) if best > 0 else 1.0)
     out["saliency_mass"] = float(np.mean(masses)) if masses else None
+    cov = [im.core_coverage for im in p.images if im.core_coverage is not None]
+    out["core_coverage"] = float(np.mean(cov)) if cov else None
     out["alpha"] = prep_kw.get("alpha")
     out["logits"] = p.logits           # dropped before writing JSON
     tr.unlink(missing_ok=True)

@@ -123,6 +123,7 @@ class ImageReport:
     timings_ms: dict = field(default_factory=dict)
     probe: str = ""                              # "native", "shadow" or "" (no probe)
     probe_trace_bytes: tuple | None = None       # (start, end) of the native probe's records in the --moe-trace file
+    core_coverage: float | None = None           # affinity: |E_target| / (prefix layers x n_expert)
 
 
 @dataclass
@@ -157,6 +158,8 @@ class Prepared:
                f"({self.method}, keep ratio {self.keep_ratio:g}); text tokens: {self.n_text_tokens}"]
         for im in self.images:
             src = f", saliency from {im.saliency_source}" if im.saliency_source else ""
+            if im.core_coverage is not None:
+                src += f", {im.probe} probe, core covers {100 * im.core_coverage:.0f}% of the prefix experts"
             out.append(f"  image {im.index}: {im.nx}x{im.ny} grid, kept {im.n_kept}/{im.n_tokens}{src}")
         keys = ["tokenize", "encode", "score", "probe", "select", "decode_image", "decode_text", "prefill"]
         out.append("timings: " + ", ".join(f"{k} {t.get(k, 0.0):.1f} ms" for k in keys if k in t))
@@ -674,8 +677,13 @@ class Session:
             masks = prune.expert_masks(prefix, self.info.n_expert)
             tm["probe"] = _ms(t0)
         t0 = time.perf_counter()
-        kept = prune.select(method, n, keep_ratio, saliency=scores.get("saliency"), entropy=scores.get("entropy"),
-                            masks=masks, alpha=alpha, lam=lam, seed=seed, min_keep=min_keep)
+        coverage = None
+        if method == "affinity":
+            kept, d = prune.affinity_select(scores["saliency"], masks, keep_ratio, alpha, lam, min_keep, details=True)
+            coverage = float(d["target"].mean()) if d["target"].size else 0.0
+        else:
+            kept = prune.select(method, n, keep_ratio, saliency=scores.get("saliency"), entropy=scores.get("entropy"),
+                                masks=masks, alpha=alpha, lam=lam, seed=seed, min_keep=min_keep)
         tm["select"] = _ms(t0)
         kpos = pos[:, kept]
         if not self.mrope:       # contiguous positions required: renumber (docs/pruning.md)
@@ -691,7 +699,7 @@ class Session:
         return ImageReport(index, n, len(kept), nx, ny, n_pos, n_past, kept, kpos, src,
                            scores if keep_scores else {}, prefix, tm,
                            ("shadow" if use_shadow else "native") if method == "affinity" else "",
-                           self._last_probe_bytes)
+                           self._last_probe_bytes, coverage)
 
     # ---- generation
     def generate(self, p: Prepared, n_predict: int = 32, temp: float = 0.0, seed: int = 0, top_k: int = 40,
