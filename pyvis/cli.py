@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune_report._common_prune_args(s, moe_trace=True)
     s.set_defaults(fn=_cmd_chat)
 
-    from . import moefy, quality, routing_report; [m.register(sub) for m in (moefy, routing_report, quality, prune_report)]  # noqa: E702,E501
+    from . import moefy, prune_eval, quality, routing_report  # noqa: E401
+    for m in (moefy, routing_report, quality, prune_report, prune_eval):
+        m.register(sub)
     return p
 
 

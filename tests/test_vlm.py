@@ -209,3 +209,34 @@ def test_prune_report_cli(files, tmp_path, capsys):
     assert (tmp_path / "fx-affinity-0.5.png").read_bytes()[:4] == b"\x89PNG"
     assert "affinity a=0.1  0.50   10/20" in out
     assert res[0]["kl"] == 0.0 and res[1]["kl"] > 0 and 0 < res[2]["saliency_mass"] <= 1
+
+
+def test_prune_eval_harness(files, tmp_path, capsys):
+    import json
+    from pyvis import prune_eval as pe
+    d = tmp_path / "ds"
+    d.mkdir()
+    rows = [{"image": str(files["img"]), "question": "What is shown?", "answer": "placeholder"},
+            {"image": [str(files["big"]), str(files["img"])], "question": "Compare.", "answer": ["x", "y"]}]
+    (d / "items.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    argv = ["prune-eval", "-m", files["model"], "--mmproj", files["mmproj"], "--items", d, "--methods", "affinity",
+            "random", "--keep-ratio", 0.5, "-n", 3, "-c", 512, "-t", 2, "--json", tmp_path / "r.json"]
+    rc, out, err = _cli(argv, capsys)
+    assert rc == 0, err
+    res = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [(r["method"], r["keep_ratio"], r["n"]) for r in res] == [("none", 1.0, 2), ("affinity", 0.5, 2),
+                                                                    ("random", 0.5, 2)]
+    assert res[0]["kept_mean"] == 22.0 and res[1]["kept_mean"] == 11.0     # (12 + 20 + 12 tokens) / 2 items
+    # make the unpruned run's own answers the ground truth: it must then score 1.0 (the scorer works)
+    for r, it in zip(rows, res[0]["items"]):
+        r["answer"] = it["prediction"].upper() + "."
+    (d / "items.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc, out, err = _cli(argv, capsys)
+    res = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert res[0]["accuracy"] == 1.0 and res[0]["correct"] == 2
+    assert "none       1.00    1.000    2/2" in out
+    assert pe.is_match("The cat", ["the cat."]) and not pe.is_match("cats", ["cat"])
+    assert pe.is_match("cat, sitting", ["cat"], "prefix") and not pe.is_match("cats", ["cat"], "prefix")
+    (d / "items.jsonl").write_text('{"image": "nope.png", "question": "q", "answer": "a"}\n')
+    rc, out, err = _cli(argv, capsys)
+    assert rc == 1 and "image not found" in err
