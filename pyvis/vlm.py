@@ -185,7 +185,13 @@ def _check_file(path, what: str) -> str:
 class _Ctx:
     """A llama context (with its own llama_batch_ext) on the session's model."""
 
-    def __init__(self, model, params, moe: MoeParams | None, verbose: bool):
+    def __init__(self, model, params, moe: MoeParams | None, verbose: bool, borrowed=None):
+        if borrowed is not None:          # a context owned by someone else (a llama_cpp.Llama)
+            self.ctx, self.owned = borrowed, False
+            self.ptr = borrowed.ctx
+            self.batch = L.llama_batch_ext_init(self.ptr)
+            return
+        self.owned = True
         previous = _native.moe_default_params()
         _native.moe_set_params(moe or MoeParams())
         try:
@@ -203,7 +209,8 @@ class _Ctx:
             L.llama_batch_ext_free(self.batch)
             self.batch = None
         if self.ctx is not None:
-            self.ctx.close()
+            if self.owned:
+                self.ctx.close()
             self.ctx = None
 
     def memory_clear(self):
@@ -213,6 +220,10 @@ class _Ctx:
 class Session:
     """A model, its mmproj (libmtmd) and a llama context, for pruned multimodal prompts.
 
+    ``model_path`` is a GGUF path, or a loaded ``llama_cpp.Llama`` (e.g. from ``pyvis.moe.load``):
+    its model and context are then used as they are (its n_ctx, n_batch, threads and expert cache;
+    the session does not free them, and the Llama's own token bookkeeping does not see the prompt,
+    so generate through :meth:`Prepared.generate`).
     ``moe`` configures the fork's expert cache (:class:`pyvis.moe.MoeParams`; slots < n_expert turns
     it on).  ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch``
     defaults to it."""
@@ -221,27 +232,42 @@ class Session:
                  n_ubatch: int | None = None, n_threads: int | None = None, moe: MoeParams | None = None,
                  use_gpu: bool = True, n_gpu_layers: int = 0, image_max_tokens: int = -1,
                  verbose: bool = False):
-        model_path = _check_file(model_path, "model")
+        llm = model_path if isinstance(model_path, llama_cpp.Llama) else None
+        if llm is None:
+            model_path = _check_file(model_path, "model")
         mmproj_path = _check_file(mmproj_path, "mmproj")
         from llama_cpp import _logger
-        _logger.set_verbose(verbose)
+        if llm is None:
+            _logger.set_verbose(verbose)
         _set_quiet(not verbose)
         self.verbose = verbose
-        mp = L.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        try:
-            self.model = I.LlamaModel(path_model=model_path, params=mp, verbose=verbose)
-        except ValueError as e:
-            raise VLMError(f"failed to load model {model_path}: {e}") from e
+        self._owns_model = llm is None
+        if llm is None:
+            mp = L.llama_model_default_params()
+            mp.n_gpu_layers = n_gpu_layers
+            try:
+                self.model = I.LlamaModel(path_model=model_path, params=mp, verbose=verbose)
+            except ValueError as e:
+                raise VLMError(f"failed to load model {model_path}: {e}") from e
+        else:
+            self.model = llm._model
+            model_path = llm.model_path
+            n_ctx, n_batch = llm.n_ctx(), llm.n_batch
+            n_ubatch = llm.context_params.n_ubatch
+            n_threads = llm.context_params.n_threads_batch
         self.model_path, self.mmproj_path = model_path, mmproj_path
         nt = n_threads or max(1, min(os.cpu_count() or 1, 8))
         self.n_threads = nt
         self.n_batch = int(n_batch)
         self.n_ubatch = int(n_ubatch or n_batch)
         self.n_ctx = int(n_ctx)
-        self.moe = moe
         self._cparams = self._context_params()
-        self.main = _Ctx(self.model, self._cparams, moe, verbose)
+        if llm is None:
+            self.moe = moe
+            self.main = _Ctx(self.model, self._cparams, moe, verbose)
+        else:
+            self.main = _Ctx(None, None, None, verbose, borrowed=llm._ctx)
+            self.moe = moe if moe is not None else (MoeParams() if _native.moe_n_managed(self.main.ptr) else None)
         self._shadow: _Ctx | None = None
         self._shadow_trace: str | None = None
         mcp = M.mtmd_context_params_default()
@@ -292,7 +318,8 @@ class Session:
             Path(self._shadow_trace).unlink(missing_ok=True)
             self._shadow_trace = None
         if getattr(self, "model", None) is not None:
-            self.model.close()
+            if self._owns_model:
+                self.model.close()
             self.model = None
 
     def __enter__(self):
@@ -765,8 +792,9 @@ def prepare(model, prompt: str, images=(), *, mmproj=None, keep_ratio: float = 0
             session_kw: dict | None = None, **kw) -> Prepared:
     """One call: prompt + images + options -> a :class:`Prepared` context ready to ``generate``.
 
-    ``model`` is a :class:`Session`, or a GGUF path (then ``mmproj`` is required and a new session is
-    opened with ``session_kw``; close it with ``prepared.session.close()``). Other keywords go to
+    ``model`` is a :class:`Session`, a loaded ``llama_cpp.Llama`` (e.g. ``pyvis.moe.load(...)``) or a GGUF
+    path; for the last two ``mmproj`` is required and a new session is opened with ``session_kw``
+    (close it with ``prepared.session.close()``). Other keywords go to
     :meth:`Session.prepare` (alpha, lam, prefix_layers, saliency, seed, ...)."""
     if isinstance(model, Session):
         s = model

@@ -239,3 +239,18 @@ def test_prune_eval_harness(files, tmp_path, capsys):
     (d / "items.jsonl").write_text('{"image": "nope.png", "question": "q", "answer": "a"}\n')
     rc, out, err = _cli(argv, capsys)
     assert rc == 1 and "image not found" in err
+
+
+def test_session_on_a_loaded_llama(files):
+    import pyvis.moe
+    llm = pyvis.moe.load(str(files["model"]), slots=8, pinned_layers=1, n_ctx=512, n_threads=1, verbose=False)
+    s = vlm.Session(llm, files["mmproj"])
+    assert s.n_ctx == 512 and s.moe is not None
+    ref, _ = s.eval_reference(PROMPT, [files["big"]])
+    p = vlm.prepare(s, PROMPT, [files["big"]], keep_ratio=1.0, method="affinity")
+    assert np.array_equal(_bits(p.logits), _bits(ref))
+    p = s.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method="affinity")
+    assert p.n_image_kept == 10 and p.moe_stats is not None and p.moe_stats.n_routed > 0
+    s.close()                                  # leaves the Llama usable
+    assert llm.n_ctx() == 512 and llm.tokenize(b"hi")
+    del llm
