@@ -268,6 +268,7 @@ class Session:
         else:
             self.main = _Ctx(None, None, None, verbose, borrowed=llm._ctx)
             self.moe = moe if moe is not None else (MoeParams() if _native.moe_n_managed(self.main.ptr) else None)
+        self.n_ctx = int(L.llama_n_ctx(self.main.ptr))     # llama.cpp may round the requested size up
         self._shadow: _Ctx | None = None
         self._shadow_trace: str | None = None
         mcp = M.mtmd_context_params_default()
@@ -558,7 +559,8 @@ class Session:
                 alpha: float = prune.DEFAULT_ALPHA, lam: float = prune.DEFAULT_LAMBDA, prefix_layers: int = 1,
                 saliency: str = "auto", seed: int = 0, min_keep: int = 1, chat_template: bool = True,
                 probe: str = "auto", keep_scores: bool = False, progress=None) -> Prepared:
-        """Evaluate ``prompt`` with ``images`` (paths), pruning each image's tokens; see the module doc.
+        """Evaluate ``prompt`` with ``images`` (paths) on a cleared context, pruning each image's tokens;
+        see the module doc.
 
         method      none | random | saliency | entropy | affinity (pyvis.prune)
         keep_ratio  beta in (0, 1]: keep floor(beta N) tokens of each image (at least ``min_keep``)
@@ -600,6 +602,11 @@ class Session:
             for b in bms:
                 M.mtmd_bitmap_free(b)
         T["tokenize"] = _ms(t0)
+        n_need = int(M.mtmd_helper_get_n_tokens(chunks))
+        if n_need + 1 > self.n_ctx:      # the probe holds a whole image in the KV cache, so count all tokens
+            M.mtmd_input_chunks_free(chunks)
+            raise VLMError(f"the prompt has {n_need} tokens (text + unpruned images) but the context holds "
+                           f"{self.n_ctx}: raise the context size (-c)")
         self.reset()
         if use_shadow:
             self._shadow_ctx()

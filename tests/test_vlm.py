@@ -158,6 +158,11 @@ def test_bad_input_errors(session, files, tmp_path):
         session.prepare(PROMPT, [files["img"]], method="magic")
     with pytest.raises(vlm.VLMError, match="media markers"):
         session.prepare(f"{session.marker} {session.marker}", [files["img"]])
+    huge = mm.write_test_image(str(tmp_path / "huge.png"), 448, 448, seed=1)     # 196 tokens
+    with vlm.Session(files["model"], files["mmproj"], n_ctx=256, n_threads=1) as small:
+        with pytest.raises(vlm.VLMError, match="raise the context size"):
+            small.prepare(PROMPT, [huge, huge], keep_ratio=0.5, method="random")
+        assert small.prepare(PROMPT, [huge], keep_ratio=0.5, method="random").n_image_kept == 98
     # the session still works after the errors
     assert session.prepare(PROMPT, [files["img"]]).n_image_tokens == 12
 
