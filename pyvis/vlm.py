@@ -637,7 +637,7 @@ class Session:
                                            method if pruning else "none", alpha, lam, prefix_layers, saliency,
                                            seed + len(reports), min_keep, use_shadow, keep_scores, T)
                     reports.append(rep)
-                    n_past = rep.pos_0 + (rep.n_pos if self.mrope else rep.n_kept)
+                    n_past = next_position(rep.pos_0, rep.n_pos, rep.n_kept, self.mrope)
                     if progress:
                         progress(rep)
                 else:   # audio: upstream's path, unpruned
@@ -719,9 +719,7 @@ class Session:
             kept = prune.select(method, n, keep_ratio, saliency=scores.get("saliency"), entropy=scores.get("entropy"),
                                 masks=masks, alpha=alpha, lam=lam, seed=seed, min_keep=min_keep)
         tm["select"] = _ms(t0)
-        kpos = pos[:, kept]
-        if not self.mrope:       # contiguous positions required: renumber (docs/pruning.md)
-            kpos = (n_past + np.arange(len(kept), dtype=np.int64))[None, :]
+        kpos = kept_positions(pos, kept, n_past, self.mrope)
         t0 = time.perf_counter()
         non_causal = bool(M.mtmd_decode_use_non_causal(self.mctx, chunk))
         self._decode_embd(self.main, rows[kept], kpos, non_causal)
@@ -767,6 +765,28 @@ class Session:
             logits = self._last_logits()
         p.timings_ms["generate"] = _ms(t0)
         return out.decode("utf-8", errors="replace")
+
+
+def mrope_positions(pos_0: int, nx: int, n: int) -> np.ndarray:
+    """[4, n] (t, y, x, z) M-RoPE positions of an image's n tokens on an nx-wide merged grid, as
+    ``mtmd_image_tokens_get_decoder_pos`` gives them (section-major, llama's section order)."""
+    i = np.arange(n, dtype=np.int64)
+    return np.stack([np.full(n, pos_0, np.int64), pos_0 + i // nx, pos_0 + i % nx, np.zeros(n, np.int64)])
+
+
+def kept_positions(pos: np.ndarray, kept: np.ndarray, pos_0: int, mrope: bool) -> np.ndarray:
+    """Positions the kept tokens are decoded at: for M-RoPE their original (t, y, x, z) columns of
+    ``pos [4, N]``; otherwise renumbered ``pos_0 .. pos_0 + |K| - 1`` (llama.cpp requires contiguous
+    positions without M-RoPE)."""
+    kept = np.asarray(kept, np.int64)
+    if mrope:
+        return np.asarray(pos)[:, kept]
+    return (pos_0 + np.arange(kept.size, dtype=np.int64))[None, :]
+
+
+def next_position(pos_0: int, n_pos: int, n_kept: int, mrope: bool) -> int:
+    """n_past after an image: the unpruned extent (n_pos = max(nx, ny)) for M-RoPE, else the kept count."""
+    return pos_0 + (n_pos if mrope else n_kept)
 
 
 def read_decode_trace(p: Prepared, path):

@@ -62,6 +62,19 @@ def _expected_positions(pos_0, nx, idx):
     return np.stack([np.full(idx.size, pos_0), pos_0 + idx // nx, pos_0 + idx % nx, np.zeros(idx.size, int)])
 
 
+def test_position_rules():
+    # M-RoPE: the kept columns of the full layout, and the text continues after the full extent
+    full = vlm.mrope_positions(10, 5, 20)
+    assert np.array_equal(full, _expected_positions(10, 5, np.arange(20)))
+    kept = np.array([1, 6, 19])
+    assert vlm.kept_positions(full, kept, 10, True).tolist() == [[10, 10, 10], [10, 11, 13], [11, 11, 14], [0, 0, 0]]
+    assert vlm.next_position(10, 5, 3, True) == 15
+    # ordinary RoPE: renumbered contiguously, the text continues after the kept tokens
+    flat = (10 + np.arange(20))[None, :]
+    assert vlm.kept_positions(flat, kept, 10, False).tolist() == [[10, 11, 12]]
+    assert vlm.next_position(10, 20, 3, False) == 13
+
+
 @pytest.mark.parametrize("method", ["random", "saliency", "entropy", "affinity"])
 def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     tr = tmp_path / "decode.trace"
