@@ -110,7 +110,7 @@ def check_ratios(keep_ratio: float, alpha: float | None = None) -> None:
             raise PruneError(f"alpha (salient core ratio) must be in [0, 1], got {alpha!r}")
         if alpha > keep_ratio:
             raise PruneError(f"alpha ({alpha}) must not exceed the keep ratio beta ({keep_ratio}): "
-                             "the salient core is part of the kept set")
+                             "the salient core is part of the kept set (lower alpha)")
 
 
 def keep_count(n: int, keep_ratio: float, min_keep: int = 1) -> int:
