@@ -197,33 +197,67 @@ bool llama_vis_clip_saliency_layer(const char * projector, int il, int n_layer) 
     return il >= n_layer - tl.n_layers;
 }
 
-void llama_vis_clip_saliency_collect(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * kq, int il) {
-    // kq: softmax attention [n_kv, n_q, n_head, B] (contiguous soft_max output)
+// mean over heads and queries of the attention each key patch receives:
+// kq [n_kv, n_q, n_head, B] (contiguous soft_max output) -> [n_kv, 1, B], scaled by 1/denom
+static ggml_tensor * received(ggml_context * ctx, ggml_tensor * kq, float denom) {
     GGML_ASSERT(kq->type == GGML_TYPE_F32 && ggml_is_contiguous(kq));
     const int64_t n_kv = kq->ne[0];
     const int64_t n_qh = kq->ne[1] * kq->ne[2];
     const int64_t nb   = kq->ne[3];
     ggml_tensor * a = ggml_reshape_3d(ctx, kq, n_kv, n_qh, nb);
-    // a constant column 1/(n_q*n_head): ggml_fill only takes its shape from this (contiguous) view
+    // a constant column 1/denom: ggml_fill only takes its shape from this (contiguous) view
     ggml_tensor * w = ggml_view_3d(ctx, a, 1, n_qh, nb, sizeof(float), sizeof(float) * n_qh, 0);
-    w = ggml_fill(ctx, w, 1.0f / (float) n_qh);
-    // out_prod contracts the second dimension: s[j] = sum_{q,h} a[j, (q,h)] / (n_q*n_head)
-    ggml_tensor * s = ggml_out_prod(ctx, a, w);  // [n_kv, 1, B]
+    w = ggml_fill(ctx, w, 1.0f / denom);
+    // out_prod contracts the second dimension: s[j] = sum_{q,h} a[j, (q,h)] / denom
+    return ggml_out_prod(ctx, a, w);  // [n_kv, 1, B]
+}
+
+static void finish(ggml_cgraph * gf, ggml_tensor * s, int il) {
     ggml_format_name(s, "vis_saliency-%d", il);
     ggml_set_output(s);
     ggml_build_forward_expand(gf, s);
 }
 
+void llama_vis_clip_saliency_collect(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * kq, int il) {
+    finish(gf, received(ctx, kq, (float) (kq->ne[1] * kq->ne[2])), il);
+}
+
+// budget of one chunk of the attention matrix computed beside flash attention
+static int64_t chunk_bytes() {
+    const char * e = std::getenv("VIS_MTMD_SALIENCY_CHUNK_MIB");
+    const long long mib = (e && *e) ? std::atoll(e) : 32;
+    return (int64_t) std::max(1LL, mib) << 20;
+}
+
 void llama_vis_clip_saliency_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q, ggml_tensor * k,
                                   ggml_tensor * kq_mask, float kq_scale, ggml_tensor * sinks, int il) {
-    // flash attention never materialises the attention matrix: compute it beside it, in F32
-    ggml_tensor * kq = ggml_mul_mat(ctx, k, q);
-    ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
-    kq = ggml_soft_max_ext(ctx, kq, kq_mask, kq_scale, 0.0f);
-    if (sinks) {
-        ggml_soft_max_add_sinks(kq, sinks);
+    // Flash attention never materialises the attention matrix: compute softmax(K^T Q) beside it,
+    // in F32, in chunks of queries so that at most one chunk [n_kv, n_qc, n_head] is alive (each
+    // chunk's reduction is added to the previous one, so the allocator reuses its memory).
+    // q: [d_head, n_q, n_head, B], k: [d_head, n_kv, n_head, B] (permuted views).
+    const int64_t n_q = q->ne[1], n_kv = k->ne[1], n_head = q->ne[2], nb = q->ne[3];
+    const int64_t row = n_kv * n_head * nb * (int64_t) sizeof(float);   // bytes per query
+    int64_t qc = std::max<int64_t>(1, chunk_bytes() / row);
+    qc = std::max(qc, (n_q + 255) / 256);                               // at most 256 chunks (graph size)
+    qc = std::min(qc, n_q);
+    ggml_tensor * acc = nullptr;
+    for (int64_t i0 = 0; i0 < n_q; i0 += qc) {
+        const int64_t n = std::min(qc, n_q - i0);
+        ggml_tensor * qv = ggml_view_4d(ctx, q, q->ne[0], n, n_head, nb, q->nb[1], q->nb[2], q->nb[3], i0 * q->nb[1]);
+        ggml_tensor * kq = ggml_mul_mat(ctx, k, qv);                    // [n_kv, n, n_head, B]
+        ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+        ggml_tensor * m = nullptr;
+        if (kq_mask) {
+            m = ggml_view_2d(ctx, kq_mask, kq_mask->ne[0], n, kq_mask->nb[1], i0 * kq_mask->nb[1]);
+        }
+        kq = ggml_soft_max_ext(ctx, kq, m, kq_scale, 0.0f);
+        if (sinks) {
+            ggml_soft_max_add_sinks(kq, sinks);
+        }
+        ggml_tensor * r = received(ctx, kq, (float) (n_q * n_head));
+        acc = acc ? ggml_add(ctx, acc, r) : r;
     }
-    llama_vis_clip_saliency_collect(ctx, gf, kq, il);
+    finish(gf, acc, il);
 }
 
 void llama_vis_clip_saliency_fetch(ggml_cgraph * gf, int n_tokens_out) {
