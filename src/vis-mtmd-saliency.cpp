@@ -224,9 +224,9 @@ void llama_vis_clip_saliency_collect(ggml_context * ctx, ggml_cgraph * gf, ggml_
 
 // budget of one chunk of the attention matrix computed beside flash attention
 static int64_t chunk_bytes() {
-    const char * e = std::getenv("VIS_MTMD_SALIENCY_CHUNK_MIB");
-    const long long mib = (e && *e) ? std::atoll(e) : 32;
-    return (int64_t) std::max(1LL, mib) << 20;
+    const char * e = std::getenv("VIS_MTMD_SALIENCY_CHUNK_MIB");  // may be fractional (tests use tiny chunks)
+    const double mib = (e && *e) ? std::atof(e) : 32.0;
+    return std::max<int64_t>(1, (int64_t) (mib * 1048576.0));
 }
 
 void llama_vis_clip_saliency_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q, ggml_tensor * k,

@@ -183,6 +183,26 @@ def test_saliency_is_deterministic_and_close_across_attention_paths(vlm_model, f
     np.testing.assert_allclose(out[FA_ENABLED], out[FA_DISABLED], atol=5e-3)
 
 
+def test_saliency_in_query_chunks_beside_flash_attention(vlm_model, fixture_dir, monkeypatch):
+    # a tiny chunk budget splits the side attention into one query per chunk: same scores
+    out = []
+    for budget in (None, "0.0001"):
+        if budget:
+            monkeypatch.setenv("VIS_MTMD_SALIENCY_CHUNK_MIB", budget)
+        m = Mtmd(vlm_model, fixture_dir, FA_ENABLED, record=True)
+        try:
+            m.tokenize(fixture_dir / "test-image.png")
+            nv.saliency_enable(m.ptr, 1)
+            m.encode()
+            out.append((nv.mtmd_saliency(m.ptr, raw=True), sum(op == "SOFT_MAX" for op, _ in m.nodes)))
+        finally:
+            m.close()
+    (a, n_a), (b, n_b) = out
+    n_patches = MERGE * len(a)
+    assert n_a == 1 and n_b == n_patches          # one softmax per query chunk
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
 def test_saliency_process_default_and_errors(vlm_model, fixture_dir):
     with pytest.raises(nv.VisError, match="n_layers must be >= 0"):
         nv.saliency_enable(None, -1)
