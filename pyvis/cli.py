@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import moefy, prune_eval, quality, routing_report  # noqa: E401
     for m in (moefy, routing_report, quality, prune_report, prune_eval):
         m.register(sub)
+    prune_report.register_sim(sub)
     return p
 
 
