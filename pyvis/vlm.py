@@ -43,7 +43,6 @@ full image in the same left context; the shadow costs a full-model forward inste
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import sys
 import tempfile
@@ -646,6 +645,10 @@ class Session:
                                                         last, ctypes.byref(new))
                     if r != 0:
                         raise VLMError(f"audio chunk failed ({r})")
+                    if use_shadow:
+                        sh_past = L.llama_pos(n_past)
+                        M.mtmd_helper_eval_chunk_single(self.mctx, self._shadow.ptr, chunk, n_past, 0, self.n_batch,
+                                                        False, ctypes.byref(sh_past))
                     n_past = int(new.value)
             if n_chunks == 0:
                 raise VLMError("empty prompt")
