@@ -1,3 +1,4 @@
+"""`python -m pyvis` = the `pyvis` command."""
 import sys
 
 from .cli import main

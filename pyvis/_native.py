@@ -336,3 +336,119 @@ def plan(**request) -> dict:
     if not d["ok"]:
         d["error"] = last_error()
     return d
+# visual-token pruning (issue #4): encoder saliency, layer limit, routing capture
+# C API: src/llama-vis.h; code: src/vis-mtmd-saliency.cpp, src/vis-moe-capture.cpp;
+# semantics: docs/vlm-native-api.md
+# ---------------------------------------------------------------------------
+import contextlib as _contextlib  # noqa: E402
+
+import numpy as _np  # noqa: E402
+
+_sal_enable = _bind("llama_vis_mtmd_saliency_enable", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+_sal_get = _bind("llama_vis_mtmd_get_saliency", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int32],
+                 ctypes.c_int32)
+_sal_get_raw = _bind("llama_vis_mtmd_get_saliency_raw",
+                     [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int32], ctypes.c_int32)
+_set_layer_limit = _bind("llama_vis_set_layer_limit", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+_get_layer_limit = _bind("llama_vis_get_layer_limit", [ctypes.c_void_p], ctypes.c_int32)
+_capture = _bind("llama_vis_moe_capture", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+_capture_reset = _bind("llama_vis_moe_capture_reset", [ctypes.c_void_p], None)
+_get_routes = _bind("llama_vis_moe_get_routes",
+                    [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int32)
+_routes_k = _bind("llama_vis_moe_routes_k", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+
+
+def _mtmd_ptr(mctx):
+    """An mtmd_context pointer (c_void_p / int) or an object holding one in .ctx; None stays None."""
+    if mctx is None:
+        return None
+    return getattr(mctx, "ctx", mctx)
+
+
+def saliency_enable(mctx, n_layers: int = 1) -> None:
+    """Ask the vision encoder for per-token saliency ("attention received").
+
+    mctx: an mtmd_context pointer (from ``llama_cpp.mtmd_cpp.mtmd_init_from_file``), or None
+    for the process-wide default of every mtmd context. n_layers: 0 = off (encoder graph
+    unchanged), k = average over the last k encoder layers. Takes effect at the next encode.
+    """
+    if _sal_enable(_mtmd_ptr(mctx), int(n_layers)) != 0:
+        raise VisError(last_error())
+
+
+def mtmd_saliency(mctx, raw: bool = False) -> "_np.ndarray":
+    """Saliency of the last image chunk encoded by mctx: float32 [n_image_tokens].
+
+    Normalised to [0, 1] (min-max), or with raw=True the mean attention each token
+    receives (sums to 1 / merge factor). Raises VisError when the last encode had
+    saliency off, failed, or its projector has no saliency support.
+    """
+    fn = _sal_get_raw if raw else _sal_get
+    p = _mtmd_ptr(mctx)
+    n = fn(p, None, 0)
+    if n < 0:
+        raise VisError(last_error())
+    out = _np.zeros(n, dtype=_np.float32)
+    if n:
+        fn(p, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+    return out
+
+
+def set_layer_limit(ctx, n_layers: int) -> None:
+    """Evaluate only the first n_layers layers in the following llama_decode calls (0 = off).
+
+    No logits are produced under a limit, and the KV cells of the decoded tokens stay taken:
+    remove them with ``llama_memory_seq_rm`` before the real decode. Raises VisError for a
+    bad n_layers or an unsupported architecture.
+    """
+    if _set_layer_limit(_ctx_ptr(ctx), int(n_layers)) != 0:
+        raise VisError(last_error())
+
+
+def get_layer_limit(ctx) -> int:
+    return int(_get_layer_limit(_ctx_ptr(ctx)))
+
+
+@_contextlib.contextmanager
+def layer_limit(ctx, n_layers: int):
+    """``with layer_limit(ctx, L): llama_decode(...)`` - the limit is restored to its old value after."""
+    old = get_layer_limit(ctx)
+    set_layer_limit(ctx, n_layers)
+    try:
+        yield
+    finally:
+        set_layer_limit(ctx, old)
+
+
+def moe_capture(ctx, on: bool = True) -> None:
+    """Start (clearing earlier captures) or stop (freeing them) the in-memory routing capture."""
+    if _capture(_ctx_ptr(ctx), int(bool(on))) != 0:
+        raise VisError(last_error())
+
+
+def moe_capture_reset(ctx) -> None:
+    """Drop the captured routes; capture stays on."""
+    _capture_reset(_ctx_ptr(ctx))
+
+
+def moe_routes(ctx, layer: int) -> "_np.ndarray":
+    """Routed expert ids of one layer since the last reset: int32 [n_rows, k], rows in ubatch order.
+
+    Empty ([0, 0]) for a layer without experts or not evaluated. In a full decode the last
+    layer only routes the output rows.
+    """
+    p = _ctx_ptr(ctx)
+    k = _routes_k(p, int(layer))
+    if k < 0:
+        raise VisError(last_error())
+    n = _get_routes(p, int(layer), None, 0)
+    if n < 0:
+        raise VisError(last_error())
+    out = _np.zeros((n, k), dtype=_np.int32)
+    if n and k:
+        _get_routes(p, int(layer), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n * k)
+    return out
+
+
+__all__ += ["saliency_enable", "mtmd_saliency", "set_layer_limit", "get_layer_limit", "layer_limit",
+            "moe_capture", "moe_capture_reset", "moe_routes", "VisError"]

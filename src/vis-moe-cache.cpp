@@ -15,6 +15,7 @@
 // real expert therefore sees exactly the rows it sees upstream.
 #include "vis-moe.h"
 #include "vis-moe-store.h"
+#include "vis-vlm.h"  // vis_set_last_error
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -51,6 +52,10 @@ const char * llama_vis_last_error(void) {
 }
 
 void vis_moe_set_last_error(const std::string & msg) {
+    g_last_error = msg;
+}
+
+void vis_set_last_error(const std::string & msg) {  // for the other vis-*.cpp (vis-vlm.h)
     g_last_error = msg;
 }
 
