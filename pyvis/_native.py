@@ -242,12 +242,14 @@ class llama_vis_mem_info(ctypes.Structure):
 class llama_vis_moe_plan_request(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("budget", "resident_bytes", "kv_bytes", "reserve_bytes", "expert_bytes")] + [
         (n, ctypes.c_int32) for n in ("n_managed_layers", "n_expert", "n_expert_used", "unified")] + [
-        ("device_bytes", ctypes.c_int64), ("host_mib", ctypes.c_int64), ("n_slots", ctypes.c_int32)]
+        ("device_bytes", ctypes.c_int64), ("host_mib", ctypes.c_int64), ("n_slots", ctypes.c_int32),
+        ("no_staging", ctypes.c_int32)]
 
 
 class llama_vis_moe_plan(ctypes.Structure):
     _fields_ = [("ok", ctypes.c_int32), ("n_slots", ctypes.c_int32)] + [(n, ctypes.c_int64) for n in (
-        "slab_bytes", "host_bytes", "budget", "fixed_bytes", "min_budget", "file_only_bytes")]
+        "slab_bytes", "host_bytes", "budget", "fixed_bytes", "min_budget", "file_only_bytes", "tight_budget",
+        "pageable_bytes")]
 
 
 _tier_default = _bind("llama_vis_moe_tier_default_params", [], llama_vis_moe_tier_params)

@@ -37,10 +37,11 @@ def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
     return [order[j:j + capacity] for j in range(0, len(order), capacity)]
 
 
-def belady_misses(requests: list[list[int]], capacity: int) -> int:
+def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
     together; a set larger than the capacity is served in passes, as the runtime does).  On a miss it evicts
-    the resident expert whose next use is farthest, never one the current pass needs."""
+    the resident expert whose next use is farthest, never one the current pass needs.
+    `per_request`, if given, receives the loads of each request."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
     INF = len(requests) + 1
@@ -53,6 +54,7 @@ def belady_misses(requests: list[list[int]], capacity: int) -> int:
     resident: set[int] = set()
     misses = 0
     for i, s in enumerate(requests):
+        before = misses
         chunks = _chunks(s, resident, capacity)
         for ci, chunk in enumerate(chunks):
             need = set(chunk)
@@ -67,14 +69,18 @@ def belady_misses(requests: list[list[int]], capacity: int) -> int:
                                  key=lambda r: i if r in later else nu.get(r, INF))
                     resident.remove(victim)
                 resident.add(e)
+        if per_request is not None:
+            per_request.append(misses - before)
     return misses
 
 
-def lru_misses(requests: list[list[int]], capacity: int) -> int:
-    """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading)."""
+def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None) -> int:
+    """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading).
+    `per_request`, if given, receives the loads of each request."""
     lru: OrderedDict[int, None] = OrderedDict()
     misses = 0
     for s in requests:
+        before = misses
         for chunk in _chunks(s, lru, capacity):
             need = set(chunk)
             for e in chunk:
@@ -88,4 +94,6 @@ def lru_misses(requests: list[list[int]], capacity: int) -> int:
                     victim = next(r for r in lru if r not in need)
                     del lru[victim]
                 lru[e] = None
+        if per_request is not None:
+            per_request.append(misses - before)
     return misses

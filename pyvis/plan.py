@@ -33,6 +33,7 @@ class ModelShape:
     kv_bytes_per_token: int
     file_bytes: int
     total_bytes: int                      # all tensor bytes
+    row_gathered_bytes: int = 0           # token embeddings of a model with its own output matrix (read by row)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
 
     @property
@@ -82,9 +83,12 @@ def read_shape(path: str | Path) -> ModelShape:
         n_vocab=len(tokens) if tokens is not None else 0, n_ff_exp=int(g("expert_feed_forward_length", 0)),
         kv_bytes_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,  # F16 K and V
         file_bytes=path.stat().st_size, total_bytes=0)
+    names = {t.name for t in r.tensors}
     for t in r.tensors:
         nb = int(t.n_bytes)
         shape.total_bytes += nb
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            shape.row_gathered_bytes = nb
         m = _EXPS.match(t.name)
         if m:
             il = int(m.group(1))
@@ -95,12 +99,18 @@ def read_shape(path: str | Path) -> ModelShape:
 
 def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
     """Compute buffers + runtime, the same estimate as estimate_reserve() in src/vis-moe-cache.cpp."""
-    return n_ubatch * 4 * (s.n_vocab + 16 * s.n_embd + 4 * s.n_expert_used * s.n_ff_exp) + 64 * MIB
+    return n_ubatch * 4 * (s.n_vocab + 6 * s.n_embd + 3 * s.n_expert_used * s.n_ff_exp) + 64 * MIB
 
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
-              pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None) -> dict:
+              pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None,
+              gpu: bool | None = None) -> dict:
+    """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
+    None = whether this build has one."""
     from . import _native
+    if gpu is None:
+        import llama_cpp
+        gpu = device_mib is not None or bool(llama_cpp.llama_supports_gpu_offload())
     moe = shape.moe_layers
     if pinned < 0:
         pinned = len(moe)
@@ -110,11 +120,12 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     expert = max((shape.expert_bytes[il] for il in managed), default=0)
     managed_bytes = sum(shape.expert_bytes[il] * shape.n_expert for il in managed)
     unified = device_mib is None
-    req = dict(budget=(budget_mib or 0) * MIB, resident_bytes=shape.total_bytes - managed_bytes,
+    req = dict(budget=(budget_mib or 0) * MIB,
+               resident_bytes=shape.total_bytes - managed_bytes - shape.row_gathered_bytes,
                kv_bytes=shape.kv_bytes_per_token * n_ctx, reserve_bytes=reserve_bytes(shape, n_ubatch),
                expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
                n_expert_used=shape.n_expert_used, unified=int(unified),
-               device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots)
+               device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots, no_staging=int(not gpu))
     p = _native.plan(**req)
     p["request"] = req
     p["managed_layers"] = len(managed)
@@ -159,7 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
             ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
-            (f"tier 1  slabs: {p['n_slots']} slots (+1 staging) x {p['managed_layers']} layers", p["slab_bytes"]),
+            (f"tier 1  slabs: {p['n_slots']} slots{'' if rq['no_staging'] else ' (+1 staging)'} x "
+             f"{p['managed_layers']} layers", p["slab_bytes"]),
             ("tier 2  host expert cache", p["host_bytes"]),
             ("tier 3  GGUF file only (read on demand)", p["file_only_bytes"])]
     for label, b in rows:
@@ -170,6 +182,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not p["ok"]:
         print(f"does not fit: {p['error']}", file=sys.stderr)
         return 2
+    if shape.row_gathered_bytes:
+        print(f"  (token embeddings, {shape.row_gathered_bytes / MIB:.1f} MiB, are read one row per token and not counted)")
+    if p["pageable_bytes"] > 0:
+        print(f"note: {p['pageable_bytes'] / MIB:.0f} MiB of the resident weights do not fit next to one slot per layer: "
+              f"they stay unlocked and are re-read from the file when the kernel drops them (slow). "
+              f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots with everything resident locked.")
+    elif p["n_slots"] < shape.n_expert_used:
+        print(f"note: {p['n_slots']} slots per layer is below top-{shape.n_expert_used}: exact, but each decode step runs "
+              f"{-(-shape.n_expert_used // p['n_slots'])} passes per layer and reads most experts again. "
+              f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots.")
     print(f"fits: run with --moe-mem {args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
           + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
     return 0

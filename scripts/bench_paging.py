@@ -80,7 +80,7 @@ class Cgroup:
                 time.sleep(0.1)
 
 
-def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int) -> dict:
+def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log: Path | None = None) -> dict:
     drop_caches()
     cg = Cgroup(limit)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -91,6 +91,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int) -> d
     except subprocess.TimeoutExpired as e:
         rc, out = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     wall = time.monotonic() - t0
+    if log is not None:
+        log.write_text(out)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = dict(name=name, rc=rc, wall_s=round(wall, 1), peak_bytes=cg.peak(), oom_killed=cg.oom_killed(),
              read_bytes=(after.ru_inblock - before.ru_inblock) * 512, cmd=" ".join(map(str, cmd)))
@@ -120,15 +122,27 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int) -> d
 
 
 def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
+    """Our misses against Belady's optimum for the same slots, from our own routing trace; and the misses of the
+    decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy."""
+    import numpy as np
     from pyvis import trace as vtrace
     from pyvis.cachesim import belady_misses, layer_requests, lru_misses
     t = vtrace.read(trace_path)
-    opt = lru = 0
+    opt = lru = dec_lru = dec_opt = n_dec = 0
     for il in t.layers().tolist():
         req = layer_requests(t, il)
-        opt += belady_misses(req, slots)
-        lru += lru_misses(req, slots)
-    return dict(belady_misses=opt, lru_sim_misses=lru, ours_misses=misses, ratio=misses / opt if opt else None)
+        lt = t.for_layer(il)
+        _, rows = np.unique(lt.ubatch, return_counts=True)   # tokens per ubatch, in ubatch order like req
+        per_lru: list[int] = []
+        per_opt: list[int] = []
+        opt += belady_misses(req, slots, per_opt)
+        lru += lru_misses(req, slots, per_lru)
+        dec = rows == 1
+        dec_lru += int(np.asarray(per_lru)[dec].sum())
+        dec_opt += int(np.asarray(per_opt)[dec].sum())
+        n_dec = max(n_dec, int(dec.sum()))
+    return dict(belady_misses=opt, lru_sim_misses=lru, ours_misses=misses, ratio=misses / opt if opt else None,
+                decode_steps=n_dec, decode_misses=dec_lru, decode_belady=dec_opt)
 
 
 def main() -> int:
@@ -140,6 +154,10 @@ def main() -> int:
     ap.add_argument("--upstream-bin", default=None, help="pristine upstream bin dir (default: ours with features off)")
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
+    ap.add_argument("--temp", type=float, default=0.8,
+                    help="sampling temperature (default 0.8, llama-cli's default: varied tokens, varied routing; "
+                         "0 = greedy, which on random-weight models repeats a few tokens and keeps the cache hot)")
+    ap.add_argument("--seed", type=int, default=1, help="sampling seed (the same for every run, so all see the same tokens)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--only", nargs="+", default=["upstream", "upstream-nr", "ours"])
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra args for ours")
@@ -150,7 +168,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     up = Path(a.upstream_bin or a.bin)
     prompt = (PROMPT_WORDS * (a.prompt_tokens // 30 + 1))
-    base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", "0"]
+    base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp), "--seed", str(a.seed)]
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
     for frac in a.fractions:
         limit = int(size * frac)
@@ -164,7 +182,7 @@ def main() -> int:
                 trace = out / f"ours-{frac}.trace"
                 cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
                        *a.extra]
-            r = run_one(name, cmd, limit, a.timeout, a.n_predict)
+            r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}.log")
             r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size)
             if name == "ours" and r.get("misses") is not None and r.get("slots"):
                 r.update(belady_ratio(out / f"ours-{frac}.trace", r["slots"], r["misses"]))

@@ -185,16 +185,21 @@ struct llama_vis_moe_plan_request {
     int64_t device_bytes;      // discrete GPU: device memory for slabs (ignored when unified)
     int64_t host_mib;          // explicit tier-2 budget; -1: plan it
     int32_t n_slots;           // explicit slots per layer; 0: plan them
+    int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
 };
 struct llama_vis_moe_plan {
     int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
-    int32_t n_slots;           // slots per managed layer (n_expert: everything resident)
-    int64_t slab_bytes;        // tier 1 (including one staging slot per layer)
+    int32_t n_slots;           // slots per managed layer (n_expert: everything resident). Below top-k when the
+                               // budget is tight: exact, a decode step then runs ceil(k / n_slots) passes per layer
+    int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
     int64_t host_bytes;        // tier 2
     int64_t budget;            // the budget planned for
     int64_t fixed_bytes;       // resident weights + KV + reserve
-    int64_t min_budget;        // the smallest budget that runs (top-k slots + staging per layer, no host cache)
+    int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
+    int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
+    int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs: left to the page
+                               // cache (not locked; re-read from the file under pressure, as upstream's mmap)
 };
 LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)

@@ -381,6 +381,7 @@ struct vis_moe_context {
     int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
     int64_t     plan_budget = 0;  // --moe-mem: the budget planned for
     std::string plan_source;
+    std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
 
     // current ubatch (trace)
     std::vector<int32_t> ub_pos;
@@ -765,7 +766,10 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
         vm.fail(e.what());
         // keep the graph running on finite data; the ubatch is reported as failed
         for (int64_t j = 0; j < n_pairs; ++j) {
-            out[j] = ud->kind == VIS_OP_SELECT ? (int32_t) j : (ud->kind == VIS_OP_PASS ? vm.layers[ud->il].n_slots : ids[j]);
+            const vis_moe_layer & L = vm.layers[ud->il];
+            out[j] = ud->kind == VIS_OP_SELECT ? (int32_t) j
+                   : ud->kind == VIS_OP_PASS   ? (L.cpu_passes ? -1 : L.n_slots)
+                                               : ids[j];
         }
     }
 }
@@ -786,6 +790,13 @@ static bool layer_is_moe(const llama_layer & l) {
 }
 
 static void attach_impl(const llama_context * lctx, const llama_model & model);
+
+// The token embeddings of a model with its own output matrix: a token reads one row of them, so they are
+// neither counted as resident weights nor locked (a few touched pages stay in the page cache).
+static bool row_gathered(const llama_model & model, const ggml_tensor * t) {
+    return t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd &&
+           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;
+}
 
 void vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
     try {
@@ -815,7 +826,9 @@ static int64_t estimate_reserve(const llama_context * lctx, const llama_model & 
     const int64_t n_ub  = lctx ? (int64_t) lctx->n_ubatch() : 512;
     const int64_t n_voc = model.vocab.n_tokens();
     const int64_t n_ff  = (int64_t) hp.n_ff_exp();
-    const int64_t act   = n_ub * 4 * (n_voc + 16 * (int64_t) hp.n_embd + 4 * (int64_t) hp.n_expert_used_max() * n_ff);
+    // f32 activations of one ubatch: logits, a few n_embd-wide rows, gate/up/down rows of the routed experts
+    // (qwen3moe 16L at -ub 512: estimate 156 MiB, measured compute buffer 121 MiB)
+    const int64_t act   = n_ub * 4 * (n_voc + 6 * (int64_t) hp.n_embd + 3 * (int64_t) hp.n_expert_used_max() * n_ff);
     return act + (64ll << 20);  // + runtime (binary, libraries, heap: ~45 MiB measured for llama-cli)
 }
 
@@ -901,18 +914,25 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
     }
     vm->unified = tier.unified != 0 && all_host_devices;
 
+    // CPU-only run: passes skip other passes' pairs (patch 0006), so no staging slot; with a GPU present the
+    // scheduler may offload a host-weight mul_mat_id, and other passes' pairs go to one staging slot per layer
+    const bool cpu_only = model.devices.empty();
+    const int  staging  = cpu_only ? 0 : 1;
     int n_slots = p.n_slots;
     int64_t host_bytes = tier.host_mib > 0 ? (tier.host_mib << 20) : 0;
+    bool planned = false;  // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
+    int64_t pageable = 0;  // resident weights left unlocked because the budget cannot hold them
     if (p.cache_mib > 0 && !managed.empty()) {
         const int64_t budget = p.cache_mib << 20;
         const int64_t slots_total = budget / per_slot;  // includes the staging slot
-        n_slots = (int) std::min<int64_t>(slots_total - 1, n_exp);
-        if (n_slots < k) {
-            const double need = (double) per_slot * (k + 1) / (1 << 20);
+        n_slots = (int) std::min<int64_t>(slots_total - staging, n_exp);
+        planned = true;
+        if (n_slots < 1) {
+            const double need = (double) per_slot * (1 + staging) / (1 << 20);
             throw std::runtime_error("--moe-cache-mib " + std::to_string(p.cache_mib) + " is too small: the " +
                                      std::to_string(managed.size()) + " managed layers need at least " +
-                                     std::to_string((int64_t) std::ceil(need)) + " MiB (top-k " + std::to_string(k) +
-                                     " slots + 1 staging slot each); raise it or pin fewer layers");
+                                     std::to_string((int64_t) std::ceil(need)) + " MiB (one slot" +
+                                     (staging ? " + 1 staging slot" : "") + " each); raise it or pin fewer layers");
         }
     } else if (tier.mem_mib != 0 && !managed.empty() && model.hparams.no_alloc) {
         n_slots = p.n_slots > 0 ? p.n_slots : k;  // a memory-fit probe (--fit): nothing is loaded, nothing to plan
@@ -923,7 +943,9 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         // file ranges, so buffer sizes would overcount); the context's own memory_breakdown()
         // needs the scheduler, which does not exist yet
         for (const auto & [name, t] : model.tensors_by_name) {
-            model_bytes += (int64_t) ggml_nbytes(t);
+            if (!row_gathered(model, t)) {
+                model_bytes += (int64_t) ggml_nbytes(t);
+            }
         }
         if (lctx && lctx->get_memory()) {
             for (const auto & [buft, size] : lctx->get_memory()->memory_breakdown()) {
@@ -947,6 +969,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         rq.unified          = all_host_devices ? 1 : 0;
         rq.host_mib         = tier.host_mib;
         rq.n_slots          = p.n_slots;
+        rq.no_staging       = cpu_only ? 1 : 0;
         if (!all_host_devices) {
             size_t free = 0, total = 0;
             ggml_backend_dev_memory(model.dev_layer(managed.front()), &free, &total);
@@ -960,6 +983,8 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         }
         n_slots    = plan.n_slots;
         host_bytes = plan.host_bytes;
+        pageable   = plan.pageable_bytes;
+        planned    = p.n_slots <= 0;
         vm->plan_budget = plan.budget;
         if (tier.mem_mib < 0) {
             llama_vis_mem_info mi;
@@ -976,10 +1001,19 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
     } else if (n_slots <= 0) {
         n_slots = n_exp;  // deferred layers with the cache off: every expert gets a slot
     }
-    if (n_slots < k) {
-        throw std::runtime_error("--moe-slots " + std::to_string(n_slots) + " is below the model's top-k (" +
-                                 std::to_string(k) + "): valid range " + std::to_string(k) + ".." + std::to_string(n_exp) +
+    if (n_slots < 1) {
+        throw std::runtime_error("--moe-slots " + std::to_string(n_slots) + ": valid range 1.." + std::to_string(n_exp) +
                                  " (0 = off)");
+    }
+    if (n_slots < k && !managed.empty()) {
+        // exact all the same: every step runs its experts in passes of n_slots
+        char msg[320];
+        std::snprintf(msg, sizeof(msg), "%d slot%s per layer%s, below the model's top-k (%d): each decode step runs %d "
+                      "passes per managed layer and reads most routed experts again%s", n_slots, n_slots == 1 ? "" : "s",
+                      planned ? " fit the budget" : "", k, (k + n_slots - 1) / n_slots,
+                      planned ? "; a larger budget gives top-k slots" : "");
+        vm->notes.emplace_back(msg);
+        LLAMA_LOG_WARN("vis-moe: %s\n", msg);
     }
 
     // slabs, grouped by buffer type of the layer's device
@@ -1038,7 +1072,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
             if (!t) {
                 continue;
             }
-            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + 1);
+            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + staging);
             ggml_format_name(L.slab[ti], "vis_slab.blk.%d.%s", il, VIS_T_NAME[ti]);
         }
         L.managed      = true;
@@ -1061,7 +1095,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
             throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
                                      "; lower --moe-slots / --moe-cache-mib / --moe-mem");
         }
-        ggml_backend_buffer_clear(buf, 0);  // the staging slot and the padding hold finite zeros
+        ggml_backend_buffer_clear(buf, 0);  // the staging slot (if any) and the padding hold finite zeros
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         slab_bytes += ggml_backend_buffer_get_size(buf);
         if (tier.mlock && ggml_backend_buffer_is_host(buf)) {
@@ -1080,8 +1114,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         if (L.managed) {
             // CPU-only run: the CPU mul_mat_id skips id -1 (patch 0006), so passes compute only their own pairs;
             // with a GPU present the scheduler may offload a host-weight mul_mat_id, so keep the staging slot there
-            const ggml_tensor * any_slab = L.slab[0] ? L.slab[0] : L.slab[3];
-            L.cpu_passes = ggml_backend_buffer_is_host(any_slab->buffer) && model.devices.empty();
+            L.cpu_passes = cpu_only;  // no staging slot (see above)
         }
     }
     if (vm->n_managed > 0 && any_deferred) {
@@ -1089,21 +1122,44 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
         if (tier.mlock && !model.hparams.no_alloc) {
             // The resident weights are mapped file pages: under memory pressure the kernel would drop them and
             // fault them back in every token (mmap thrash). Lock them, tensor by tensor (mapped ranges also
-            // span deferred experts, which must stay out of memory).
+            // span deferred experts, which must stay out of memory), as far as the plan has room for them:
+            // the `pageable` bytes it could not fit stay unlocked, so the kernel can reclaim them instead of
+            // killing us.
             const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-            size_t n_locked = 0;
+            size_t n_locked = 0, n_resident = 0, n_skipped = 0;
+            for (const auto & [name, t] : model.tensors_by_name) {
+                if (t->buffer && ggml_backend_buffer_is_host(t->buffer) && t->data && !vis_moe_deferred(t) &&
+                    !row_gathered(model, t)) {
+                    n_resident += ggml_nbytes(t);
+                }
+            }
+            const size_t lock_room = pageable > 0 ? n_resident - std::min<size_t>(n_resident, (size_t) pageable) : n_resident;
             bool ok = true;
             for (const auto & [name, t] : model.tensors_by_name) {
-                if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t)) {
+                if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t) ||
+                    row_gathered(model, t)) {
                     continue;
                 }
                 const uintptr_t a = (uintptr_t) t->data & ~(uintptr_t) (page - 1);
                 const uintptr_t b = ((uintptr_t) t->data + ggml_nbytes(t) + page - 1) & ~(uintptr_t) (page - 1);
+                if (pageable > 0 && n_locked + (b - a) > lock_room) {
+                    n_skipped += ggml_nbytes(t);
+                    continue;
+                }
                 ok = vis_mlock_region((void *) a, b - a, "the resident weights") && ok;
                 n_locked += b - a;
             }
             if (ok && n_locked > 0) {
                 LLAMA_LOG_INFO("vis-moe: locked %.2f MiB of resident weights in memory\n", n_locked / 1048576.0);
+            }
+            if (n_skipped > 0) {
+                char msg[320];
+                std::snprintf(msg, sizeof(msg), "the memory budget cannot hold all resident weights next to the minimal "
+                              "slabs: %.2f MiB of them stay unlocked and are re-read from the file whenever the kernel "
+                              "drops them (slow); a budget of %.0f MiB or more keeps them locked",
+                              n_skipped / 1048576.0, (vm->plan_budget + pageable) / 1048576.0);
+                vm->notes.emplace_back(msg);
+                LLAMA_LOG_WARN("vis-moe: %s\n", msg);
             }
         }
     }
@@ -1457,6 +1513,9 @@ void llama_vis_moe_print_stats(const llama_context * ctx) {
                      io.locked ? "locked" : "not locked", io.rss_peak / 1048576.0, io.major_faults);
         if (vm->plan_budget > 0) {
             std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm->plan_budget / 1048576.0, vm->plan_source.c_str());
+        }
+        for (const auto & n : vm->notes) {
+            std::fprintf(stderr, "vis-moe: %s\n", n.c_str());
         }
     }
 }

@@ -236,30 +236,36 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     const int64_t reserve = r.reserve_bytes >= 0 ? r.reserve_bytes : (64ll << 20) + budget / 32;
     const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer
     const int     k       = std::max(1, (int) r.n_expert_used);
+    const int     staging = r.no_staging ? 0 : 1;
     p.budget      = budget;
     p.fixed_bytes = r.resident_bytes + r.kv_bytes + reserve;
     const int64_t host_fixed = r.host_mib > 0 ? (r.host_mib << 20) : 0;
-    p.min_budget = p.fixed_bytes + (r.unified ? (int64_t) (k + 1) * row : 0) + host_fixed;
+    // Unified memory: the slabs share the budget.  Resident weights come first (every token reads them), then
+    // slots; a tight budget gets fewer than top-k slots per layer (exact: decode runs in passes), and below one
+    // slot per layer the resident weights that do not fit stay pageable.  What must fit is the anonymous
+    // memory: KV cache, compute, host cache and one slot (+ staging) per layer.
+    p.min_budget   = r.unified ? r.kv_bytes + reserve + host_fixed + (int64_t) (1 + staging) * row
+                               : p.fixed_bytes + host_fixed;
+    p.tight_budget = r.unified ? p.fixed_bytes + host_fixed + (int64_t) (k + staging) * row : p.fixed_bytes + host_fixed;
     const int64_t all_experts = (int64_t) r.n_expert * row;
 
-    int64_t free_host = budget - p.fixed_bytes - host_fixed;
+    const int64_t free_host = budget - p.fixed_bytes - host_fixed;
     int slots = r.n_slots;
-    if (r.unified) {
-        if (slots <= 0) {
-            slots = (int) std::min<int64_t>(r.n_expert, free_host / row - 1);
-        }
-    } else {
-        if (slots <= 0) {
-            slots = (int) std::min<int64_t>(r.n_expert, r.device_bytes / row - 1);
+    if (slots <= 0) {
+        const int64_t room = r.unified ? free_host : r.device_bytes;
+        slots = (int) std::min<int64_t>(r.n_expert, room / row - staging);
+        if (r.unified) {
+            slots = std::max(slots, 1);  // below one slot per layer: page resident weights instead (checked below)
         }
     }
-    if (slots < k) {
+    if (slots < 1 || (r.unified && budget < p.min_budget)) {
         const std::string where = r.unified ? "memory budget" : "device memory";
         vis_moe_set_last_error("the " + where + " of " + mib(r.unified ? budget : r.device_bytes) + " is too small: " +
-                               std::to_string(r.n_managed_layers) + " managed layers need at least " +
-                               std::to_string(k) + " expert slots + 1 staging slot each (" + mib((int64_t) (k + 1) * row) +
-                               ")" + (r.unified ? " on top of " + mib(p.fixed_bytes) + " for resident weights, KV cache and compute" : "") +
-                               " = " + mib(r.unified ? p.min_budget : (int64_t) (k + 1) * row) +
+                               std::to_string(r.n_managed_layers) + " managed layers need at least one expert slot" +
+                               (staging ? " + 1 staging slot" : "") + " each (" + mib((int64_t) (1 + staging) * row) + ")" +
+                               (r.unified ? " on top of " + mib(r.kv_bytes + reserve + host_fixed) +
+                                            " for KV cache, compute and host cache = " + mib(p.min_budget)
+                                          : std::string()) +
                                "; raise the budget, shorten the context (-c) or pin fewer layers (--moe-pinned-layers)");
         p.ok = 0;
         p.n_slots = std::max(slots, 0);
@@ -268,7 +274,19 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     }
     slots = std::min(slots, r.n_expert);
     p.n_slots    = slots;
-    p.slab_bytes = (int64_t) (slots + 1) * row;
+    p.slab_bytes = (int64_t) (slots + staging) * row;
+    if (r.unified) {
+        // resident weights that do not fit next to the slabs: left to the page cache, never the slabs or KV
+        p.pageable_bytes = std::max<int64_t>(0, p.fixed_bytes + host_fixed + p.slab_bytes - budget);
+        if (p.pageable_bytes > r.resident_bytes) {
+            vis_moe_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.slab_bytes) + " slabs (" +
+                                   std::to_string(slots) + " slots per layer) + " + mib(host_fixed) + " host cache next to " +
+                                   mib(r.kv_bytes + reserve) + " for KV cache and compute; lower --moe-slots or --moe-host-mib");
+            p.ok = 0;
+            *out = p;
+            return 0;
+        }
+    }
     if (r.host_mib >= 0) {
         p.host_bytes = r.host_mib << 20;
     } else if (slots < r.n_expert) {
@@ -279,14 +297,6 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         if (p.host_bytes < r.expert_bytes) {
             p.host_bytes = 0;
         }
-    }
-    if (r.unified && p.fixed_bytes + p.slab_bytes + p.host_bytes > budget) {
-        vis_moe_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.fixed_bytes) +
-                               " resident + " + mib(p.slab_bytes) + " slabs + " + mib(p.host_bytes) +
-                               " host cache; lower --moe-host-mib or --moe-slots");
-        p.ok = 0;
-        *out = p;
-        return 0;
     }
     const int64_t cached = (int64_t) slots * row + (r.unified ? p.host_bytes : 0);
     p.file_only_bytes = std::max<int64_t>(0, all_experts - std::max(cached, r.unified ? 0 : p.host_bytes));

@@ -56,6 +56,8 @@ def _configs(spec):
         dict(slots=min(2 * k, spec.n_expert - 1), direct_io="off", io_threads=1),  # buffered reads, one thread
         dict(slots=k, unified="off", host_mib=1),              # staging path + inclusive host cache
         dict(slots=spec.n_expert - 1, io_threads=8),
+        dict(slots=1),                                         # one slot: every step runs k passes per layer
+        dict(slots=k - 1, host_mib=1),                         # below top-k, with a host tier
     ]
 
 
@@ -187,18 +189,36 @@ def test_unreadable_file(bindir, fixture_dir, tmp_path):
 # budgets
 # ---------------------------------------------------------------------------
 def test_plan_never_exceeds_the_budget():
-    for budget_mib in (64, 128, 300, 1000, 5000):
+    row = 16 * (3 << 20)                         # one slot in each of the 16 managed layers
+    resident = 400 << 20
+    seen = set()
+    for budget_mib in (64, 128, 300, 500, 700, 1000, 5000):
         for host in (-1, 0, 16):
-            p = _native.plan(budget=budget_mib << 20, resident_bytes=40 << 20, kv_bytes=8 << 20, reserve_bytes=32 << 20,
-                             expert_bytes=3 << 20, n_managed_layers=16, n_expert=128, n_expert_used=8, unified=1,
-                             host_mib=host)
-            if p["ok"]:
-                assert p["fixed_bytes"] + p["slab_bytes"] + p["host_bytes"] <= p["budget"]
-                assert 8 <= p["n_slots"] <= 128
-                assert p["slab_bytes"] == (p["n_slots"] + 1) * 16 * (3 << 20)
-            else:
-                assert "too small" in p["error"] or "cannot hold" in p["error"]
-                assert budget_mib << 20 < p["min_budget"] or host > 0
+            for no_staging in (0, 1):
+                p = _native.plan(budget=budget_mib << 20, resident_bytes=resident, kv_bytes=8 << 20,
+                                 reserve_bytes=32 << 20, expert_bytes=3 << 20, n_managed_layers=16, n_expert=128,
+                                 n_expert_used=8, unified=1, host_mib=host, no_staging=no_staging)
+                staging = 1 - no_staging
+                if not p["ok"]:
+                    assert "too small" in p["error"] or "cannot hold" in p["error"]
+                    assert budget_mib << 20 < p["min_budget"] or host > 0
+                    seen.add("refused")
+                    continue
+                # what must stay in memory (everything but the pageable resident weights) fits the budget
+                assert p["fixed_bytes"] - p["pageable_bytes"] + p["slab_bytes"] + p["host_bytes"] <= p["budget"]
+                assert 1 <= p["n_slots"] <= 128
+                assert p["slab_bytes"] == (p["n_slots"] + staging) * row
+                assert 0 <= p["pageable_bytes"] <= resident
+                if p["n_slots"] >= 8:
+                    assert p["pageable_bytes"] == 0 and p["budget"] >= p["tight_budget"]
+                    seen.add("top-k")
+                elif p["pageable_bytes"] == 0:
+                    assert p["budget"] < p["tight_budget"]          # fewer than top-k slots only when tight
+                    seen.add("below top-k")
+                else:
+                    assert p["n_slots"] == 1 and p["host_bytes"] == (host << 20 if host > 0 else 0)
+                    seen.add("pageable")
+    assert seen == {"refused", "top-k", "below top-k", "pageable"}, seen
 
 
 def test_mem_budget_too_small_is_a_clear_error(bindir, fixture_dir):
@@ -324,6 +344,34 @@ def test_generation_under_a_cgroup_of_half_the_model(bindir, medium_model):
     assert m, out[-3000:]
     assert int(m.group(1)) <= limit / (1 << 20) + 1 and int(m.group(1)) >= 0.8 * limit / (1 << 20)
     # ... and the answer is the fully resident one
+    def text(o):
+        return o.split("> Experts under a memory limit", 1)[-1].split("[ Prompt:")[0]
+    assert text(r.stdout) == text(ref.stdout)
+
+
+def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
+    """A budget that holds fewer than top-k slots per layer: still finishes inside the limit, same text."""
+    from pyvis import plan as vplan
+    shape = vplan.read_shape(medium_model)
+    k = shape.n_expert_used
+    # the budget at which the planner gives 2 slots per layer (CPU build: no staging slot)
+    base = vplan.make_plan(shape, budget_mib=4096, n_ctx=256, n_ubatch=64, gpu=False)
+    row = base["request"]["expert_bytes"] * base["managed_layers"]
+    limit = base["fixed_bytes"] + 2 * row + row // 2
+    p = vplan.make_plan(shape, budget_mib=limit >> 20, n_ctx=256, n_ubatch=64, gpu=False)
+    assert p["ok"] and 1 <= p["n_slots"] < k and p["pageable_bytes"] == 0, p
+    args = ["-m", medium_model, "-p", "Experts under a memory limit", "-n", "12", "-st", "-c", "256", "-t", "2",
+            "--temp", "0", "-ub", "64", "-nr"]
+    ref = run([bindir / "llama-cli", *args], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    with memory_cgroup(limit) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", *args, "--moe-mem", "auto", "--moe-stats"]), timeout=600)
+        used = peak()
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert 0 < used <= limit
+    assert re.search(rf"vis-moe: {p['n_slots']} slots? per layer fit the budget, below the model's top-k \({k}\)", out), out[-3000:]
+
     def text(o):
         return o.split("> Experts under a memory limit", 1)[-1].split("[ Prompt:")[0]
     assert text(r.stdout) == text(ref.stdout)
