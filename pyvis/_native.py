@@ -229,7 +229,8 @@ class llama_vis_moe_io_stats(ctypes.Structure):
         "slab_hits", "host_hits", "file_reads", "model_copies", "bytes_read", "bytes_storage", "read_us",
         "host_bytes", "host_used", "host_evictions", "slab_bytes")] + [
         (n, ctypes.c_int32) for n in ("direct_io", "unified", "locked", "io_threads")] + [
-        ("major_faults", ctypes.c_int64), ("rss_peak", ctypes.c_int64)]
+        ("major_faults", ctypes.c_int64), ("rss_peak", ctypes.c_int64), ("streamed", ctypes.c_int64),
+        ("bytes_streamed", ctypes.c_int64)]
 
 
 class llama_vis_mem_info(ctypes.Structure):

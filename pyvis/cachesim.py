@@ -37,11 +37,13 @@ def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
     return [order[j:j + capacity] for j in range(0, len(order), capacity)]
 
 
-def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None) -> int:
+def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
+                  streamed: list[bool] | None = None) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
     together; a set larger than the capacity is served in passes, as the runtime does).  On a miss it evicts
     the resident expert whose next use is farthest, never one the current pass needs.
-    `per_request`, if given, receives the loads of each request."""
+    `per_request`, if given, receives the loads of each request.  `streamed[i]` marks a request the runtime serves
+    by prefill streaming (see `stream_rule`): it bypasses the cache, which it neither loads nor changes."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
     INF = len(requests) + 1
@@ -49,12 +51,18 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     upcoming: dict[int, int] = {}
     for i in range(len(requests) - 1, -1, -1):
         next_req[i] = dict(upcoming)
+        if streamed is not None and streamed[i]:
+            continue
         for e in requests[i]:
             upcoming[e] = i
     resident: set[int] = set()
     misses = 0
     for i, s in enumerate(requests):
         before = misses
+        if streamed is not None and streamed[i]:
+            if per_request is not None:
+                per_request.append(0)
+            continue
         chunks = _chunks(s, resident, capacity)
         for ci, chunk in enumerate(chunks):
             need = set(chunk)
@@ -74,13 +82,25 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     return misses
 
 
-def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None) -> int:
+def stream_rule(n_tokens: int, k: int, n_expert: int, capacity: int, stream_passes: int = 8) -> bool:
+    """Does the runtime stream a ubatch of n_tokens through a layer instead of serving it from the slabs?  When
+    the most passes it could need, ceil(min(n_expert, k * n_tokens) / capacity), exceed stream_passes
+    (VIS_MOE_STREAM_PASSES, default 8; 0 = never).  CPU-only runs."""
+    return stream_passes > 0 and -(-min(n_expert, k * n_tokens) // capacity) > stream_passes
+
+
+def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
+               streamed: list[bool] | None = None) -> int:
     """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading).
     `per_request`, if given, receives the loads of each request."""
     lru: OrderedDict[int, None] = OrderedDict()
     misses = 0
-    for s in requests:
+    for i, s in enumerate(requests):
         before = misses
+        if streamed is not None and streamed[i]:
+            if per_request is not None:
+                per_request.append(0)
+            continue
         for chunk in _chunks(s, lru, capacity):
             need = set(chunk)
             for e in chunk:

@@ -80,13 +80,49 @@ class Cgroup:
                 time.sleep(0.1)
 
 
-def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log: Path | None = None) -> dict:
+def storage_bandwidth(path: Path, chunk: int, threads: int = 4, seconds: float = 4.0) -> float:
+    """O_DIRECT random reads of `chunk` bytes (4 KiB-aligned) from `path` with `threads` threads, cold page cache:
+    the bandwidth the expert reads can get at best (bytes/s)."""
+    import mmap
+    import random
+    import threading
+    drop_caches()
+    size = path.stat().st_size
+    chunk = (chunk + 4095) // 4096 * 4096
+    total = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        buf = mmap.mmap(-1, chunk)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        n = 0
+        try:
+            while time.monotonic() < stop:
+                n += os.preadv(fd, [buf], rng.randrange(0, (size - chunk) // 4096) * 4096)
+        finally:
+            os.close(fd)
+        with lock:
+            total[0] += n
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return total[0] / (time.monotonic() - t0)
+
+
+def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log: Path | None = None,
+            env: dict | None = None) -> dict:
     drop_caches()
     cg = Cgroup(limit)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                           env={**os.environ, **(env or {})})
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
@@ -98,9 +134,17 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
              read_bytes=(after.ru_inblock - before.ru_inblock) * 512, cmd=" ".join(map(str, cmd)))
     cg.remove()
     m = re.search(r"\[ Prompt: ([\d.]+) t/s \| Generation: ([\d.]+) t/s \]", out)
-    r["finished"] = rc == 0 and m is not None and "Error:" not in out
-    if m:
+    if m:   # llama-cli
         r["prefill_tps"], r["decode_tps"] = float(m.group(1)), float(m.group(2))
+    else:   # llama-bench -o json: pp and tg tests
+        try:
+            tests = json.loads(out[out.index("["):out.rindex("]") + 1])
+            r["prefill_tps"] = round(next(t["avg_ts"] for t in tests if t["n_gen"] == 0), 2)
+            r["decode_tps"] = round(next(t["avg_ts"] for t in tests if t["n_prompt"] == 0), 2)
+            m = True
+        except (ValueError, StopIteration, KeyError):
+            m = None
+    r["finished"] = rc == 0 and m is not None and "Error:" not in out
     r["read_bytes_per_token"] = r["read_bytes"] / max(n_predict, 1)
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
                      ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB"),
@@ -126,7 +170,7 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
     decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy."""
     import numpy as np
     from pyvis import trace as vtrace
-    from pyvis.cachesim import belady_misses, layer_requests, lru_misses
+    from pyvis.cachesim import belady_misses, layer_requests, lru_misses, stream_rule
     t = vtrace.read(trace_path)
     opt = lru = dec_lru = dec_opt = n_dec = 0
     for il in t.layers().tolist():
@@ -135,8 +179,9 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
         _, rows = np.unique(lt.ubatch, return_counts=True)   # tokens per ubatch, in ubatch order like req
         per_lru: list[int] = []
         per_opt: list[int] = []
-        opt += belady_misses(req, slots, per_opt)
-        lru += lru_misses(req, slots, per_lru)
+        streamed = [stream_rule(int(n), t.n_expert_used, t.n_expert, slots) for n in rows]
+        opt += belady_misses(req, slots, per_opt, streamed)
+        lru += lru_misses(req, slots, per_lru, streamed)
         dec = rows == 1
         dec_lru += int(np.asarray(per_lru)[dec].sum())
         dec_opt += int(np.asarray(per_opt)[dec].sum())
@@ -160,6 +205,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="sampling seed (the same for every run, so all see the same tokens)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--only", nargs="+", default=["upstream", "upstream-nr", "ours"])
+    ap.add_argument("--tool", choices=["cli", "bench"], default="cli",
+                    help="cli: llama-cli, a prompt then -n sampled tokens (default); bench: llama-bench pp + tg, whose "
+                         "decode feeds random tokens (varied routing: on random-weight models sampled text repeats one "
+                         "token and keeps the expert cache hot)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra args for ours")
     a = ap.parse_args()
     model = Path(a.model).resolve()
@@ -170,32 +219,59 @@ def main() -> int:
     prompt = (PROMPT_WORDS * (a.prompt_tokens // 30 + 1))
     base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp), "--seed", str(a.seed)]
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
+    from pyvis import plan as vplan
+    shape = vplan.read_shape(model)
+    expert = max(shape.expert_bytes.values())
+    bw = storage_bandwidth(model, expert // 3)
+    print(f"storage: {bw / 2**20:.0f} MiB/s O_DIRECT random reads of {expert // 3 / 2**20:.2f} MiB (one expert tensor), "
+          f"4 threads", flush=True)
     for frac in a.fractions:
         limit = int(size * frac)
         print(f"== budget {frac:.3f} x {size / 2**30:.2f} GiB = {limit / 2**20:.0f} MiB", flush=True)
         for name in a.only:
-            if name == "upstream":
+            trace = out / f"ours-{frac}.trace"
+            env = None
+            if a.tool == "bench":
+                bb = ["-m", model, "-p", str(a.prompt_tokens), "-n", str(a.n_predict), "-r", "1", "-t", "2", "-o", "json"]
+                if name == "upstream":
+                    cmd = [up / "llama-bench", *bb]
+                elif name == "upstream-nr":
+                    cmd = [up / "llama-bench", *bb, "--repack", "0"]
+                else:   # llama-bench has its own flags: the fork's settings come from the environment
+                    cmd = [Path(a.bin) / "llama-bench", *bb, "--repack", "0", *a.extra]
+                    env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace))
+            elif name == "upstream":
                 cmd = [up / "llama-cli", *base]
             elif name == "upstream-nr":
                 cmd = [up / "llama-cli", *base, "-nr"]
             else:
-                trace = out / f"ours-{frac}.trace"
                 cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
                        *a.extra]
-            r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}.log")
+            r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}.log", env)
+            r["tool"] = a.tool
             r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size)
+            r["storage_bw"] = bw
             if name == "ours" and r.get("misses") is not None and r.get("slots"):
                 r.update(belady_ratio(out / f"ours-{frac}.trace", r["slots"], r["misses"]))
+                # decode: time per token against reading its misses at the storage bandwidth
+                if r.get("decode_tps") and r.get("decode_steps"):
+                    dec_bytes = r["decode_misses"] * expert / r["decode_steps"]
+                    r["decode_read_bytes_per_token"] = dec_bytes
+                    r["decode_io_bound_s"] = dec_bytes / bw
+                    r["decode_vs_io_bound"] = (1 / r["decode_tps"]) / r["decode_io_bound_s"] if dec_bytes else None
+                    print(f"  decode reads {dec_bytes / 2**20:.1f} MiB/token -> I/O bound {r['decode_io_bound_s'] * 1e3:.1f} ms/token;"
+                          f" ours {1e3 / r['decode_tps']:.1f} ms/token", flush=True)
                 print(f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
                       f"LRU simulated {r['lru_sim_misses']}", flush=True)
             results = [x for x in results if not (x["name"] == name and x["fraction"] == frac)] + [r]
             (out / "results.json").write_text(json.dumps(results, indent=1))
-    rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | peak MiB | misses/Belady |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | decode reads MiB/token | peak MiB | misses/Belady |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda x: (-x["fraction"], x["name"])):
         rows.append(f"| {r['fraction']:.3f} ({r['limit_bytes'] / 2**20:.0f} MiB) | {r['name']} | "
                     f"{'yes' if r['finished'] else ('OOM-killed' if r['oom_killed'] else str(r['rc']))} | "
                     f"{r.get('prefill_tps', '-')} | {r.get('decode_tps', '-')} | {r['read_bytes_per_token'] / 2**20:.1f} | "
+                    f"{('%.1f' % (r['decode_read_bytes_per_token'] / 2**20)) if 'decode_read_bytes_per_token' in r else '-'} | "
                     f"{r['peak_bytes'] / 2**20:.0f} | {('%.2f' % r['ratio']) if r.get('ratio') else '-'} |")
     (out / "results.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))

@@ -149,6 +149,9 @@ struct llama_vis_moe_io_stats {
     int32_t io_threads;
     int64_t major_faults;   // major page faults of the process since the context was created
     int64_t rss_peak;       // peak resident set of the process (VmHWM), bytes
+    int64_t streamed;       // experts a large ubatch read through the mapping instead of the slabs (prefill
+                            // streaming: more passes than VIS_MOE_STREAM_PASSES), pages dropped after the layer
+    int64_t bytes_streamed; // their bytes
 };
 // Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache.
 LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);

@@ -39,6 +39,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -314,7 +316,7 @@ int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
 static const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
 
-enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_MERGE };
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_MERGE, VIS_OP_STREAM, VIS_OP_DROP };
 
 struct vis_moe_op_ud {
     vis_moe_context * vm;
@@ -379,6 +381,8 @@ struct vis_moe_context {
     int64_t majflt0        = 0, majflt_last = 0;
     bool    warned_faults  = false;
     int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
+    int64_t n_streamed = 0, bytes_streamed = 0;
+    int     stream_passes = 8;  // a ubatch that would need more passes than this in a layer streams it
     int64_t     plan_budget = 0;  // --moe-mem: the budget planned for
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
@@ -727,6 +731,43 @@ static void vis_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_te
     }
 }
 
+// Prefill streaming: the mapped expert tensors of layer L.  Before the layer: sequential read-ahead (the loader
+// marks lazy ranges MADV_RANDOM, i.e. 4 KiB faults).  After it: drop the pages from our mapping and from the page
+// cache, so the streamed experts cost no memory, and go back to MADV_RANDOM.
+static void stream_advise(const vis_moe_layer & L, bool before) {
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        const vis_deferred_tensor * f = L.file[ti];
+        if (!f || !L.orig[ti] || !L.orig[ti]->data) {
+            continue;
+        }
+        const size_t n = f->nb2 * (size_t) f->n_expert;
+        // pages wholly inside the tensor: a neighbouring tensor's pages are not ours to drop
+        const uintptr_t a0 = ((uintptr_t) L.orig[ti]->data + page - 1) & ~(uintptr_t) (page - 1);
+        const uintptr_t a1 = ((uintptr_t) L.orig[ti]->data + n) & ~(uintptr_t) (page - 1);
+        if (a1 <= a0) {
+            continue;
+        }
+        if (before) {
+            madvise((void *) a0, a1 - a0, MADV_SEQUENTIAL);
+        } else {
+            madvise((void *) a0, a1 - a0, MADV_DONTNEED);
+            madvise((void *) a0, a1 - a0, MADV_RANDOM);
+            posix_fadvise(f->file->fd, (off_t) f->offs, (off_t) n, POSIX_FADV_DONTNEED);
+        }
+    }
+}
+
+static void vis_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    (void) a;
+    (void) dst;
+    (void) nth;
+    if (ith == 0) {
+        auto * ud = (vis_moe_op_ud *) userdata;
+        stream_advise(ud->vm->layers[ud->il], false);
+    }
+}
+
 static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -754,6 +795,28 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
                     plan_ubatch(L, ids, n_pairs);
                 }
                 run_pass(vm, L, ud->il, ud->pass, ids, n_pairs, out);
+            } break;
+            case VIS_OP_STREAM: {
+                // prefill streaming: upstream's graph reads the layer's experts through the mapping
+                if (vm.trace) {
+                    trace_record(vm, ud->il, a, b);
+                }
+                const vis_moe_layer & L = vm.layers[ud->il];
+                std::vector<bool> seen(L.n_expert, false);
+                for (int64_t j = 0; j < n_pairs; ++j) {
+                    if (ids[j] >= 0 && ids[j] < L.n_expert && !seen[ids[j]]) {
+                        seen[ids[j]] = true;
+                        vm.n_streamed++;
+                        vm.bytes_streamed += L.expert_bytes;
+                    }
+                }
+                for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+                    if (L.file[ti]) {
+                        L.file[ti]->file->check_unchanged();  // never compute on a file replaced under us
+                    }
+                }
+                stream_advise(L, true);
+                std::memcpy(out, ids, n_pairs * sizeof(int32_t));
             } break;
             case VIS_OP_SELECT: {
                 const vis_moe_layer & L = vm.layers[ud->il];
@@ -865,6 +928,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
     vm->params = p;
     vm->tier   = tier;
     vm->trace_path = trace_path;
+    vm->stream_passes = (int) env_ll("VIS_MOE_STREAM_PASSES", 8);  // 0: never stream
     vm->n_expert_used = (int) hp.n_expert_used_max();
     vm->layers.resize(n_layer);
 
@@ -1311,6 +1375,19 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
     managed = true;
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = std::max(1, (int) ((std::min<int64_t>(L.n_expert, pairs) + L.n_slots - 1) / L.n_slots));
+    if (L.deferred && L.cpu_passes && vm->stream_passes > 0 && n_pass > vm->stream_passes) {
+        // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
+        // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
+        // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page
+        // cache, exactly as upstream's mmap does; the pages are dropped after the layer and the slabs are left as
+        // they are.  Same result, bit for bit: it is upstream's graph.
+        managed = false;
+        stream  = true;
+        n_pass  = 1;
+        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_op, 1, vm->ud(il, 0, VIS_OP_STREAM));
+        ggml_format_name(t, "vis_moe_stream-%d", il);
+        ggml_build_forward_expand(gf, t);
+    }
 }
 
 ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
@@ -1353,6 +1430,12 @@ void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
 
 ggml_tensor * vis_moe_layer_graph::output() {
     GGML_ASSERT(!outs.empty());
+    if (stream) {
+        // after the layer's experts ran: drop their pages (the returned view orders the drop before later use)
+        ggml_tensor * t = ggml_map_custom1_inplace(ctx, outs[0], vis_drop_op, 1, vm->ud(il, 0, VIS_OP_DROP));
+        ggml_format_name(t, "vis_moe_drop-%d", il);
+        return t;
+    }
     if (!managed || outs.size() == 1) {
         return outs[0];  // one pass, or the CPU in-place merge
     }
@@ -1448,6 +1531,8 @@ int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_s
     getrusage(RUSAGE_SELF, &ru);
     st.major_faults = ru.ru_majflt - vm->majflt0;
     st.rss_peak     = rss_peak_bytes();
+    st.streamed       = vm->n_streamed;
+    st.bytes_streamed = vm->bytes_streamed;
     *out = st;
     return 0;
 }
@@ -1458,6 +1543,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
         return;
     }
     vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
+    vm->n_streamed = vm->bytes_streamed = 0;
     if (vm->io) {
         vm->io->reset_counters();
     }
@@ -1507,6 +1593,11 @@ void llama_vis_moe_print_stats(const llama_context * ctx) {
                      io.slab_hits, io.host_hits, io.file_reads, io.bytes_read / 1048576.0, io.bytes_storage / 1048576.0,
                      io.direct_io ? " with O_DIRECT" : " buffered", secs, secs > 0 ? io.bytes_read / 1048576.0 / secs : 0.0,
                      io.model_copies);
+        if (io.streamed > 0) {
+            std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) read through the mapping by "
+                                 "ubatches needing more than %d passes, pages dropped after each layer\n",
+                         io.streamed, io.bytes_streamed / 1048576.0, vm->stream_passes);
+        }
         std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
                              "peak RSS %.2f MiB, major faults %" PRId64 "\n",
                      io.slab_bytes / 1048576.0, io.host_used / 1048576.0, io.host_bytes / 1048576.0, io.host_evictions,

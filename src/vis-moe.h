@@ -69,6 +69,7 @@ private:
     int               il;
     int               n_pass = 1;
     bool              managed = false;
+    bool              stream  = false;  // this ubatch reads the layer's experts through the mapping (upstream graph)
     ggml_tensor     * ids_cont = nullptr;  // contiguous copy of the routed ids
     ggml_tensor     * weights  = nullptr;
     ggml_tensor     * last     = nullptr;  // ordering dependency between passes

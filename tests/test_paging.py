@@ -420,3 +420,33 @@ def test_runtime_lru_matches_the_simulation(fixture_dir, tmp_path):
         req = layer_requests(t, il)
         assert lru_misses(req, slots) == per_layer[il], il
         assert belady_misses(req, slots) <= per_layer[il]
+
+
+def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, reference, tmp_path, monkeypatch):
+    """One slot per layer: a prefill ubatch would need one pass per routed expert, so it streams the layer through
+    the mapping (upstream's graph) instead.  Logits stay byte-identical, the streamed experts are counted, the slabs
+    are not touched by the streamed ubatch (LRU simulation with the same rule == runtime misses), and
+    VIS_MOE_STREAM_PASSES=0 turns it off."""
+    import numpy as np
+    from pyvis import trace as vtrace
+    from pyvis.cachesim import layer_requests, lru_misses, stream_rule
+    spec = fx.FIXTURES["qwen3moe"]()
+    ref = reference("qwen3moe")
+    seen = {}
+    for passes in ("8", "0"):
+        monkeypatch.setenv("VIS_MOE_STREAM_PASSES", passes)
+        path = tmp_path / f"stream-{passes}.trace"
+        logits, llm = _run(fixture_dir / "qwen3moe.gguf", slots=1, trace=str(path))
+        assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), passes
+        io = moe.io_stats(llm)
+        per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
+        seen[passes] = io["streamed"]
+        assert io["bytes_streamed"] == io["streamed"] * _native.moe_info(llm).expert_bytes
+        del llm
+        t = vtrace.read(path)
+        for il in range(spec.n_layer):
+            lt = t.for_layer(il)
+            _, rows = np.unique(lt.ubatch, return_counts=True)
+            streamed = [stream_rule(int(n), spec.n_expert_used, spec.n_expert, 1, int(passes)) for n in rows]
+            assert lru_misses(layer_requests(t, il), 1, None, streamed) == per_layer[il], (passes, il)
+    assert seen["8"] > 0 and seen["0"] == 0, seen
