@@ -146,18 +146,19 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
             m = None
     r["finished"] = rc == 0 and m is not None and "Error:" not in out
     r["read_bytes_per_token"] = r["read_bytes"] / max(n_predict, 1)
+    # the stats of the last context (llama-bench makes one per test; the trace file holds the last one)
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
                      ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB"),
-                     ("rss_peak_mib", r"peak RSS (\d+)")):
-        mm = re.search(pat, out)
+                     ("rss_peak_mib", r"peak RSS (\d+)"), ("streamed", r"prefill streaming: (\d+) experts")):
+        mm = re.findall(pat, out)
         if mm:
-            r[key] = int(mm.group(1))
-    mm = re.search(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)", out)
+            r[key] = int(mm[-1])
+    mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)", out)
     if mm:
-        r["routed"], r["hits"], r["misses"] = map(int, mm.groups())
-    slots = re.search(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
+        r["routed"], r["hits"], r["misses"] = map(int, mm[-1])
+    slots = re.findall(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
     if slots:
-        r["slots"] = int(slots.group(1))
+        r["slots"] = int(slots[-1])
     if not r["finished"]:
         r["tail"] = out[-1500:]
     print(f"  {name:12s} rc={rc} finished={r['finished']} decode={r.get('decode_tps')} prefill={r.get('prefill_tps')} "
@@ -204,6 +205,7 @@ def main() -> int:
                          "0 = greedy, which on random-weight models repeats a few tokens and keeps the cache hot)")
     ap.add_argument("--seed", type=int, default=1, help="sampling seed (the same for every run, so all see the same tokens)")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each configuration, interleaved (medians reported)")
     ap.add_argument("--only", nargs="+", default=["upstream", "upstream-nr", "ours"])
     ap.add_argument("--tool", choices=["cli", "bench"], default="cli",
                     help="cli: llama-cli, a prompt then -n sampled tokens (default); bench: llama-bench pp + tg, whose "
@@ -228,51 +230,78 @@ def main() -> int:
     for frac in a.fractions:
         limit = int(size * frac)
         print(f"== budget {frac:.3f} x {size / 2**30:.2f} GiB = {limit / 2**20:.0f} MiB", flush=True)
-        for name in a.only:
-            trace = out / f"ours-{frac}.trace"
-            env = None
-            if a.tool == "bench":
-                bb = ["-m", model, "-p", str(a.prompt_tokens), "-n", str(a.n_predict), "-r", "1", "-t", "2", "-o", "json"]
-                if name == "upstream":
-                    cmd = [up / "llama-bench", *bb]
+        for rep in range(a.repeat):
+            for name in a.only:
+                trace = out / f"ours-{frac}-{rep}.trace"
+                env = None
+                if a.tool == "bench":
+                    bb = ["-m", model, "-p", str(a.prompt_tokens), "-n", str(a.n_predict), "-r", "1", "-t", "2", "-o", "json"]
+                    if name == "upstream":
+                        cmd = [up / "llama-bench", *bb]
+                    elif name == "upstream-nr":
+                        cmd = [up / "llama-bench", *bb, "--repack", "0"]
+                    else:   # llama-bench has its own flags: the fork's settings come from the environment
+                        cmd = [Path(a.bin) / "llama-bench", *bb, "--repack", "0", *a.extra]
+                        env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace))
+                elif name == "upstream":
+                    cmd = [up / "llama-cli", *base]
                 elif name == "upstream-nr":
-                    cmd = [up / "llama-bench", *bb, "--repack", "0"]
-                else:   # llama-bench has its own flags: the fork's settings come from the environment
-                    cmd = [Path(a.bin) / "llama-bench", *bb, "--repack", "0", *a.extra]
-                    env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace))
-            elif name == "upstream":
-                cmd = [up / "llama-cli", *base]
-            elif name == "upstream-nr":
-                cmd = [up / "llama-cli", *base, "-nr"]
-            else:
-                cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
-                       *a.extra]
-            r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}.log", env)
-            r["tool"] = a.tool
-            r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size)
-            r["storage_bw"] = bw
-            if name == "ours" and r.get("misses") is not None and r.get("slots"):
-                r.update(belady_ratio(out / f"ours-{frac}.trace", r["slots"], r["misses"]))
-                # decode: time per token against reading its misses at the storage bandwidth
-                if r.get("decode_tps") and r.get("decode_steps"):
-                    dec_bytes = r["decode_misses"] * expert / r["decode_steps"]
-                    r["decode_read_bytes_per_token"] = dec_bytes
-                    r["decode_io_bound_s"] = dec_bytes / bw
-                    r["decode_vs_io_bound"] = (1 / r["decode_tps"]) / r["decode_io_bound_s"] if dec_bytes else None
-                    print(f"  decode reads {dec_bytes / 2**20:.1f} MiB/token -> I/O bound {r['decode_io_bound_s'] * 1e3:.1f} ms/token;"
-                          f" ours {1e3 / r['decode_tps']:.1f} ms/token", flush=True)
-                print(f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
-                      f"LRU simulated {r['lru_sim_misses']}", flush=True)
-            results = [x for x in results if not (x["name"] == name and x["fraction"] == frac)] + [r]
-            (out / "results.json").write_text(json.dumps(results, indent=1))
-    rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | decode reads MiB/token | peak MiB | misses/Belady |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda x: (-x["fraction"], x["name"])):
-        rows.append(f"| {r['fraction']:.3f} ({r['limit_bytes'] / 2**20:.0f} MiB) | {r['name']} | "
-                    f"{'yes' if r['finished'] else ('OOM-killed' if r['oom_killed'] else str(r['rc']))} | "
-                    f"{r.get('prefill_tps', '-')} | {r.get('decode_tps', '-')} | {r['read_bytes_per_token'] / 2**20:.1f} | "
-                    f"{('%.1f' % (r['decode_read_bytes_per_token'] / 2**20)) if 'decode_read_bytes_per_token' in r else '-'} | "
-                    f"{r['peak_bytes'] / 2**20:.0f} | {('%.2f' % r['ratio']) if r.get('ratio') else '-'} |")
+                    cmd = [up / "llama-cli", *base, "-nr"]
+                else:
+                    cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
+                           *a.extra]
+                r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}-{rep}.log", env)
+                r["tool"] = a.tool
+                r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size, rep=rep)
+                r["storage_bw"] = bw
+                if name == "ours" and r.get("misses") is not None and r.get("slots"):
+                    r.update(belady_ratio(out / f"ours-{frac}-{rep}.trace", r["slots"], r["misses"]))
+                    # decode: time per token against reading its misses at the storage bandwidth
+                    if r.get("decode_tps") and r.get("decode_steps"):
+                        dec_bytes = r["decode_misses"] * expert / r["decode_steps"]
+                        r["decode_read_bytes_per_token"] = dec_bytes
+                        r["decode_io_bound_s"] = dec_bytes / bw
+                        r["decode_vs_io_bound"] = (1 / r["decode_tps"]) / r["decode_io_bound_s"] if dec_bytes else None
+                        print(f"  decode reads {dec_bytes / 2**20:.1f} MiB/token -> I/O bound {r['decode_io_bound_s'] * 1e3:.1f} ms/token;"
+                              f" ours {1e3 / r['decode_tps']:.1f} ms/token", flush=True)
+                    print(f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
+                          f"LRU simulated {r['lru_sim_misses']}", flush=True)
+                results = [x for x in results
+                           if not (x["name"] == name and x["fraction"] == frac and x.get("rep", 0) == rep)] + [r]
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+    # the ratios again, from the finished traces (a process of the run may still append when the run returns)
+    for r in results:
+        if r["name"] == "ours" and r.get("misses") is not None and r.get("slots"):
+            tp = out / f"ours-{r['fraction']}-{r.get('rep', 0)}.trace"
+            if tp.exists():
+                r.update(belady_ratio(tp, r["slots"], r["misses"]))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    import statistics
+
+    def med(rs, key, fmt="%.1f"):
+        v = [x[key] for x in rs if x.get(key) is not None]
+        return fmt % statistics.median(v) if v else "-"
+    rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | decode reads MiB/token | "
+            "decode ms/token vs I/O bound | peak MiB | misses/Belady |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r["fraction"], r["name"]), []).append(r)
+    for (frac, name), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        fin = sum(1 for x in rs if x["finished"])
+        why = "" if fin == len(rs) else (" (OOM-killed)" if any(x["oom_killed"] for x in rs) else f" (rc {rs[0]['rc']})")
+        for x in rs:
+            x["read_mib_per_token"] = x["read_bytes_per_token"] / 2**20
+            if x.get("decode_read_bytes_per_token") is not None:
+                x["decode_read_mib_per_token"] = x["decode_read_bytes_per_token"] / 2**20
+            x["peak_mib"] = x["peak_bytes"] / 2**20
+            if x.get("decode_tps") and x.get("decode_io_bound_s"):
+                x["_vs"] = f"{1e3 / x['decode_tps']:.0f} / {x['decode_io_bound_s'] * 1e3:.0f}"
+        vs = ", ".join(x["_vs"] for x in rs if "_vs" in x) or "-"
+        rows.append(f"| {frac:.3f} ({rs[0]['limit_bytes'] / 2**20:.0f} MiB) | {name} | {fin}/{len(rs)}{why} | "
+                    f"{med(rs, 'prefill_tps')} | {med(rs, 'decode_tps')} | {med(rs, 'read_mib_per_token')} | "
+                    f"{med(rs, 'decode_read_mib_per_token')} | {vs} | {med(rs, 'peak_mib', '%.0f')} | "
+                    f"{med(rs, 'ratio', '%.2f')} |")
     (out / "results.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0

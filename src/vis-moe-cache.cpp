@@ -35,6 +35,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -383,6 +384,7 @@ struct vis_moe_context {
     int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
     int64_t n_streamed = 0, bytes_streamed = 0;
     int     stream_passes = 8;  // a ubatch that would need more passes than this in a layer streams it
+    bool    ub_streamed   = false;  // the current ubatch streamed a layer
     int64_t     plan_budget = 0;  // --moe-mem: the budget planned for
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
@@ -615,7 +617,9 @@ static void fill_misses(vis_moe_context & vm, vis_moe_layer & L, int il, const s
 // make the experts of pass p resident and write the slot ids for that pass
 static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
     const auto t0 = std::chrono::steady_clock::now();
-    const uint64_t tick = ++vm.tick;
+    // every touch gets its own tick, in the pass's order (hits first, then misses): LRU with exact recency, the
+    // order pyvis.cachesim.lru_misses simulates; ticks from pass_start on mark slots this pass needs
+    const uint64_t pass_start = vm.tick + 1;
     const std::vector<int32_t> empty;
     const std::vector<int32_t> & experts = p < (int) L.passes.size() ? L.passes[p] : empty;
     L.stats.n_passes++;
@@ -624,7 +628,7 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, con
     for (int e : experts) {
         const int s = L.slot_of[e];
         if (s >= 0) {
-            L.last_use[s] = tick;
+            L.last_use[s] = ++vm.tick;
             L.stats.n_hits++;
             vm.n_slab_hits++;
         }
@@ -641,7 +645,7 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, con
                 victim = s;
                 break;
             }
-            if (L.last_use[s] == tick) {
+            if (L.last_use[s] >= pass_start) {
                 continue;  // used by this pass
             }
             if (victim < 0 || L.last_use[s] < L.last_use[victim]) {
@@ -661,7 +665,7 @@ static void run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, con
         }
         L.expert_of[victim] = e;
         L.slot_of[e]        = victim;
-        L.last_use[victim]  = tick;
+        L.last_use[victim]  = ++vm.tick;
         misses.emplace_back(e, victim);
         L.stats.n_misses++;
         L.stats.bytes_loaded += L.expert_bytes;
@@ -816,6 +820,7 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
                     }
                 }
                 stream_advise(L, true);
+                vm.ub_streamed = true;
                 std::memcpy(out, ids, n_pairs * sizeof(int32_t));
             } break;
             case VIS_OP_SELECT: {
@@ -1313,7 +1318,20 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         getrusage(RUSAGE_SELF, &ru);
         const int64_t d = ru.ru_majflt - vm->majflt_last;
         vm->majflt_last = ru.ru_majflt;
-        if (d >= 256 && !vm->warned_faults) {
+        if (vm->ub_streamed) {
+            // streaming faults its experts in on purpose (not a sign of paging); the read-ahead also spills past
+            // the streamed ranges: drop every unmapped page of the model files, so the page cache does not sit on
+            // the budget during the next steps (mapped, locked resident weights stay)
+            vm->ub_streamed = false;
+            std::set<const vis_gguf_file *> files;
+            for (const auto & L : vm->layers) {
+                for (const auto * f : L.file) {
+                    if (f && files.insert(f->file.get()).second) {
+                        posix_fadvise(f->file->fd, 0, 0, POSIX_FADV_DONTNEED);
+                    }
+                }
+            }
+        } else if (d >= 256 && !vm->warned_faults) {
             vm->warned_faults = true;
             LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "
                            "(swap or evicted mmap pages); lower --moe-mem / --moe-slots / --moe-host-mib or use --moe-mem auto\n", d);

@@ -56,7 +56,7 @@ def _configs(spec):
         dict(slots=min(2 * k, spec.n_expert - 1), direct_io="off", io_threads=1),  # buffered reads, one thread
         dict(slots=k, unified="off", host_mib=1),              # staging path + inclusive host cache
         dict(slots=spec.n_expert - 1, io_threads=8),
-        dict(slots=1),                                         # one slot: every step runs k passes per layer
+        dict(slots=1, pinned_layers=1),                        # the pinned prefix and one slot per layer: k passes a step
         dict(slots=k - 1, host_mib=1),                         # below top-k, with a host tier
     ]
 
@@ -413,6 +413,10 @@ def test_runtime_lru_matches_the_simulation(fixture_dir, tmp_path):
     llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
     for _ in range(12):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    # random tokens: varied routing, so evictions often choose between experts last used in the same step
+    rng = np.random.default_rng(7)
+    for tok in rng.integers(100, 20000, size=24).tolist():
+        llm.eval([int(tok)])
     per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
     del llm
     t = vtrace.read(path)
