@@ -206,7 +206,11 @@ int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out) {
 
 static std::string mib(int64_t b) {
     char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.0f MiB", std::ceil(b / 1048576.0));
+    if (b < (10ll << 20) && b % (1 << 20) != 0) {
+        std::snprintf(buf, sizeof(buf), "%.1f MiB", std::ceil(b / 104857.6) / 10.0);
+    } else {
+        std::snprintf(buf, sizeof(buf), "%.0f MiB", std::ceil(b / 1048576.0));
+    }
     return buf;
 }
 
