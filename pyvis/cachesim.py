@@ -37,6 +37,15 @@ def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
     return [order[j:j + capacity] for j in range(0, len(order), capacity)]
 
 
+def _bypass(i: int, streamed: list[bool] | None, per_request: list[int] | None) -> bool:
+    """Request i is streamed (see `stream_rule`): no loads, the cache unchanged."""
+    if streamed is None or not streamed[i]:
+        return False
+    if per_request is not None:
+        per_request.append(0)
+    return True
+
+
 def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
                   streamed: list[bool] | None = None) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
@@ -59,9 +68,7 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     misses = 0
     for i, s in enumerate(requests):
         before = misses
-        if streamed is not None and streamed[i]:
-            if per_request is not None:
-                per_request.append(0)
+        if _bypass(i, streamed, per_request):
             continue
         chunks = _chunks(s, resident, capacity)
         for ci, chunk in enumerate(chunks):
@@ -97,9 +104,7 @@ def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] 
     misses = 0
     for i, s in enumerate(requests):
         before = misses
-        if streamed is not None and streamed[i]:
-            if per_request is not None:
-                per_request.append(0)
+        if _bypass(i, streamed, per_request):
             continue
         for chunk in _chunks(s, lru, capacity):
             need = set(chunk)

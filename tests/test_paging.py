@@ -326,10 +326,10 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
-def test_generation_under_a_cgroup_of_half_the_model(bindir, medium_model):
-    size = medium_model.stat().st_size
-    limit = size // 2
-    args = ["-m", medium_model, "-p", "Experts under a memory limit", "-n", "12", "-st", "-c", "256", "-t", "2",
+def _generate_under_cgroup(bindir, model, limit: int) -> str:
+    """llama-cli with --moe-mem auto inside a memory cgroup of `limit` bytes: it finishes, the cgroup's peak stays
+    within the limit, and the text is the fully resident one.  Returns the run's output."""
+    args = ["-m", model, "-p", "Experts under a memory limit", "-n", "12", "-st", "-c", "256", "-t", "2",
             "--temp", "0", "-ub", "64", "-nr"]
     ref = run([bindir / "llama-cli", *args], timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
@@ -339,14 +339,20 @@ def test_generation_under_a_cgroup_of_half_the_model(bindir, medium_model):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert 0 < used <= limit
+
+    def text(o):
+        return o.split("> Experts under a memory limit", 1)[-1].split("[ Prompt:")[0]
+    assert text(r.stdout) == text(ref.stdout)
+    return out
+
+
+def test_generation_under_a_cgroup_of_half_the_model(bindir, medium_model):
+    limit = medium_model.stat().st_size // 2
+    out = _generate_under_cgroup(bindir, medium_model, limit)
     # the automatic budget read the cgroup limit and planned inside it
     m = re.search(r"vis-moe: memory plan: budget (\d+) MiB \(auto: cgroup v[12] limit\)", out)
     assert m, out[-3000:]
     assert int(m.group(1)) <= limit / (1 << 20) + 1 and int(m.group(1)) >= 0.8 * limit / (1 << 20)
-    # ... and the answer is the fully resident one
-    def text(o):
-        return o.split("> Experts under a memory limit", 1)[-1].split("[ Prompt:")[0]
-    assert text(r.stdout) == text(ref.stdout)
 
 
 def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
@@ -360,21 +366,8 @@ def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
     limit = base["fixed_bytes"] + 2 * row + row // 2
     p = vplan.make_plan(shape, budget_mib=limit >> 20, n_ctx=256, n_ubatch=64, gpu=False)
     assert p["ok"] and 1 <= p["n_slots"] < k and p["pageable_bytes"] == 0, p
-    args = ["-m", medium_model, "-p", "Experts under a memory limit", "-n", "12", "-st", "-c", "256", "-t", "2",
-            "--temp", "0", "-ub", "64", "-nr"]
-    ref = run([bindir / "llama-cli", *args], timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    with memory_cgroup(limit) as (wrap, peak):
-        r = run(wrap([bindir / "llama-cli", *args, "--moe-mem", "auto", "--moe-stats"]), timeout=600)
-        used = peak()
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    assert 0 < used <= limit
+    out = _generate_under_cgroup(bindir, medium_model, limit)
     assert re.search(rf"vis-moe: {p['n_slots']} slots? per layer fit the budget, below the model's top-k \({k}\)", out), out[-3000:]
-
-    def text(o):
-        return o.split("> Experts under a memory limit", 1)[-1].split("[ Prompt:")[0]
-    assert text(r.stdout) == text(ref.stdout)
 
 
 def test_mem_probe_reads_the_cgroup_limit(medium_model):
