@@ -370,6 +370,22 @@ def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
     assert re.search(rf"vis-moe: {p['n_slots']} slots? per layer fit the budget, below the model's top-k \({k}\)", out), out[-3000:]
 
 
+def test_generation_under_a_cgroup_too_small_for_the_resident_weights(bindir, medium_model):
+    """Below the budget that locks every resident weight next to one slot per layer: the weights that do not fit
+    stay pageable (unlocked), the run finishes inside the limit with the fully resident text, and says so."""
+    from pyvis import plan as vplan
+    shape = vplan.read_shape(medium_model)
+    base = vplan.make_plan(shape, budget_mib=4096, n_ctx=256, n_ubatch=64, gpu=False)
+    row = base["request"]["expert_bytes"] * base["managed_layers"]
+    limit = base["min_budget"] + (base["fixed_bytes"] - base["min_budget"]) // 2 + row // 2
+    p = vplan.make_plan(shape, budget_mib=limit >> 20, n_ctx=256, n_ubatch=64, gpu=False)
+    assert p["ok"] and p["n_slots"] == 1 and p["pageable_bytes"] > 0, p
+    out = _generate_under_cgroup(bindir, medium_model, limit)
+    m = re.search(r"vis-moe: the memory budget cannot hold all resident weights next to the minimal slabs: "
+                  r"([\d.]+) MiB of them stay unlocked", out)
+    assert m and float(m.group(1)) > 0, out[-3000:]
+
+
 def test_mem_probe_reads_the_cgroup_limit(medium_model):
     limit = 512 << 20
     with memory_cgroup(limit) as (wrap, _):
