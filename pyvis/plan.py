@@ -170,7 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
             ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
-            (f"tier 1  slabs: {p['n_slots']} slots{'' if rq['no_staging'] else ' (+1 staging)'} x "
+            (f"tier 1  slabs: {p['n_slots']} slot{'s' if p['n_slots'] != 1 else ''}"
+             f"{'' if rq['no_staging'] else ' (+1 staging)'} x "
              f"{p['managed_layers']} layers", p["slab_bytes"]),
             ("tier 2  host expert cache", p["host_bytes"]),
             ("tier 3  GGUF file only (read on demand)", p["file_only_bytes"])]
@@ -189,7 +190,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"they stay unlocked and are re-read from the file when the kernel drops them (slow). "
               f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots with everything resident locked.")
     elif p["n_slots"] < shape.n_expert_used:
-        print(f"note: {p['n_slots']} slots per layer is below top-{shape.n_expert_used}: exact, but each decode step runs "
+        print(f"note: {p['n_slots']} slot{'s' if p['n_slots'] > 1 else ''} per layer, below top-{shape.n_expert_used}: "
+              f"exact, but each decode step runs "
               f"{-(-shape.n_expert_used // p['n_slots'])} passes per layer and reads most experts again. "
               f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots.")
     print(f"fits: run with --moe-mem {args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
