@@ -463,3 +463,23 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
             streamed = [stream_rule(int(n), spec.n_expert_used, spec.n_expert, 1, int(passes)) for n in rows]
             assert lru_misses(layer_requests(t, il), 1, None, streamed) == per_layer[il], (passes, il)
     assert seen["8"] > 0 and seen["0"] == 0, seen
+
+
+def test_token_embeddings_of_an_untied_model_are_not_resident(bindir, fixture_dir):
+    """gpt-oss has its own output matrix: its token embeddings are read one row per token, so neither the planner
+    (Python and C) counts them as resident nor does the runtime lock them."""
+    from pyvis import plan as vplan
+    path = fixture_dir / "gptoss.gguf"
+    shape = vplan.read_shape(path)
+    assert shape.row_gathered_bytes > 0
+    p = vplan.make_plan(shape, budget_mib=4096, n_ctx=256, gpu=False)
+    resident = p["request"]["resident_bytes"]
+    r = run([bindir / "llama-cli", "-m", path, "--moe-mem", "4096", "-p", "hi", "-n", "2", "-st", "-c", "256", "-v"],
+            timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    planned = float(re.search(r"vis-moe: memory plan: budget \d+ MiB = resident (\d+)", out).group(1))
+    locked = float(re.search(r"vis-moe: locked ([\d.]+) MiB of resident weights", out).group(1))
+    assert abs(planned - resident / (1 << 20)) <= 1
+    # every resident tensor locked (page rounding adds a little), the embeddings not
+    assert resident / (1 << 20) <= locked < (resident + shape.row_gathered_bytes / 2) / (1 << 20)
