@@ -407,6 +407,12 @@ struct vis_moe_context {
         return p.get();
     }
 
+    // what a tight budget costs: a warning now, repeated in the --moe-stats footer
+    void note(const std::string & msg) {
+        notes.push_back(msg);
+        LLAMA_LOG_WARN("vis-moe: %s\n", msg.c_str());
+    }
+
     void fail(const std::string & msg) {
         std::lock_guard<std::mutex> lock(err_mutex);
         if (!failed) {
@@ -814,9 +820,10 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
                         vm.bytes_streamed += L.expert_bytes;
                     }
                 }
-                for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-                    if (L.file[ti]) {
-                        L.file[ti]->file->check_unchanged();  // never compute on a file replaced under us
+                for (const auto * f : L.file) {
+                    if (f) {
+                        f->file->check_unchanged();  // never compute on a file replaced under us
+                        break;
                     }
                 }
                 stream_advise(L, true);
@@ -829,6 +836,9 @@ static void vis_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor *
                     out[j] = (int32_t) (L.pass_of[ids[j]] * n_pairs + j);
                 }
             } break;
+            case VIS_OP_MERGE:
+            case VIS_OP_DROP:
+                break;  // their own callbacks (vis_merge_op, vis_drop_op)
         }
     } catch (const std::exception & e) {
         vm.fail(e.what());
@@ -862,8 +872,8 @@ static void attach_impl(const llama_context * lctx, const llama_model & model);
 // The token embeddings of a model with its own output matrix: a token reads one row of them, so they are
 // neither counted as resident weights nor locked (a few touched pages stay in the page cache).
 static bool row_gathered(const llama_model & model, const ggml_tensor * t) {
-    return t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd &&
-           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;
+    return t == model.tok_embd && model.output != nullptr &&
+           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;  // tied: same name
 }
 
 void vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
@@ -1081,8 +1091,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
                       "passes per managed layer and reads most routed experts again%s", n_slots, n_slots == 1 ? "" : "s",
                       planned ? " fit the budget" : "", k, (k + n_slots - 1) / n_slots,
                       planned ? "; a larger budget gives top-k slots" : "");
-        vm->notes.emplace_back(msg);
-        LLAMA_LOG_WARN("vis-moe: %s\n", msg);
+        vm->note(msg);
     }
 
     // slabs, grouped by buffer type of the layer's device
@@ -1195,14 +1204,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
             // the `pageable` bytes it could not fit stay unlocked, so the kernel can reclaim them instead of
             // killing us.
             const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-            size_t n_locked = 0, n_resident = 0, n_skipped = 0;
-            for (const auto & [name, t] : model.tensors_by_name) {
-                if (t->buffer && ggml_backend_buffer_is_host(t->buffer) && t->data && !vis_moe_deferred(t) &&
-                    !row_gathered(model, t)) {
-                    n_resident += ggml_nbytes(t);
-                }
-            }
-            const size_t lock_room = pageable > 0 ? n_resident - std::min<size_t>(n_resident, (size_t) pageable) : n_resident;
+            size_t n_locked = 0, n_skipped = 0;
             bool ok = true;
             for (const auto & [name, t] : model.tensors_by_name) {
                 if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t) ||
@@ -1211,8 +1213,8 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
                 }
                 const uintptr_t a = (uintptr_t) t->data & ~(uintptr_t) (page - 1);
                 const uintptr_t b = ((uintptr_t) t->data + ggml_nbytes(t) + page - 1) & ~(uintptr_t) (page - 1);
-                if (pageable > 0 && n_locked + (b - a) > lock_room) {
-                    n_skipped += ggml_nbytes(t);
+                if (n_skipped < (size_t) pageable) {
+                    n_skipped += ggml_nbytes(t);  // left unlocked until the plan's pageable bytes are covered
                     continue;
                 }
                 ok = vis_mlock_region((void *) a, b - a, "the resident weights") && ok;
@@ -1227,8 +1229,7 @@ static void attach_impl(const llama_context * lctx, const llama_model & model) {
                               "slabs: %.2f MiB of them stay unlocked and are re-read from the file whenever the kernel "
                               "drops them (slow); a budget of %.0f MiB or more keeps them locked",
                               n_skipped / 1048576.0, (vm->plan_budget + pageable) / 1048576.0);
-                vm->notes.emplace_back(msg);
-                LLAMA_LOG_WARN("vis-moe: %s\n", msg);
+                vm->note(msg);
             }
         }
     }
