@@ -96,6 +96,16 @@ def stream_rule(n_tokens: int, k: int, n_expert: int, capacity: int, stream_pass
     return stream_passes > 0 and -(-min(n_expert, k * n_tokens) // capacity) > stream_passes
 
 
+def ubatch_tokens(t: Trace, layer: int) -> np.ndarray:
+    """Rows each ubatch routed through `layer`, in the order of `layer_requests` (1 = a decode step)."""
+    return np.unique(t.for_layer(layer).ubatch, return_counts=True)[1]
+
+
+def stream_flags(t: Trace, layer: int, capacity: int, stream_passes: int = 8) -> list[bool]:
+    """Per request of `layer_requests(t, layer)`: did the runtime stream it (`stream_rule`)?"""
+    return [stream_rule(int(n), t.n_expert_used, t.n_expert, capacity, stream_passes) for n in ubatch_tokens(t, layer)]
+
+
 def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
                streamed: list[bool] | None = None) -> int:
     """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading).

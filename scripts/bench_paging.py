@@ -171,16 +171,15 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
     decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy."""
     import numpy as np
     from pyvis import trace as vtrace
-    from pyvis.cachesim import belady_misses, layer_requests, lru_misses, stream_rule
+    from pyvis.cachesim import belady_misses, layer_requests, lru_misses, stream_flags, ubatch_tokens
     t = vtrace.read(trace_path)
     opt = lru = dec_lru = dec_opt = n_dec = 0
     for il in t.layers().tolist():
         req = layer_requests(t, il)
-        lt = t.for_layer(il)
-        _, rows = np.unique(lt.ubatch, return_counts=True)   # tokens per ubatch, in ubatch order like req
+        rows = ubatch_tokens(t, il)
         per_lru: list[int] = []
         per_opt: list[int] = []
-        streamed = [stream_rule(int(n), t.n_expert_used, t.n_expert, slots) for n in rows]
+        streamed = stream_flags(t, il, slots)
         opt += belady_misses(req, slots, per_opt, streamed)
         lru += lru_misses(req, slots, per_lru, streamed)
         dec = rows == 1
@@ -189,6 +188,25 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
         n_dec = max(n_dec, int(dec.sum()))
     return dict(belady_misses=opt, lru_sim_misses=lru, ours_misses=misses, ratio=misses / opt if opt else None,
                 decode_steps=n_dec, decode_misses=dec_lru, decode_belady=dec_opt)
+
+
+def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
+    """For a run of ours with a trace: misses against Belady, and decode time per token against reading its misses
+    at the storage bandwidth measured in the same invocation.  Updates r; returns a line to print."""
+    trace = out / f"ours-{r['fraction']}-{r.get('rep', 0)}.trace"
+    if r["name"] != "ours" or r.get("misses") is None or not r.get("slots") or not trace.exists():
+        return None
+    r.update(belady_ratio(trace, r["slots"], r["misses"]))
+    line = (f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
+            f"LRU simulated {r['lru_sim_misses']}")
+    if r.get("decode_tps") and r.get("decode_steps"):
+        dec_bytes = r["decode_misses"] * expert / r["decode_steps"]
+        r["decode_read_bytes_per_token"] = dec_bytes
+        r["decode_io_bound_s"] = dec_bytes / r["storage_bw"]
+        r["decode_vs_io_bound"] = (1 / r["decode_tps"]) / r["decode_io_bound_s"] if dec_bytes else None
+        line = (f"  decode reads {dec_bytes / 2**20:.1f} MiB/token -> I/O bound {r['decode_io_bound_s'] * 1e3:.1f} "
+                f"ms/token; ours {1e3 / r['decode_tps']:.1f} ms/token\n") + line
+    return line
 
 
 def main() -> int:
@@ -254,27 +272,15 @@ def main() -> int:
                 r["tool"] = a.tool
                 r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size, rep=rep)
                 r["storage_bw"] = bw
-                if name == "ours" and r.get("misses") is not None and r.get("slots"):
-                    r.update(belady_ratio(out / f"ours-{frac}-{rep}.trace", r["slots"], r["misses"]))
-                    # decode: time per token against reading its misses at the storage bandwidth
-                    if r.get("decode_tps") and r.get("decode_steps"):
-                        dec_bytes = r["decode_misses"] * expert / r["decode_steps"]
-                        r["decode_read_bytes_per_token"] = dec_bytes
-                        r["decode_io_bound_s"] = dec_bytes / bw
-                        r["decode_vs_io_bound"] = (1 / r["decode_tps"]) / r["decode_io_bound_s"] if dec_bytes else None
-                        print(f"  decode reads {dec_bytes / 2**20:.1f} MiB/token -> I/O bound {r['decode_io_bound_s'] * 1e3:.1f} ms/token;"
-                              f" ours {1e3 / r['decode_tps']:.1f} ms/token", flush=True)
-                    print(f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
-                          f"LRU simulated {r['lru_sim_misses']}", flush=True)
+                summary = analyse_ours(r, out, expert)
+                if summary:
+                    print(summary, flush=True)
                 results = [x for x in results
                            if not (x["name"] == name and x["fraction"] == frac and x.get("rep", 0) == rep)] + [r]
                 (out / "results.json").write_text(json.dumps(results, indent=1))
-    # the ratios again, from the finished traces (a process of the run may still append when the run returns)
+    # again from the finished traces (a process of the run may still append when the run returns)
     for r in results:
-        if r["name"] == "ours" and r.get("misses") is not None and r.get("slots"):
-            tp = out / f"ours-{r['fraction']}-{r.get('rep', 0)}.trace"
-            if tp.exists():
-                r.update(belady_ratio(tp, r["slots"], r["misses"]))
+        analyse_ours(r, out, expert)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     import statistics
 

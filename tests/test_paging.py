@@ -440,9 +440,8 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
     the mapping (upstream's graph) instead.  Logits stay byte-identical, the streamed experts are counted, the slabs
     are not touched by the streamed ubatch (LRU simulation with the same rule == runtime misses), and
     VIS_MOE_STREAM_PASSES=0 turns it off."""
-    import numpy as np
     from pyvis import trace as vtrace
-    from pyvis.cachesim import layer_requests, lru_misses, stream_rule
+    from pyvis.cachesim import layer_requests, lru_misses, stream_flags
     spec = fx.FIXTURES["qwen3moe"]()
     ref = reference("qwen3moe")
     seen = {}
@@ -458,9 +457,7 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
         del llm
         t = vtrace.read(path)
         for il in range(spec.n_layer):
-            lt = t.for_layer(il)
-            _, rows = np.unique(lt.ubatch, return_counts=True)
-            streamed = [stream_rule(int(n), spec.n_expert_used, spec.n_expert, 1, int(passes)) for n in rows]
+            streamed = stream_flags(t, il, 1, int(passes))
             assert lru_misses(layer_requests(t, il), 1, None, streamed) == per_layer[il], (passes, il)
     assert seen["8"] > 0 and seen["0"] == 0, seen
 
