@@ -43,7 +43,8 @@ class Progress:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from . import _native, _paths
+    from . import _paths
+    from .runtime import native as _native
     print(f"pyvis {_native.version()} on llama.cpp {_native.upstream_commit()}")
     print(f"libraries: {_paths.lib_dir()}")
     print(f"system_info: {_native.llama_cpp.llama_print_system_info().decode()}")
@@ -78,7 +79,7 @@ def _cmd_fixtures(args: argparse.Namespace) -> int:
 
 
 def _load(model: str, n_ctx: int, verbose: bool, **kw):
-    from ._native import llama_cpp
+    from .runtime.native import llama_cpp
     if not Path(model).is_file():
         raise SystemExit(f"error: model file not found: {model}")
     try:
@@ -89,7 +90,7 @@ def _load(model: str, n_ctx: int, verbose: bool, **kw):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from . import _native
+    from .runtime import native as _native
     model = args.model
     if model is None:
         from . import fixtures as fx
@@ -111,8 +112,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from . import prune, vlm
-    from ._native import MoeParams, VisError
+    from . import vlm
+    from .vlm import prune
+    from .runtime.native import MoeParams, VisError
     moe = None
     if args.moe_slots or args.moe_cache_mib or args.moe_pinned_layers or args.moe_stats or args.moe_trace:
         moe = MoeParams(args.moe_slots, args.moe_cache_mib, args.moe_pinned_layers, args.moe_stats, args.moe_trace)
@@ -192,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
     s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     s.set_defaults(fn=_cmd_generate)
-    from . import prune, prune_report
+    from .vlm import prune
+    from .vlm import report as prune_report
     s = sub.add_parser("chat", help="multimodal prompt with visual-token pruning (libmtmd), then generate",
                        description="Evaluate a prompt with one or more images through libmtmd, keeping only "
                        "part of each image's tokens (at their original M-RoPE positions), then generate. "
@@ -215,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune_report._common_prune_args(s, moe_trace=True)
     s.set_defaults(fn=_cmd_chat)
 
-    from . import moefy, plan, prune_eval, quality, routing_report  # noqa: E401
+    from .runtime import plan
+    from .testbed import moefy, quality, routing_report
+    from .vlm import evaluate as prune_eval
     for m in (moefy, routing_report, quality, prune_report, prune_eval, plan):
         m.register(sub)
     prune_report.register_sim(sub)

@@ -14,7 +14,7 @@ limit, in the same invocation:
 
 and reports prefill and decode tok/s, bytes read from storage per generated token
 (getrusage inblock of the child), peak cgroup memory, whether the run finished, and
-for ours the misses against Belady's optimum for the same capacity (pyvis.cachesim).
+for ours the misses against Belady's optimum for the same capacity (pyvis.runtime.cachesim).
 Needs root (cgroups, drop_caches).  Results: OUT/results.json and a markdown table.
 """
 from __future__ import annotations
@@ -170,8 +170,8 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
     """Our misses against Belady's optimum for the same slots, from our own routing trace; and the misses of the
     decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy."""
     import numpy as np
-    from pyvis import trace as vtrace
-    from pyvis.cachesim import belady_misses, layer_requests, lru_misses, stream_flags, ubatch_tokens
+    from pyvis.runtime import trace as vtrace
+    from pyvis.runtime.cachesim import belady_misses, layer_requests, lru_misses, stream_flags, ubatch_tokens
     t = vtrace.read(trace_path)
     opt = lru = dec_lru = dec_opt = n_dec = 0
     for il in t.layers().tolist():
@@ -239,7 +239,7 @@ def main() -> int:
     prompt = (PROMPT_WORDS * (a.prompt_tokens // 30 + 1))
     base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp), "--seed", str(a.seed)]
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
-    from pyvis import plan as vplan
+    from pyvis.runtime import plan as vplan
     shape = vplan.read_shape(model)
     expert = max(shape.expert_bytes.values())
     bw = storage_bandwidth(model, expert // 3)

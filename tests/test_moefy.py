@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
-from pyvis import corpus, moefy
+from pyvis.testbed import corpus, moefy
 from pyvis import fixtures as fx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ def tiny_calib() -> str:
 def _code_hash() -> str:
     h = hashlib.sha256()
     for f in ("moefy.py", "_llm.py", "corpus.py"):
-        h.update((ROOT / "pyvis" / f).read_bytes())
+        h.update((ROOT / "pyvis" / "testbed" / f).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -58,7 +58,7 @@ def tiny_dense(tiny) -> Path:
 
 
 def _logits(path: Path, prompt: str, kv: dict | None = None) -> np.ndarray:
-    from pyvis import _llm
+    from pyvis.testbed import _llm
     with _llm.Runner(str(path), n_ctx=128, kv_overrides=kv, n_threads=2) as r:
         toks = r.tokenize(prompt)[:96]
         return r.eval_chunk(toks)
@@ -113,7 +113,7 @@ def test_tiny_model_loads_in_llama_cli_and_perplexity(tiny, bindir, tmp_path):
              "-c", "128", "-t", "2", "--no-warmup", "-nr", "--override-kv", "deepseek.expert_used_count=int:2"],
             timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    from pyvis import quality
+    from pyvis.testbed import quality
     f = tmp_path / "t.txt"
     f.write_text(corpus.heldout().text[:12_000])
     res = quality.perplexity(quality.with_k(str(tiny), 8), str(f), ctx=128, chunks=3, threads=2)
@@ -121,7 +121,7 @@ def test_tiny_model_loads_in_llama_cli_and_perplexity(tiny, bindir, tmp_path):
 
 
 def test_routing_trace_of_the_tiny_model(tiny):
-    from pyvis.trace_collect import collect
+    from pyvis.testbed.collect import collect
     text = corpus.heldout().text[:8000]
     tr = collect(tiny, text, n_ctx=128, n_chunks=2, n_threads=2)
     assert tr.ids.shape == (2, 2 * 127, TINY_K) and tr.layers.tolist() == [1, 2] and tr.n_expert == 16

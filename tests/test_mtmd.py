@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyvis import _mmproj_fixture as mm
-from pyvis import trace as vtrace
+from pyvis.fixtures import mmproj as mm
+from pyvis.runtime import trace as vtrace
 from pyvis import fixtures as fx
 from conftest import run
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pyvis.moe as moe
-from pyvis import _native
+from pyvis.runtime import moe
+from pyvis.runtime import native as _native
 from pyvis import fixtures as fx
 from conftest import run
 
@@ -95,7 +95,7 @@ def test_store_model_copies_instead_of_reading(fixture_dir, reference):
 
 def test_deferred_layers_stay_served_when_the_context_has_no_cache(fixture_dir, reference):
     """A model loaded with deferred experts, then a context created with the cache off: every expert gets a slot."""
-    from pyvis._native import llama_cpp
+    from pyvis.runtime.native import llama_cpp
     _native.moe_set_params(_native.MoeParams(slots=8))
     try:
         mp = llama_cpp.llama_model_default_params()
@@ -132,12 +132,12 @@ def test_read_error_is_a_clear_error(bindir, fixture_dir):
 
 def test_read_error_in_python_raises_and_names_the_expert(bindir, fixture_dir):
     code = (
-        "import numpy as np, pyvis.moe as moe\n"
+        "import numpy as np\nfrom pyvis.runtime import moe\n"
         f"llm = moe.load({str(fixture_dir / 'mixtral.gguf')!r}, slots=2, n_ctx=64, n_threads=2, verbose=False)\n"
         "try:\n"
         "    llm.eval(llm.tokenize(b'x y z', add_bos=True))\n"
         "except Exception as e:\n"
-        "    from pyvis import _native\n"
+        "    from pyvis.runtime import native as _native\n"
         "    print('RAISED', _native.last_error())\n"
     )
     r = run([sys.executable, "-c", code], timeout=120, extra_env={"VIS_MOE_FAULT_READ": "1:0"})
@@ -271,7 +271,7 @@ def test_deferred_experts_are_never_loaded(medium_model):
     peaks = {}
     for store in ("model", "file"):
         code = (
-            "import pyvis.moe as moe\n"
+            "from pyvis.runtime import moe\n"
             f"llm = moe.load({str(medium_model)!r}, slots={slots}, store={store!r}, n_ctx=128, n_threads=2, "
             "verbose=False, use_mmap=False)\n"
             "llm.eval(llm.tokenize(b'memory', add_bos=True))\n"
@@ -357,7 +357,7 @@ def test_generation_under_a_cgroup_of_half_the_model(bindir, medium_model):
 
 def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
     """A budget that holds fewer than top-k slots per layer: still finishes inside the limit, same text."""
-    from pyvis import plan as vplan
+    from pyvis.runtime import plan as vplan
     shape = vplan.read_shape(medium_model)
     k = shape.n_expert_used
     # the budget at which the planner gives 2 slots per layer (CPU build: no staging slot)
@@ -373,7 +373,7 @@ def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
 def test_generation_under_a_cgroup_too_small_for_the_resident_weights(bindir, medium_model):
     """Below the budget that locks every resident weight next to one slot per layer: the weights that do not fit
     stay pageable (unlocked), the run finishes inside the limit with the fully resident text, and says so."""
-    from pyvis import plan as vplan
+    from pyvis.runtime import plan as vplan
     shape = vplan.read_shape(medium_model)
     base = vplan.make_plan(shape, budget_mib=4096, n_ctx=256, n_ubatch=64, gpu=False)
     row = base["request"]["expert_bytes"] * base["managed_layers"]
@@ -389,7 +389,7 @@ def test_generation_under_a_cgroup_too_small_for_the_resident_weights(bindir, me
 def test_mem_probe_reads_the_cgroup_limit(medium_model):
     limit = 512 << 20
     with memory_cgroup(limit) as (wrap, _):
-        r = run(wrap([sys.executable, "-c", "from pyvis import _native; m = _native.mem_probe(); "
+        r = run(wrap([sys.executable, "-c", "from pyvis.runtime import native as _native; m = _native.mem_probe(); "
                       "print(m['cgroup_limit'], m['cgroup_version'], m['available'])"]), timeout=60)
     assert r.returncode == 0, r.stderr
     lim, ver, avail = map(int, r.stdout.split())
@@ -400,7 +400,7 @@ def test_mem_probe_reads_the_cgroup_limit(medium_model):
 # offline cache simulation (Belady) used by scripts/bench_paging.py
 # ---------------------------------------------------------------------------
 def test_belady_and_lru_on_known_sequences():
-    from pyvis.cachesim import belady_misses, lru_misses
+    from pyvis.runtime.cachesim import belady_misses, lru_misses
     seq = [[1], [2], [3], [1], [2], [4], [1], [2], [3], [4]]
     assert lru_misses(seq, 3) == 6          # 1 2 3 . . 4(-3) . . 3(-4) 4(-1)
     assert belady_misses(seq, 3) == 5       # 1 2 3 . . 4(-3) . . 3(-1) .
@@ -413,8 +413,8 @@ def test_belady_and_lru_on_known_sequences():
 
 def test_runtime_lru_matches_the_simulation(fixture_dir, tmp_path):
     """The runtime's per-layer misses equal an LRU simulation of its own routing trace."""
-    from pyvis import trace as vtrace
-    from pyvis.cachesim import belady_misses, layer_requests, lru_misses
+    from pyvis.runtime import trace as vtrace
+    from pyvis.runtime.cachesim import belady_misses, layer_requests, lru_misses
     spec = fx.FIXTURES["qwen3moe"]()
     path = tmp_path / "lru.trace"
     slots = 16
@@ -440,8 +440,8 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
     the mapping (upstream's graph) instead.  Logits stay byte-identical, the streamed experts are counted, the slabs
     are not touched by the streamed ubatch (LRU simulation with the same rule == runtime misses), and
     VIS_MOE_STREAM_PASSES=0 turns it off."""
-    from pyvis import trace as vtrace
-    from pyvis.cachesim import layer_requests, lru_misses, stream_flags
+    from pyvis.runtime import trace as vtrace
+    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
     spec = fx.FIXTURES["qwen3moe"]()
     ref = reference("qwen3moe")
     seen = {}
@@ -465,7 +465,7 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
 def test_token_embeddings_of_an_untied_model_are_not_resident(bindir, fixture_dir):
     """gpt-oss has its own output matrix: its token embeddings are read one row per token, so neither the planner
     (Python and C) counts them as resident nor does the runtime lock them."""
-    from pyvis import plan as vplan
+    from pyvis.runtime import plan as vplan
     path = fixture_dir / "gptoss.gguf"
     shape = vplan.read_shape(path)
     assert shape.row_gathered_bytes > 0

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from pyvis import prune
+from pyvis.vlm import prune
 
 
 # --------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_missing_inputs_and_unknown_method():
 # concentration numbers of pyvis prune-report (pure numpy)
 # --------------------------------------------------------------------------
 def test_concentration_numbers():
-    from pyvis import prune_report as pr
+    from pyvis.vlm import report as pr
     E = 8
     # layer 0: every token uses experts {0, 1}; layer 1: tokens spread over all 8 experts, 2 each
     l0 = np.tile([0, 1], (8, 1))
@@ -235,7 +235,7 @@ def test_concentration_numbers():
 
 
 def test_heatmap_png(tmp_path):
-    from pyvis import prune_report as pr
+    from pyvis.vlm import report as pr
     p = pr.write_heatmaps({"a": np.array([[1, 0, 3], [2, 2, 0]]), "b": np.array([[0, 0, 4], [1, 1, 1]])},
                           tmp_path / "h.png", title="t", layers=[3, 4])
     data = p.read_bytes()
@@ -246,7 +246,7 @@ def test_affinity_concentrates_synthetic_clustered_routing():
     # with routing that follows visual clusters in every layer, Algorithm 1 (small alpha) needs fewer experts
     # for 90 % of the kept tokens' selections than saliency-only, in the prefix layer and in the later layers;
     # without that structure it gains (almost) nothing
-    from pyvis import prune_report as pr
+    from pyvis.vlm import report as pr
     for seed in range(2):
         ids, sal = pr.synthetic_routing(600, 4, 64, 8, 8, 0.95, seed=seed, sal_cluster=0.0)
         r = {(x["method"], x["alpha"]): x for x in pr.simulate(ids, sal, 64, 0.5, (0.02,), seed=seed)}

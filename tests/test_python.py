@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import pyvis
-from pyvis import _native, _paths
+from pyvis import _paths
+from pyvis.runtime import native as _native
 from pyvis import fixtures as fx
 from conftest import run
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
-from pyvis import corpus, quality
+from pyvis.testbed import corpus, quality
 
 PPL_OUT = """0.02.038.673 I perplexity: calculating perplexity over 20 chunks, n_ctx=256, batch_size=2048, n_seq=8
 [1]15.1405,[2]23.0623,[3]17.7654,

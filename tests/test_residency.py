@@ -11,8 +11,8 @@ import ctypes
 import numpy as np
 import pytest
 
-import pyvis.moe as moe
-from pyvis import _native, trace as vtrace
+from pyvis.runtime import moe
+from pyvis.runtime import native as _native, trace as vtrace
 from pyvis import fixtures as fx
 from conftest import run
 
@@ -271,7 +271,7 @@ def test_bad_trace_file_is_rejected(tmp_path):
 
 def test_native_trace_feeds_the_routing_report(fixture_dir, tmp_path):
     """A --moe-trace file is accepted by `pyvis report` (same numbers as its own collector's format)."""
-    from pyvis import routing_report, trace_collect
+    from pyvis.testbed import collect as trace_collect, routing_report
     path = tmp_path / "r.trace"
     llm = moe.load(fixture_dir / "qwen3moe.gguf", trace=str(path), n_ctx=128, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"a routing trace for the report, long enough to reuse experts", add_bos=True))

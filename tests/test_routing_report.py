@@ -8,8 +8,8 @@ import zlib
 import numpy as np
 import pytest
 
-from pyvis import routing_report as rr
-from pyvis.trace_collect import Trace, TraceError, load
+from pyvis.testbed import routing_report as rr
+from pyvis.testbed.collect import Trace, TraceError, load
 
 # E = 4 experts, top-2, 2 layers, 6 tokens.  Hand computations are in the comments.
 L0 = [[0, 1], [0, 2], [0, 1], [2, 3], [0, 1], [1, 3]]

@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyvis import _mmproj_fixture as mm
-from pyvis import prune
-from pyvis import trace as vtrace
+import pyvis.vlm as vlm
+from pyvis.fixtures import mmproj as mm
+from pyvis.runtime import trace as vtrace
+from pyvis.vlm import prune
 
-vlm = pytest.importorskip("pyvis.vlm")
+from llama_cpp import mtmd_cpp as M  # noqa: E402  (after pyvis configured the library paths)
 
 PROMPT = "Describe the image."
 
@@ -41,7 +42,7 @@ def _bits(a):
 
 @pytest.mark.parametrize("n_batch", [512, 5])
 def test_keep_all_is_byte_identical_to_mtmd_helper(files, n_batch):
-    prompt = f"First {vlm.M.mtmd_default_marker().decode()} then {vlm.M.mtmd_default_marker().decode()}: " \
+    prompt = f"First {M.mtmd_default_marker().decode()} then {M.mtmd_default_marker().decode()}: " \
              "what differs?"
     imgs = [files["img"], files["big"]]
     with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_batch=n_batch, n_threads=1) as s:
@@ -95,14 +96,14 @@ def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     assert p.n_past == t.pos.max() + 1
 
 
-PROBES = ["shadow"] + (["native"] if vlm.native_layer_limit_available() else [])
+PROBES = ["shadow"] + (["native"] if vlm.session.native_layer_limit_available() else [])
 
 
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("prefix_layers", [1, 2])
 def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, prefix_layers):
     tr = tmp_path / "full.trace"
-    prompt = f"{vlm.M.mtmd_default_marker().decode()} and {vlm.M.mtmd_default_marker().decode()}: " + PROMPT
+    prompt = f"{M.mtmd_default_marker().decode()} and {M.mtmd_default_marker().decode()}: " + PROMPT
     imgs = [files["img"], files["big"]]     # the second image's probe sees the first (pruned) image
     with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=1,
                      moe=vlm.MoeParams(trace=str(tr))) as s:
@@ -130,7 +131,7 @@ def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, 
 
 @pytest.mark.skipif(len(PROBES) < 2, reason="this build has no native layer limit")
 def test_native_probe_equals_shadow_probe(files):
-    prompt = f"{vlm.M.mtmd_default_marker().decode()} and {vlm.M.mtmd_default_marker().decode()}: " + PROMPT
+    prompt = f"{M.mtmd_default_marker().decode()} and {M.mtmd_default_marker().decode()}: " + PROMPT
     imgs = [files["big"], files["img"]]
     out = {}
     for probe in ("shadow", "native"):
@@ -231,7 +232,7 @@ def test_prune_report_cli(files, tmp_path, capsys):
 
 def test_prune_eval_harness(files, tmp_path, capsys):
     import json
-    from pyvis import prune_eval as pe
+    from pyvis.vlm import evaluate as pe
     d = tmp_path / "ds"
     d.mkdir()
     rows = [{"image": str(files["img"]), "question": "What is shown?", "answer": "placeholder"},
@@ -260,8 +261,8 @@ def test_prune_eval_harness(files, tmp_path, capsys):
 
 
 def test_session_on_a_loaded_llama(files):
-    import pyvis.moe
-    llm = pyvis.moe.load(str(files["model"]), slots=8, pinned_layers=1, n_ctx=512, n_threads=1, verbose=False)
+    from pyvis.runtime import moe
+    llm = moe.load(str(files["model"]), slots=8, pinned_layers=1, n_ctx=512, n_threads=1, verbose=False)
     s = vlm.Session(llm, files["mmproj"])
     assert s.n_ctx == 512 and s.moe is not None
     ref, _ = s.eval_reference(PROMPT, [files["big"]])

@@ -14,9 +14,9 @@ import ctypes
 import numpy as np
 import pytest
 
-from pyvis import _native as nv
-from pyvis import _llm
-from pyvis import _mmproj_fixture as mm
+from pyvis.fixtures import mmproj as mm
+from pyvis.runtime import native as nv
+from pyvis.testbed import _llm
 from pyvis import fixtures as fx
 
 from llama_cpp import llama_cpp as L  # noqa: E402  (pyvis configured the library paths)

@@ -16,7 +16,7 @@ expert cache), and the report gives:
     (k = the model's top-k; VisMMOE's "top-k expert coverage");
   - ``xl_recall`` inter-layer routing predictability: recall@k of layer l+1's experts from
     layer l's through a co-occurrence table fitted on the same tokens
-    (:func:`pyvis.routing_report.cross_layer_recall`, ``train_frac=None``), mean over l;
+    (:func:`pyvis.testbed.routing_report.cross_layer_recall`, ``train_frac=None``), mean over l;
 
 * **fidelity proxies**: ``KL`` = KL(unpruned || pruned) of the next-token distribution after the
   prompt (nats), and ``sal_mass`` = saliency mass of the kept tokens / that of the top-|K| most
@@ -75,8 +75,8 @@ def concentration(ids: np.ndarray, n_expert: int) -> dict:
         out["entropy"].append(float(-(nz * np.log(nz)).sum() / math.log(n_expert)) if n_expert > 1 else 1.0)
         out["topk_cov"].append(float(np.sort(c)[::-1][:k].sum() / c.sum()))
     if L >= 2:
-        from .routing_report import cross_layer_recall
-        from .trace_collect import Trace
+        from ..testbed.routing_report import cross_layer_recall
+        from ..testbed.collect import Trace
         r = cross_layer_recall(Trace(ids=ids.astype(np.int32), n_expert=n_expert), [k], 1, None)
         out["xl_recall"] = [float(x) for x in r["recall"][str(k)]]
     out["mean"] = {m: (float(np.mean(out[m])) if out[m] else float("nan")) for m in keys}
@@ -132,7 +132,7 @@ def write_heatmaps(panels: dict[str, np.ndarray], path: str | Path, title: str =
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
-    from .routing_report import colormap, write_png
+    from ..testbed.routing_report import colormap, write_png
     cell = 10
     blocks = []
     for i, s in enumerate(shares.values()):
@@ -150,7 +150,7 @@ def write_heatmaps(panels: dict[str, np.ndarray], path: str | Path, title: str =
 def _split_trace(p, path):
     """Decode trace (without the prefix probe) -> (text ids [L, Nt, k], image ids [L, Ni, k], layers),
     full layers only."""
-    from .vlm import read_decode_trace
+    from .session import read_decode_trace
     t = read_decode_trace(p, path)
     per = {int(il): t.for_layer(int(il)) for il in t.layers()}
     n = max(len(x) for x in per.values())
@@ -163,8 +163,8 @@ def _split_trace(p, path):
 def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, moe=None, session_kw=None,
                repeat: int = 1, **prep_kw) -> dict:
     """Prefill once per repeat (fresh session each: cold expert cache) and collect numbers + routing."""
-    from . import vlm
-    from ._native import MoeParams
+    from .. import vlm
+    from ..runtime.native import MoeParams
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tr = tmp_dir / f"{method}-{keep_ratio:g}.trace"
@@ -246,8 +246,8 @@ def _progress(msg: str) -> None:
 
 
 def _cmd(args) -> int:
-    from . import vlm
-    from ._native import MoeParams
+    from .. import vlm
+    from ..runtime.native import MoeParams
     methods = args.methods
     ratios = sorted(set(args.keep_ratio), reverse=True)
     moe = MoeParams(args.moe_slots or 0, args.moe_cache_mib or 0, args.moe_pinned_layers or 0)
@@ -326,7 +326,7 @@ def register(sub) -> None:
                        "time, scoring and probe cost, prefill cache hit rate and bytes loaded, and the image "
                        "tokens' expert concentration (distinct experts per layer, usage entropy, top-k coverage, "
                        "inter-layer recall). -o writes expert-usage heatmaps (text vs raw image vs pruned "
-                       "image) and a JSON. Definitions: pyvis/prune_report.py, docs/pruning.md.")
+                       "image) and a JSON. Definitions: pyvis/vlm/report.py, docs/pruning.md.")
     s.add_argument("-m", "--model", required=True, help="language model GGUF")
     s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     s.add_argument("--image", action="append", required=True, help="image file (repeatable)")

@@ -107,7 +107,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
               gpu: bool | None = None) -> dict:
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
     None = whether this build has one."""
-    from . import _native
+    from . import native as _native
     if gpu is None:
         import llama_cpp
         gpu = device_mib is not None or bool(llama_cpp.llama_supports_gpu_offload())
@@ -139,7 +139,7 @@ def _fmt(b: int) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from . import _native
+    from . import native as _native
     try:
         shape = read_shape(args.model)
     except (FileNotFoundError, ValueError) as e:

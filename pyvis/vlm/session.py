@@ -12,7 +12,7 @@ What :meth:`Session.prepare` does, per chunk of ``mtmd_tokenize``'s output:
   (as ``mtmd_helper_eval_chunk_single`` does);
 * **image** -- ``mtmd_encode_chunk``, then the output embeddings ``[N, n_embd_inp]`` are copied
   (for Qwen3-VL a row is the main embedding followed by the deepstack features; rows are kept
-  whole). The tokens are scored, a subset is chosen (:mod:`pyvis.prune`), and only the kept rows are
+  whole). The tokens are scored, a subset is chosen (:mod:`pyvis.vlm.prune`), and only the kept rows are
   decoded, in increasing token order:
 
   - **M-RoPE models** (``mtmd_decode_use_mrope``): every kept token keeps its original 4-section
@@ -52,8 +52,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _native, prune
-from ._native import MoeParams, llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
+from . import prune
+from ..runtime import native as _native
+from ..runtime.native import MoeParams, llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
 
 from llama_cpp import llama_cpp as L  # noqa: E402
 from llama_cpp import mtmd_cpp as M  # noqa: E402
@@ -467,7 +468,7 @@ class Session:
         """Routing ids [n_layers, N, k] of all N image rows in the first n_layers MoE layers."""
         if not use_shadow:
             return self._probe_native(rows, pos, n_past, n_layers, non_causal)
-        from . import trace as vtrace
+        from ..runtime import trace as vtrace
         sh = self._shadow_ctx()
         off = Path(self._shadow_trace).stat().st_size
         self._decode_embd(sh, rows, pos, non_causal)
@@ -561,7 +562,7 @@ class Session:
         """Evaluate ``prompt`` with ``images`` (paths) on a cleared context, pruning each image's tokens;
         see the module doc.
 
-        method      none | random | saliency | entropy | affinity (pyvis.prune)
+        method      none | random | saliency | entropy | affinity (pyvis.vlm.prune)
         keep_ratio  beta in (0, 1]: keep floor(beta N) tokens of each image (at least ``min_keep``)
         alpha, lam  Algorithm 1's salient-core ratio and trade-off weight
         prefix_layers  MoE layers whose routing defines a token's expert set (affinity)
@@ -795,7 +796,7 @@ def next_position(pos_0: int, n_pos: int, n_kept: int, mrope: bool) -> int:
 def read_decode_trace(p: Prepared, path):
     """The --moe-trace file of a prepared prompt without the native prefix probe's records (the probe runs in
     the same context, so its routing lands in the same trace)."""
-    from . import trace as vtrace
+    from ..runtime import trace as vtrace
     data = Path(path).read_bytes()
     cuts = sorted(im.probe_trace_bytes for im in p.images if im.probe_trace_bytes)
     if not cuts:

@@ -1,6 +1,6 @@
 """Routing analysis of a MoE model on real text (``pyvis report``).
 
-Input: a routing trace (:mod:`pyvis.trace_collect`): ``ids [L, T, k]``, the experts each of ``T``
+Input: a routing trace (:mod:`pyvis.testbed.collect`): ``ids [L, T, k]``, the experts each of ``T``
 tokens selected at each of ``L`` MoE layers.  Definitions (``S_l(t)`` = token t's set at layer l):
 
 * **usage skew** per layer, from ``n_e`` = tokens that selected expert e: ``max/mean``, ``min/mean``,
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .trace_collect import Trace, TraceError, collect, load
+from .collect import Trace, TraceError, collect, load
 
 
 # --------------------------------------------------------------------------
@@ -405,7 +405,7 @@ def register(sub) -> None:
                        "or load one (--trace), and report per-layer expert-usage skew, co-activation "
                        "concentration, reuse between consecutive tokens, cross-layer recall@B, working-set "
                        "size, and LRU vs Belady miss curves per cache size. Definitions: "
-                       "pyvis/routing_report.py.")
+                       "pyvis/testbed/routing_report.py.")
     s.add_argument("-m", "--model", help="MoE GGUF to trace")
     s.add_argument("--trace", help="read this routing trace (.npz, or a --moe-trace file) instead of running a model")
     s.add_argument("-f", "--file", default="heldout", help="text: heldout (Vim user manual, default), vim-all, "

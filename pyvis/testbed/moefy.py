@@ -728,7 +728,8 @@ def default_out_dir() -> Path:
     env = os.environ.get("VIS_TESTBED_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "models" / "testbed"
+    from .._paths import REPO_ROOT
+    return REPO_ROOT / "models" / "testbed"
 
 
 # --------------------------------------------------------------------------
@@ -738,7 +739,7 @@ def _cmd_moefy(args) -> int:
     from . import corpus
     src = args.model
     if src is None:
-        from .assets import smollm2_gguf
+        from ..assets import smollm2_gguf
         src = str(smollm2_gguf())
     overrides = dict(n_expert=args.n_expert, n_shared=args.n_shared, n_expert_used=args.n_expert_used,
                      dense_layers=args.dense_layers, partition=args.partition, calib_tokens=args.calib_tokens,
@@ -770,7 +771,7 @@ def register(sub) -> None:
     s = sub.add_parser("moefy", help="turn a dense llama GGUF into a MoE GGUF (MoEfication)",
                        description="Build a real-weights MoE GGUF (deepseek architecture) from a dense llama "
                        "GGUF: shared neurons + balanced k-means experts + ridge router, calibrated on text "
-                       "shipped with Python (see pyvis/corpus.py). With all experts selected the output "
+                       "shipped with Python (see pyvis/testbed/corpus.py). With all experts selected the output "
                        "equals the dense model's. Presets: " + ", ".join(
                            f"{k} ({v['n_shared']} shared + {v['n_expert']} experts, top-{v['n_expert_used']})"
                            for k, v in PRESETS.items()))

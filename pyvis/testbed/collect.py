@@ -74,13 +74,13 @@ class Trace:
 
 
 def from_vis_trace(path: str | os.PathLike, seq: int | None = None) -> Trace:
-    """A trace written by the fork's `--moe-trace FILE` (pyvis.trace) as [layers, tokens, k].
+    """A trace written by the fork's `--moe-trace FILE` (pyvis.runtime.trace) as [layers, tokens, k].
 
     Layers that saw fewer rows than the others (upstream computes the last layer
     for output rows only) are left out, and so are rows of other sequences when
     `seq` is given.
     """
-    from . import trace as vis_trace
+    from ..runtime import trace as vis_trace
     t = vis_trace.read(path)
     if seq is not None:
         t = t.for_mask(t.seq == seq)

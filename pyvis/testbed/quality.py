@@ -8,8 +8,8 @@ then each configuration runs ``--kl-divergence`` on the same tokens: that gives 
 reference's, and the mean KL divergence (reference || configuration) over the second half of each
 chunk, as llama-perplexity defines them.
 
-Default text: the held-out Vim user manual (:mod:`pyvis.corpus`), ``-c 256``.  Weight repacking
-is disabled (``-nr``, see :mod:`pyvis._llm`) unless ``VIS_REPACK=1``.
+Default text: the held-out Vim user manual (:mod:`pyvis.testbed.corpus`), ``-c 256``.  Weight repacking
+is disabled (``-nr``, see :mod:`pyvis.testbed._llm`) unless ``VIS_REPACK=1``.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def with_k(model: str, k: int | None, overrides: list[str] | None = None, label:
 
 
 def _bin() -> Path:
-    from . import _paths
+    from .. import _paths
     return _paths.bin_path("llama-perplexity")
 
 
@@ -255,7 +255,7 @@ def _progress(msg: str) -> None:
 
 def _cmd_quality(args) -> int:
     from . import corpus
-    from ._paths import BuildNotFound
+    from .._paths import BuildNotFound
     try:
         ks = args.n_expert_used or [None]
         configs = [with_k(args.model, k, args.override_kv) for k in ks]

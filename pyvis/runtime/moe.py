@@ -9,8 +9,8 @@ The options are the --moe-* flags of the C tools (docs/residency.md).
 """
 from __future__ import annotations
 
-from . import _native
-from ._native import MoeParams, MoeStats, TierParams, VisError, llama_cpp
+from . import native as _native
+from .native import MoeParams, MoeStats, TierParams, VisError, llama_cpp
 
 __all__ = ["load", "stats", "layer_stats", "io_stats", "reset_stats", "MoeParams", "MoeStats", "TierParams", "VisError"]
 

@@ -96,7 +96,7 @@ def is_match(prediction: str, answers: list[str], mode: str = "exact") -> bool:
 def evaluate(model, mmproj, items: list[Item], method: str, keep_ratio: float, *, n_predict: int = 16,
              template: str = DEFAULT_TEMPLATE, match: str = "exact", session_kw=None, progress=None,
              **prep_kw) -> dict:
-    from . import vlm
+    from .. import vlm
     rows = []
     with vlm.Session(model, mmproj, **(session_kw or {})) as s:
         for i, it in enumerate(items):
@@ -131,8 +131,8 @@ def format_table(results: list[dict]) -> str:
 
 
 def _cmd(args) -> int:
-    from . import vlm
-    from ._native import MoeParams
+    from .. import vlm
+    from ..runtime.native import MoeParams
     try:
         items = load_items(args.items)
     except EvalError as e:
@@ -175,11 +175,11 @@ def _cmd(args) -> int:
 
 
 def register(sub) -> None:
-    from .prune_report import _common_prune_args
+    from .report import _common_prune_args
     s = sub.add_parser("prune-eval", help="accuracy and latency of each pruning method on image/question/answer items",
                        description="Answer every item of a dataset folder (items.jsonl or items.tsv: image, question, "
                        "answer) with each pruning method at each keep ratio, and report exact-match accuracy and "
-                       "latency. Format and matching rules: pyvis/prune_eval.py, docs/pruning.md.")
+                       "latency. Format and matching rules: pyvis/vlm/evaluate.py, docs/pruning.md.")
     s.add_argument("-m", "--model", required=True, help="language model GGUF")
     s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     s.add_argument("--items", required=True, help="dataset folder with items.jsonl or items.tsv")

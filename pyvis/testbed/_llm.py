@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import _paths
+from .. import _paths
 
 _paths.configure_native_env()
 _paths.lib_dir()

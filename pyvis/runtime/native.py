@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from . import _paths
+from .. import _paths
 
 _paths.configure_native_env()
 _paths.lib_dir()  # clear error if the build is missing
