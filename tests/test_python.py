@@ -100,3 +100,43 @@ def test_truncated_gguf_is_a_clear_error(fixture_dir, tmp_path, bindir):
     assert r.returncode == 1 and "failed to load" in r.stderr and "Traceback" not in r.stderr
     r = run([bindir / "llama-cli", "-m", bad, "-p", "x", "-n", "1", "-st"], timeout=60)
     assert r.returncode not in (0,) and r.returncode > 0  # an error exit, not a signal
+
+
+def _resolve(dotted: str):
+    """Import the longest module prefix of a dotted name, then get the rest as attributes."""
+    import importlib
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for a in parts[i:]:
+            obj = getattr(obj, a)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_documented_python_names_resolve():
+    """Every `pyvis.x.y` the README and the user docs name is importable."""
+    import re
+    root = Path(__file__).resolve().parent.parent
+    names = set()
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if doc.name == "architecture.md":          # the maintainers' map, redrawn with the C layout
+            continue
+        names |= {m.rstrip(".") for m in re.findall(r"\bpyvis(?:\.[A-Za-z_][A-Za-z0-9_]*)+", doc.read_text())}
+    assert {"pyvis.moe.load", "pyvis.vlm.VLMError"} <= names
+    for name in sorted(names):
+        if name.endswith(".py"):                   # a file path like pyvis/vlm/session.py written with dots
+            continue
+        assert _resolve(name) is not None, name
+
+
+def test_documented_entry_points_are_the_runtime_modules():
+    import pyvis.moe
+    import pyvis.vlm
+    from pyvis import _native as documented
+    from pyvis.runtime import moe, native
+    assert documented is native and pyvis.moe is moe
+    assert callable(pyvis.moe.load) and callable(pyvis.vlm.prepare) and callable(documented.moe_info)
