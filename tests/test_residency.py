@@ -171,7 +171,7 @@ def test_two_sequences_share_the_cache_exactly(fixture_dir):
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(pinned_layers=7, slots=8), "--moe-pinned-layers 7 exceeds the model's 3 MoE layers"),
-    (dict(cache_mib=0, slots=-2), "--moe-slots must be >= 0"),
+    (dict(cache_mib=0, slots=-2), "--moe-slots must be in 0..65536"),
 ])
 def test_bad_configuration_is_a_clear_error(fixture_dir, kw, needle):
     with pytest.raises(_native.VisError) as e:
