@@ -124,10 +124,11 @@ def test_routing_trace_of_the_tiny_model(tiny):
     from pyvis.testbed.collect import collect
     text = corpus.heldout().text[:8000]
     tr = collect(tiny, text, n_ctx=128, n_chunks=2, n_threads=2)
-    assert tr.ids.shape == (2, 2 * 127, TINY_K) and tr.layers.tolist() == [1, 2] and tr.n_expert == 16
-    assert len(np.unique(tr.ids[1])) >= 8          # routing spreads over experts
+    ids, layers = tr.routes()
+    assert ids.shape == (2, 2 * 127, TINY_K) and layers.tolist() == [1, 2] and tr.n_expert == 16
+    assert len(np.unique(ids[1])) >= 8          # routing spreads over experts
     full = collect(tiny, text, n_ctx=128, n_chunks=1, n_expert_used=16, n_threads=2)
-    assert full.k == 16 and (np.sort(full.ids, axis=2) == np.arange(16)).all()
+    assert full.k == 16 and (np.sort(full.routes()[0], axis=2) == np.arange(16)).all()
 
 
 def test_deterministic_for_a_fixed_seed(tiny, tmp_path):

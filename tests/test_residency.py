@@ -271,14 +271,14 @@ def test_bad_trace_file_is_rejected(tmp_path):
 
 def test_native_trace_feeds_the_routing_report(fixture_dir, tmp_path):
     """A --moe-trace file is accepted by `pyvis report` (same numbers as its own collector's format)."""
-    from pyvis.testbed import collect as trace_collect, routing_report
+    from pyvis.testbed import routing_report
     path = tmp_path / "r.trace"
     llm = moe.load(fixture_dir / "qwen3moe.gguf", trace=str(path), n_ctx=128, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"a routing trace for the report, long enough to reuse experts", add_bos=True))
     del llm
-    t = trace_collect.load(path)
-    raw = vtrace.read(path)
-    assert t.n_expert == 32 and t.k == 8 and list(t.layers) == [0, 1]  # last layer (output rows only) left out
-    assert np.array_equal(t.ids[0], raw.for_layer(0).ids)
+    t = vtrace.load(path)
+    ids, layers = t.routes()
+    assert t.n_expert == 32 and t.k == 8 and list(layers) == [0, 1]  # last layer (output rows only) left out
+    assert np.array_equal(ids[0], t.for_layer(0).ids)
     r = routing_report.analyse(t)
     assert r is not None

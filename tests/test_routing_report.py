@@ -8,8 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
+from pyvis.runtime.cachesim import belady_misses, lru_misses, token_requests
+from pyvis.runtime.trace import Trace, TraceError, load
 from pyvis.testbed import routing_report as rr
-from pyvis.testbed.collect import Trace, TraceError, load
 
 # E = 4 experts, top-2, 2 layers, 6 tokens.  Hand computations are in the comments.
 L0 = [[0, 1], [0, 2], [0, 1], [2, 3], [0, 1], [1, 3]]
@@ -18,7 +19,7 @@ L1 = [[1, 2], [1, 3], [1, 2], [0, 3], [1, 2], [2, 0]]
 
 @pytest.fixture()
 def tr() -> Trace:
-    return Trace(ids=np.array([L0, L1]), n_expert=4, layers=np.array([1, 2]))
+    return Trace.from_routes(np.array([L0, L1]), n_expert=4, layers=np.array([1, 2]))
 
 
 def test_usage_and_skew(tr):
@@ -46,7 +47,7 @@ def test_coactivation_concentration(tr):
 
 def test_coactivation_concentrated_peer():
     # expert 0 co-occurs with 1 four times and with 2 once: 4 >= 0.8 * 5, one peer suffices
-    t = Trace(ids=np.array([[[0, 1]] * 4 + [[0, 2]]]), n_expert=3)
+    t = Trace.from_routes(np.array([[[0, 1]] * 4 + [[0, 2]]]), n_expert=3)
     assert rr.coactivation_n80(t)["n80_per_expert"][0] == [1, 1, 1]
 
 
@@ -69,7 +70,7 @@ def test_cross_layer_recall_held_out_split():
     # first half: layer-0 expert 0 always leads to layer-1 expert 3; second half repeats it
     ids0 = [[0]] * 4 + [[1]] * 4
     ids1 = [[3]] * 4 + [[2]] * 4
-    t = Trace(ids=np.array([ids0 * 2, ids1 * 2]), n_expert=4)
+    t = Trace.from_routes(np.array([ids0 * 2, ids1 * 2]), n_expert=4)
     c = rr.cross_layer_recall(t, budgets=[1], distance=1, train_frac=0.5)
     assert c["recall"]["1"] == [1.0]
     assert c["baseline_frequency"]["1"] == [0.5]
@@ -84,33 +85,39 @@ def test_working_set(tr):
 
 
 def test_miss_curves_hand_computed(tr):
-    seq = np.array(L0)
+    req = token_requests(np.array(L0))
     # C=2: cache = previous token's set: 2+1+1+2+2+1 = 9 misses; C=4: 4 cold misses
-    # C=3 LRU: t0 2, t1 1, t3 evicts 1 (tie with 0, higher id goes), t4 misses 1 and evicts 3, t5 misses 3 -> 6
-    # C=3 Belady: t3 evicts 1 (0 and 1 both next used at t4; higher id goes), t4 evicts 2 (never used again) -> 5
-    assert rr.lru_misses(seq, 4, [2, 3, 4]) == {2: 9, 3: 6, 4: 4}
-    assert [rr.belady_misses(seq, 4, C) for C in (2, 3, 4)] == [9, 5, 4]
+    # C=3 LRU (a token touches its hits, then loads its misses, in top-k order): t0 2, t1 1; t2 touches 0 then 1;
+    # t3 touches 2, misses 3 and evicts 0 (older than 1); t4 touches 1, misses 0 and evicts 2; t5 hits -> 5
+    # C=3 Belady: t3 evicts 0 or 1 (both next used at t4), t4 evicts 2 (never used again) -> 5
+    assert [lru_misses(req, C) for C in (2, 3, 4)] == [9, 5, 4]
+    assert [belady_misses(req, C) for C in (2, 3, 4)] == [9, 5, 4]
+    # the order inside a token decides: [0, 1] then [2] evicts 0, so [1] hits; [1, 0] then [2] evicts 1
+    assert lru_misses([[0, 1], [2], [1]], 2) == 3 and lru_misses([[1, 0], [2], [1]], 2) == 4
     mc = rr.miss_curves(tr)
     assert mc["sizes"] == [2, 3, 4]
-    assert mc["lru"][0] == pytest.approx([9 / 12, 6 / 12, 4 / 12])
+    assert mc["lru"][0] == pytest.approx([9 / 12, 5 / 12, 4 / 12])
     assert mc["belady"][0] == pytest.approx([9 / 12, 5 / 12, 4 / 12])
 
 
 def _lru_sim(seq, E, C):
-    """Direct simulation (reference for the one-pass stack-distance version)."""
-    cache, last, misses = set(), {}, 0
-    for t, req in enumerate(seq):
+    """Reference of the runtime's LRU, written with ticks: every touch gets the next tick; a token touches its
+    hits first, then loads its misses in top-k order, each evicting the oldest-ticked expert the token does not
+    need."""
+    tick, last, misses = 0, {}, 0
+    for req in seq:
         req = [int(e) for e in req]
         for e in req:
-            if e not in cache:
-                misses += 1
-                if len(cache) >= C:
-                    cand = [x for x in cache if x not in req]
-                    victim = min(cand, key=lambda x: (last[x], -x))
-                    cache.remove(victim)
-                cache.add(e)
+            if e in last:
+                tick += 1
+                last[e] = tick
         for e in req:
-            last[e] = t
+            if e not in last:
+                misses += 1
+                if len(last) >= C:
+                    del last[min((x for x in last if x not in req), key=last.get)]
+                tick += 1
+                last[e] = tick
     return misses
 
 
@@ -142,12 +149,13 @@ def test_lru_and_belady_against_references(seed):
     rng = np.random.default_rng(seed)
     E, k, T = 5, 2, 9
     seq = np.array([rng.choice(E, k, replace=False) for _ in range(T)])
-    got = rr.lru_misses(seq, E, list(range(k, E + 1)))
+    req = token_requests(seq)
     for C in range(k, E + 1):
-        assert got[C] == _lru_sim(seq, E, C)
-        b = rr.belady_misses(seq, E, C)
+        lru = lru_misses(req, C)
+        assert lru == _lru_sim(seq, E, C)
+        b = belady_misses(req, C)
         assert b == _optimal(seq, E, C)
-        assert b <= got[C]
+        assert b <= lru
 
 
 def test_default_budgets_and_cache_sizes():
@@ -181,13 +189,20 @@ def test_analyse_and_report_text(tr, tmp_path):
 def test_trace_roundtrip_and_validation(tr, tmp_path):
     p = tr.save(tmp_path / "t.npz")
     t2 = load(p)
-    assert (t2.ids == tr.ids).all() and t2.n_expert == 4 and t2.layers.tolist() == [1, 2]
+    assert (t2.ids == tr.ids).all() and t2.n_expert == 4 and t2.layers().tolist() == [1, 2]
+    assert all((getattr(t2, c) == getattr(tr, c)).all() for c in ("ubatch", "layer", "seq", "pos", "modality"))
+    assert np.array_equal(t2.routes()[0], np.array([L0, L1]))
+    # a trace saved before the one trace model (the [layers, tokens, k] matrix) still loads
+    old = tmp_path / "old.npz"
+    np.savez_compressed(old, ids=np.array([L0, L1], np.int16), layers=np.array([1, 2]), n_expert=np.int64(4),
+                        meta=np.array("{}"))
+    assert np.array_equal(load(old).routes()[0], np.array([L0, L1])) and load(old).layers().tolist() == [1, 2]
     with pytest.raises(TraceError, match="expert ids"):
-        Trace(ids=np.array([[[0, 4]]]), n_expert=4)
+        Trace.from_routes(np.array([[[0, 4]]]), n_expert=4)
     with pytest.raises(TraceError, match="twice"):
-        Trace(ids=np.array([[[1, 1]]]), n_expert=4)
+        Trace.from_routes(np.array([[[1, 1]]]), n_expert=4)
     with pytest.raises(TraceError, match="layers, tokens, k"):
-        Trace(ids=np.zeros((2, 3)), n_expert=4)
+        Trace.from_routes(np.zeros((2, 3)), n_expert=4)
     with pytest.raises(TraceError, match="not found"):
         load(tmp_path / "missing.npz")
 

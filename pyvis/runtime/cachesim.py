@@ -1,16 +1,20 @@
-"""Offline cache simulation on routing traces: Belady's optimal policy and LRU.
+"""Offline simulation of the expert cache on routing traces: Belady's optimal policy and LRU.
 
 The expert cache loads, per MoE layer and ubatch, the set of distinct experts
 the ubatch routes to (all of them must be resident before the layer's experts
-run).  `layer_requests()` turns a routing trace into that sequence of sets;
+run).  `layer_requests()` turns a routing trace into that sequence of sets
+(`token_requests()`: one set per token, as decoding one token at a time);
 `belady_misses()` counts the loads an optimal offline cache of the same
 capacity would need (evict the resident expert whose next use is farthest,
 never one the current set needs), and `lru_misses()` the loads of the LRU
-policy the runtime uses, so measured misses can be quoted as a ratio of the
-optimum.
+policy the runtime uses (tests/test_paging.py: equal to the runtime's misses),
+so measured misses can be quoted as a ratio of the optimum.  The one
+simulator of the project: `pyvis report` (pyvis.testbed.routing_report) and
+scripts/bench_paging.py use it too.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 
 import numpy as np
@@ -29,6 +33,11 @@ def layer_requests(t: Trace, layer: int) -> list[list[int]]:
             seen.setdefault(int(e), None)
         out.append(list(seen))
     return out
+
+
+def token_requests(ids: np.ndarray) -> list[list[int]]:
+    """One request per token: the rows of ``ids [T, k]`` (one layer's routing), duplicates dropped."""
+    return [list(dict.fromkeys(int(e) for e in row)) for row in np.asarray(ids).tolist()]
 
 
 def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
@@ -56,14 +65,17 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
     INF = len(requests) + 1
-    next_req: list[dict[int, int]] = [dict() for _ in requests]   # next use strictly after request i
-    upcoming: dict[int, int] = {}
-    for i in range(len(requests) - 1, -1, -1):
-        next_req[i] = dict(upcoming)
-        if streamed is not None and streamed[i]:
-            continue
-        for e in requests[i]:
-            upcoming[e] = i
+    uses: dict[int, list[int]] = {}             # the (not streamed) requests using each expert, ascending
+    for i, s in enumerate(requests):
+        if streamed is None or not streamed[i]:
+            for e in s:
+                uses.setdefault(e, []).append(i)
+
+    def next_use(e: int, i: int) -> int:        # first use strictly after request i
+        u = uses.get(e, ())
+        j = bisect_right(u, i)
+        return u[j] if j < len(u) else INF
+
     resident: set[int] = set()
     misses = 0
     for i, s in enumerate(requests):
@@ -74,14 +86,13 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
         for ci, chunk in enumerate(chunks):
             need = set(chunk)
             later = {e for c in chunks[ci + 1:] for e in c}   # needed again by this request's later passes
-            nu = next_req[i]
             for e in chunk:
                 if e in resident:
                     continue
                 misses += 1
                 if len(resident) >= capacity:
                     victim = max((r for r in resident if r not in need),
-                                 key=lambda r: i if r in later else nu.get(r, INF))
+                                 key=lambda r: i if r in later else next_use(r, i))
                     resident.remove(victim)
                 resident.add(e)
         if per_request is not None:

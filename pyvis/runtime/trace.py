@@ -1,102 +1,199 @@
-"""Reader for the routing trace written by `--moe-trace FILE` (src/vis-moe-cache.cpp).
+"""Routing traces: which experts each token selected at each MoE layer.  One model for every tool.
 
-Format (little endian), documented in docs/residency.md:
+A :class:`Trace` holds one row per (token, MoE layer) evaluation, in the order the runtime computed
+them: the ubatch, layer, sequence, position and modality of the row, its top-k expert ids and their
+gating weights.  Sources:
+
+* :func:`read` / :func:`parse`: the binary file the fork writes with ``--moe-trace FILE``;
+* :meth:`Trace.from_routes`: a matrix ``ids [layers, tokens, k]`` (the eval-callback collector
+  :mod:`pyvis.testbed.collect`, synthetic routing);
+* :func:`load`: either a ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``.npz``).
+
+:meth:`Trace.routes` gives the matrix view ``[layers, tokens, k]`` of the layers that routed every
+token (upstream computes the last layer for the output rows only); :mod:`pyvis.runtime.cachesim`
+and :mod:`pyvis.testbed.routing_report` work on a Trace.
+
+``--moe-trace`` format (little endian), documented in docs/residency.md:
 
     header   char[8] "VISTRACE", u32 version (1), u32 n_layer, u32 n_expert, u32 n_expert_used
     record*  i32 tag 0x31434552 ("REC1"), i32 ubatch, i32 layer, i32 n_tokens, i32 k,
              i32 seq[n_tokens], i32 pos[n_tokens], u8 modality[n_tokens] (0 text, 1 embeddings/image),
              i32 ids[n_tokens*k], f32 weights[n_tokens*k]
 
-One record per MoE layer per ubatch, in compute order.  `read()` flattens the
-records into per-(token, layer) rows.
+One record per MoE layer per ubatch, in compute order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 MAGIC = b"VISTRACE"
+HEADER_BYTES = 24
 REC_TAG = 0x31434552
+_ROW_COLUMNS = ("ubatch", "layer", "seq", "pos", "modality")
 
 
 class TraceError(ValueError):
-    pass
+    """A malformed trace, or a file that is not one."""
 
 
 @dataclass
 class Trace:
-    n_layer: int
+    n_layer: int          # layers of the model (0 if unknown)
     n_expert: int
-    n_expert_used: int
-    ubatch: np.ndarray    # [N] int32, ubatch index of each row
-    layer: np.ndarray     # [N] int32
+    n_expert_used: int    # the model's top-k
+    ubatch: np.ndarray    # [N] int32, ubatch (step) of each row
+    layer: np.ndarray     # [N] int32, model layer index
     seq: np.ndarray       # [N] int32
     pos: np.ndarray       # [N] int32
     modality: np.ndarray  # [N] uint8 (0 text, 1 image/embeddings)
     ids: np.ndarray       # [N, k] int32, routed experts in top-k order
-    weights: np.ndarray   # [N, k] float32, their gating weights
+    weights: np.ndarray   # [N, k] float32, their gating weights (NaN when the source does not have them)
+    meta: dict = field(default_factory=dict)
+    _routes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.ids = np.asarray(self.ids)
+        if self.ids.ndim != 2:
+            raise TraceError(f"trace rows hold [rows, k] expert ids; got shape {self.ids.shape}")
+        n = self.ids.shape[0]
+        for c in _ROW_COLUMNS:
+            if len(getattr(self, c)) != n:
+                raise TraceError(f"column {c} has {len(getattr(self, c))} rows for {n} rows of ids")
+        if self.weights.shape != self.ids.shape:
+            raise TraceError(f"weights {self.weights.shape} do not match ids {self.ids.shape}")
+        if self.ids.shape[1] > self.n_expert:
+            raise TraceError(f"k = {self.ids.shape[1]} > n_expert = {self.n_expert}")
+        if self.ids.size and (self.ids.min() < 0 or self.ids.max() >= self.n_expert):
+            raise TraceError(f"expert ids must be in [0, {self.n_expert})")
+        if self.ids.size:
+            srt = np.sort(self.ids, axis=1)
+            if (srt[:, 1:] == srt[:, :-1]).any():
+                raise TraceError("a token selects the same expert twice in one layer")
 
     def __len__(self) -> int:
         return len(self.layer)
 
+    @property
+    def k(self) -> int:
+        """Experts per row (the model's top-k, or an override the run used)."""
+        return int(self.ids.shape[1])
+
     def layers(self) -> np.ndarray:
+        """The traced layers, ascending."""
         return np.unique(self.layer)
-
-    def for_layer(self, il: int) -> "Trace":
-        m = self.layer == il
-        return Trace(self.n_layer, self.n_expert, self.n_expert_used, self.ubatch[m], self.layer[m], self.seq[m],
-                     self.pos[m], self.modality[m], self.ids[m], self.weights[m])
-
-    def matrix(self, seq: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """ids as [n_layers_traced, n_tokens, k] in token order (one sequence), plus the layer list."""
-        t = self if seq is None else self.for_mask(self.seq == seq)
-        layers = t.layers()
-        per = [t.for_layer(il) for il in layers]
-        n = min(len(p) for p in per) if per else 0
-        return np.stack([p.ids[:n] for p in per]) if per else np.zeros((0, 0, self.n_expert_used), np.int32), layers
 
     def for_mask(self, m: np.ndarray) -> "Trace":
         return Trace(self.n_layer, self.n_expert, self.n_expert_used, self.ubatch[m], self.layer[m], self.seq[m],
-                     self.pos[m], self.modality[m], self.ids[m], self.weights[m])
+                     self.pos[m], self.modality[m], self.ids[m], self.weights[m], dict(self.meta))
+
+    def for_layer(self, il: int) -> "Trace":
+        return self.for_mask(self.layer == il)
+
+    def routes(self, seq: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [L, T, k], layers [L])``: the layers that routed the most rows (every token; upstream computes the
+        last layer for the output rows only), their rows in trace order; only sequence ``seq`` if given."""
+        if seq not in self._routes:
+            t = self if seq is None else self.for_mask(self.seq == seq)
+            per = {int(il): t.for_layer(int(il)).ids for il in t.layers()}
+            if not per:
+                raise TraceError("the trace holds no routing records" + ("" if seq is None else f" of sequence {seq}"))
+            n = max(len(x) for x in per.values())
+            keep = [il for il, x in per.items() if len(x) == n]
+            self._routes[seq] = (np.stack([per[il] for il in keep]), np.array(keep))
+        return self._routes[seq]
+
+    @classmethod
+    def from_routes(cls, ids, n_expert: int, layers=None, meta: dict | None = None) -> "Trace":
+        """A trace from a matrix ``ids [L, T, k]``: token t of every layer is step (ubatch) t at position t."""
+        ids = np.asarray(ids)
+        if ids.ndim != 3:
+            raise TraceError(f"a trace is [layers, tokens, k]; got shape {ids.shape}")
+        L, T, k = ids.shape
+        layers = np.arange(L) if layers is None else np.asarray(layers)
+        if len(layers) != L:
+            raise TraceError("layers must name every row of ids")
+        steps = np.tile(np.arange(T, dtype=np.int32), L)
+        return cls(int(layers.max()) + 1 if L else 0, int(n_expert), k, steps, np.repeat(layers.astype(np.int32), T),
+                   np.zeros(L * T, np.int32), steps.copy(), np.zeros(L * T, np.uint8),
+                   ids.reshape(L * T, k).astype(np.int32), np.full((L * T, k), np.nan, np.float32), dict(meta or {}))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write every column to an .npz (:func:`load` reads it back)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        dt = np.int16 if self.n_expert < 32768 else np.int32
+        with open(p, "wb") as f:
+            np.savez_compressed(f, ids=self.ids.astype(dt), weights=self.weights,
+                                **{c: getattr(self, c) for c in _ROW_COLUMNS},
+                                shape=np.array([self.n_layer, self.n_expert, self.n_expert_used], np.int64),
+                                meta=np.array(json.dumps(self.meta)))
+        return p
 
 
-def read(path: str | Path) -> Trace:
-    data = Path(path).read_bytes()
-    if len(data) < 24 or data[:8] != MAGIC:
-        raise TraceError(f"{path}: not a vis-moe routing trace (bad magic)")
+def parse(data: bytes, name: str = "<bytes>") -> Trace:
+    """A ``--moe-trace`` file's contents (``name`` only for messages)."""
+    if len(data) < HEADER_BYTES or data[:8] != MAGIC:
+        raise TraceError(f"{name}: not a vis-moe routing trace (bad magic)")
     version, n_layer, n_expert, k_model = np.frombuffer(data, np.uint32, 4, 8)
     if version != 1:
-        raise TraceError(f"{path}: trace version {version} is not supported (expected 1)")
-    off = 24
-    cols: dict[str, list] = {c: [] for c in ("ubatch", "layer", "seq", "pos", "modality", "ids", "weights")}
+        raise TraceError(f"{name}: trace version {version} is not supported (expected 1)")
+    off = HEADER_BYTES
+    cols: dict[str, list] = {c: [] for c in (*_ROW_COLUMNS, "ids", "weights")}
+    k = int(k_model)
     while off < len(data):
         if off + 20 > len(data):
-            raise TraceError(f"{path}: truncated record header at byte {off}")
-        tag, ub, il, n, k = np.frombuffer(data, np.int32, 5, off)
+            raise TraceError(f"{name}: truncated record header at byte {off}")
+        tag, ub, il, n, k = (int(x) for x in np.frombuffer(data, np.int32, 5, off))
         if tag != REC_TAG:
-            raise TraceError(f"{path}: bad record tag at byte {off}")
+            raise TraceError(f"{name}: bad record tag at byte {off}")
         off += 20
         need = n * 4 * 2 + n + n * k * 8
         if off + need > len(data):
-            raise TraceError(f"{path}: truncated record at byte {off - 20} (the writer may still be running)")
-        seq = np.frombuffer(data, np.int32, n, off); off += 4 * n
-        pos = np.frombuffer(data, np.int32, n, off); off += 4 * n
-        mod = np.frombuffer(data, np.uint8, n, off); off += n
-        ids = np.frombuffer(data, np.int32, n * k, off).reshape(n, k); off += 4 * n * k
-        w = np.frombuffer(data, np.float32, n * k, off).reshape(n, k); off += 4 * n * k
+            raise TraceError(f"{name}: truncated record at byte {off - 20} (the writer may still be running)")
         cols["ubatch"].append(np.full(n, ub, np.int32))
         cols["layer"].append(np.full(n, il, np.int32))
-        cols["seq"].append(seq)
-        cols["pos"].append(pos)
-        cols["modality"].append(mod)
-        cols["ids"].append(ids)
-        cols["weights"].append(w)
-    k = int(k_model)
-    cat = {c: (np.concatenate(v) if v else None) for c, v in cols.items()}
-    if cat["ids"] is None:
-        cat = dict(ubatch=np.zeros(0, np.int32), layer=np.zeros(0, np.int32), seq=np.zeros(0, np.int32),
-                   pos=np.zeros(0, np.int32), modality=np.zeros(0, np.uint8), ids=np.zeros((0, k), np.int32),
-                   weights=np.zeros((0, k), np.float32))
-    return Trace(int(n_layer), int(n_expert), k, **cat)
+        cols["seq"].append(np.frombuffer(data, np.int32, n, off)); off += 4 * n
+        cols["pos"].append(np.frombuffer(data, np.int32, n, off)); off += 4 * n
+        cols["modality"].append(np.frombuffer(data, np.uint8, n, off)); off += n
+        cols["ids"].append(np.frombuffer(data, np.int32, n * k, off).reshape(n, k)); off += 4 * n * k
+        cols["weights"].append(np.frombuffer(data, np.float32, n * k, off).reshape(n, k)); off += 4 * n * k
+    if not cols["ids"]:
+        empty = {c: np.zeros(0, np.uint8 if c == "modality" else np.int32) for c in _ROW_COLUMNS}
+        return Trace(int(n_layer), int(n_expert), int(k_model), **empty, ids=np.zeros((0, k), np.int32),
+                     weights=np.zeros((0, k), np.float32))
+    return Trace(int(n_layer), int(n_expert), int(k_model), **{c: np.concatenate(v) for c, v in cols.items()},
+                 meta={"format": "vis-moe trace v1"})
+
+
+def read(path: str | os.PathLike) -> Trace:
+    """A ``--moe-trace`` file."""
+    t = parse(Path(path).read_bytes(), str(path))
+    t.meta["source"] = str(path)
+    return t
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """A ``--moe-trace`` file or a trace saved with :meth:`Trace.save`."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace not found: {p}")
+    with open(p, "rb") as f:
+        if f.read(8) == MAGIC:
+            return read(p)
+    try:
+        z = np.load(p, allow_pickle=False)
+        meta = json.loads(str(z["meta"])) if "meta" in z else {}
+        if "layer" not in z:   # saved before the one trace model: the matrix [layers, tokens, k]
+            return Trace.from_routes(z["ids"], int(z["n_expert"]), z["layers"], meta)
+        n_layer, n_expert, k = (int(x) for x in z["shape"])
+        return Trace(n_layer, n_expert, k, **{c: z[c] for c in _ROW_COLUMNS}, ids=z["ids"].astype(np.int32),
+                     weights=z["weights"], meta=meta)
+    except TraceError:
+        raise
+    except (KeyError, ValueError, OSError) as e:
+        raise TraceError(f"{p}: not a routing trace (a --moe-trace file or an .npz from Trace.save): {e}") from e

@@ -1,7 +1,8 @@
 """Routing analysis of a MoE model on real text (``pyvis report``).
 
-Input: a routing trace (:mod:`pyvis.testbed.collect`): ``ids [L, T, k]``, the experts each of ``T``
-tokens selected at each of ``L`` MoE layers.  Definitions (``S_l(t)`` = token t's set at layer l):
+Input: a routing trace (:class:`pyvis.runtime.trace.Trace`, collected by :mod:`pyvis.testbed.collect` or
+written by ``--moe-trace``), seen as ``ids [L, T, k]`` (:meth:`~pyvis.runtime.trace.Trace.routes`): the experts
+each of ``T`` tokens selected at each of ``L`` MoE layers.  Definitions (``S_l(t)`` = token t's set at layer l):
 
 * **usage skew** per layer, from ``n_e`` = tokens that selected expert e: ``max/mean``, ``min/mean``,
   coefficient of variation ``std/mean``, normalised entropy ``H(n/sum n) / log E`` (1 = uniform),
@@ -18,9 +19,9 @@ tokens selected at each of ``L`` MoE layers.  Definitions (``S_l(t)`` = token t'
 * **working set** over a window W: mean over t of ``|S_l(t) u ... u S_l(t+W-1)|``.
 * **miss curves**: one cache of C expert slots per layer (C = k..E); each token needs its k experts
   resident at once.  Misses are counted per expert (cold misses included), rate = misses / (T k).
-  LRU evicts the least recently used expert not needed by the current token (same-time ties: the
-  higher id goes first); Belady evicts the one whose next use is farthest (never = infinity; ties:
-  the higher id goes first).
+  LRU and Belady are :mod:`pyvis.runtime.cachesim`'s, the runtime's rules: LRU evicts the least
+  recently touched expert the token does not need (a token touches its hits, then loads its misses,
+  in top-k order); Belady evicts the one whose next use is farthest.
 
 The PNG heatmap is written by a small pure-numpy PNG encoder (no matplotlib needed).
 """
@@ -35,19 +36,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .collect import Trace, TraceError, collect, load
+from ..runtime.cachesim import belady_misses, lru_misses, token_requests
+from ..runtime.trace import Trace, TraceError, load
+from .collect import collect
 
 
 # --------------------------------------------------------------------------
 # metrics
 # --------------------------------------------------------------------------
+def _ids(tr: Trace) -> np.ndarray:
+    """The trace as [L, T, k] (layers that routed every token)."""
+    return tr.routes()[0]
+
+
 def usage_counts(tr: Trace) -> np.ndarray:
     """[L, E] tokens that selected each expert."""
-    L, E = tr.n_layers, tr.n_expert
-    out = np.zeros((L, E), np.int64)
-    for l in range(L):
-        out[l] = np.bincount(tr.ids[l].ravel(), minlength=E)
-    return out
+    ids = _ids(tr)
+    return np.stack([np.bincount(x.ravel(), minlength=tr.n_expert) for x in ids]).astype(np.int64)
 
 
 def usage_skew(tr: Trace) -> dict:
@@ -66,15 +71,13 @@ def usage_skew(tr: Trace) -> dict:
 
 def coactivation(tr: Trace, l: int) -> np.ndarray:
     """[E, E] tokens in which both experts were selected at layer l (diagonal: usage)."""
-    E = tr.n_expert
-    M = np.zeros((tr.n_tokens, E), np.int64)
-    np.put_along_axis(M, tr.ids[l].astype(np.int64), 1, axis=1)
+    M = _masks(tr, l).astype(np.int64)
     return M.T @ M
 
 
 def coactivation_n80(tr: Trace, cover: float = 0.8) -> dict:
     per_layer, per_expert = [], []
-    for l in range(tr.n_layers):
+    for l in range(len(_ids(tr))):
         C = coactivation(tr, l)
         np.fill_diagonal(C, 0)
         vals = []
@@ -93,26 +96,29 @@ def coactivation_n80(tr: Trace, cover: float = 0.8) -> dict:
 
 
 def _masks(tr: Trace, l: int) -> np.ndarray:
-    M = np.zeros((tr.n_tokens, tr.n_expert), bool)
-    np.put_along_axis(M, tr.ids[l].astype(np.int64), True, axis=1)
+    """[T, E]: did token t select expert e at layer row l."""
+    ids = _ids(tr)[l]
+    M = np.zeros((ids.shape[0], tr.n_expert), bool)
+    np.put_along_axis(M, ids.astype(np.int64), True, axis=1)
     return M
 
 
 def reuse(tr: Trace) -> list[float]:
+    L, T, k = _ids(tr).shape
     out = []
-    for l in range(tr.n_layers):
+    for l in range(L):
         M = _masks(tr, l)
-        if tr.n_tokens < 2:
+        if T < 2:
             out.append(float("nan"))
             continue
-        out.append(float((M[1:] & M[:-1]).sum(1).mean() / tr.k))
+        out.append(float((M[1:] & M[:-1]).sum(1).mean() / k))
     return out
 
 
 def cross_layer_recall(tr: Trace, budgets: list[int], distance: int = 1,
                        train_frac: float | None = 0.5) -> dict:
     """recall@B of layer l+d's experts predicted from layer l's via a co-occurrence table."""
-    L, T, E = tr.n_layers, tr.n_tokens, tr.n_expert
+    (L, T, k), E = _ids(tr).shape, tr.n_expert
     if train_frac is None:
         tr_sl, ev_sl = slice(0, T), slice(0, T)
     else:
@@ -131,21 +137,22 @@ def cross_layer_recall(tr: Trace, budgets: list[int], distance: int = 1,
             b = min(B, E)
             pred = np.zeros_like(truth)
             np.put_along_axis(pred, order[:, :b], True, axis=1)
-            res[B].append(float((pred & truth).sum(1).mean() / tr.k))
+            res[B].append(float((pred & truth).sum(1).mean() / k))
             fp = np.zeros(E, bool)
             fp[freq_order[:b]] = True
-            base[B].append(float((truth & fp[None, :]).sum(1).mean() / tr.k))
+            base[B].append(float((truth & fp[None, :]).sum(1).mean() / k))
     return {"distance": distance, "train_frac": train_frac,
             "recall": {str(B): v for B, v in res.items()}, "baseline_frequency": {str(B): v for B, v in base.items()}}
 
 
 def working_set(tr: Trace, windows: list[int]) -> dict:
+    L, T, _ = _ids(tr).shape
     out = {}
     for W in windows:
         vals = []
-        for l in range(tr.n_layers):
+        for l in range(L):
             M = _masks(tr, l).astype(np.int32)
-            if tr.n_tokens < W:
+            if T < W:
                 vals.append(float("nan"))
                 continue
             cs = np.concatenate([np.zeros((1, tr.n_expert), np.int32), np.cumsum(M, axis=0)])
@@ -155,81 +162,23 @@ def working_set(tr: Trace, windows: list[int]) -> dict:
     return out
 
 
-def lru_misses(seq: np.ndarray, n_expert: int, sizes: list[int]) -> dict[int, int]:
-    """LRU misses of one layer's request sequence [T, k] for every cache size (one pass).
-
-    LRU is a stack algorithm here: before step t the cache of size C holds the C most recent experts
-    (same-time ties: lower id counts as more recent), so e is a hit iff its recency rank < C."""
-    T, k = seq.shape
-    last = np.full(n_expert, -1, np.int64)      # -1: never used
-    misses = {C: 0 for C in sizes}
-    ids_ = np.arange(n_expert)
-    sizes_arr = np.array(sizes)
-    for t in range(T):
-        req = seq[t]
-        for e in req:
-            if last[e] < 0:
-                for C in sizes:
-                    misses[C] += 1
-                continue
-            rank = int(((last > last[e]) | ((last == last[e]) & (ids_ < e))).sum())
-            for i in np.nonzero(sizes_arr <= rank)[0]:
-                misses[sizes[i]] += 1
-        last[req] = t
-    return misses
-
-
-def belady_misses(seq: np.ndarray, n_expert: int, C: int) -> int:
-    """Belady (farthest next use) misses of one layer's request sequence [T, k] with C slots."""
-    T, k = seq.shape
-    if C < k:
-        raise ValueError("cache smaller than k")
-    INF = T + 1
-    nxt = np.full((T, n_expert), INF, np.int64)      # nxt[t, e]: first use of e after step t
-    cur = np.full(n_expert, INF, np.int64)
-    for t in range(T - 1, -1, -1):
-        nxt[t] = cur
-        cur[seq[t]] = t
-    cache = np.zeros(n_expert, bool)
-    used = 0
-    misses = 0
-    ids_ = np.arange(n_expert)
-    for t in range(T):
-        req = seq[t]
-        need = req[~cache[req]]
-        if len(need) == 0:
-            continue
-        misses += len(need)
-        evict = used + len(need) - C
-        if evict > 0:
-            cand = cache.copy()
-            cand[req] = False
-            cids = ids_[cand]
-            # farthest next use first; ties: higher id first
-            order = np.lexsort((-cids, -nxt[t, cids]))
-            cache[cids[order[:evict]]] = False
-            used -= evict
-        cache[need] = True
-        used += len(need)
-    return misses
-
-
 def miss_curves(tr: Trace, sizes: list[int] | None = None, max_tokens: int | None = None) -> dict:
-    k, E = tr.k, tr.n_expert
+    ids = _ids(tr)
+    L, T, k = ids.shape
+    E = tr.n_expert
     if sizes is None:
         sizes = default_cache_sizes(k, E)
     sizes = sorted({int(C) for C in sizes if k <= C <= E})
-    T = tr.n_tokens if max_tokens is None else min(tr.n_tokens, max_tokens)
-    lru = np.zeros((tr.n_layers, len(sizes)))
-    bel = np.zeros((tr.n_layers, len(sizes)))
-    cold = np.zeros(tr.n_layers)
-    for l in range(tr.n_layers):
-        seq = tr.ids[l, :T].astype(np.int64)
-        m = lru_misses(seq, E, sizes)
+    T = T if max_tokens is None else min(T, max_tokens)
+    lru = np.zeros((L, len(sizes)))
+    bel = np.zeros((L, len(sizes)))
+    cold = np.zeros(L)
+    for l in range(L):
+        req = token_requests(ids[l, :T])
         for j, C in enumerate(sizes):
-            lru[l, j] = m[C] / (T * k)
-            bel[l, j] = belady_misses(seq, E, C) / (T * k)
-        cold[l] = len(np.unique(seq)) / (T * k)
+            lru[l, j] = lru_misses(req, C) / (T * k)
+            bel[l, j] = belady_misses(req, C) / (T * k)
+        cold[l] = len(np.unique(ids[l, :T])) / (T * k)
     return {"sizes": sizes, "tokens": T, "lru": lru.tolist(), "belady": bel.tolist(),
             "lru_mean": lru.mean(0).tolist(), "belady_mean": bel.mean(0).tolist(), "cold_mean": float(cold.mean())}
 
@@ -248,17 +197,19 @@ def default_cache_sizes(k: int, E: int, max_points: int = 9) -> list[int]:
 def analyse(tr: Trace, budgets: list[int] | None = None, distances: tuple[int, ...] = (1, 2),
             windows: tuple[int, ...] = (8, 32, 128), cache_sizes: list[int] | None = None,
             train_frac: float | None = 0.5, miss_tokens: int | None = None) -> dict:
-    k, E = tr.k, tr.n_expert
+    ids, layers = tr.routes()
+    L, T, k = ids.shape
+    E = tr.n_expert
     if budgets is None:
         budgets = default_budgets(k, E)
     sk = usage_skew(tr)
     co = coactivation_n80(tr)
     ru = reuse(tr)
-    cl = {str(d): cross_layer_recall(tr, budgets, d, train_frac) for d in distances if d < tr.n_layers}
+    cl = {str(d): cross_layer_recall(tr, budgets, d, train_frac) for d in distances if d < L}
     ws = working_set(tr, list(windows))
     mc = miss_curves(tr, cache_sizes, miss_tokens)
-    return {"n_layers": tr.n_layers, "n_tokens": tr.n_tokens, "k": k, "n_expert": E,
-            "layers": [int(x) for x in tr.layers], "meta": tr.meta,
+    return {"n_layers": L, "n_tokens": T, "k": k, "n_expert": E,
+            "layers": [int(x) for x in layers], "meta": tr.meta,
             "usage": usage_counts(tr).tolist(), "skew": sk, "coactivation": co, "reuse": ru,
             "reuse_random": k / E, "cross_layer": cl, "working_set": ws, "miss": mc}
 
@@ -352,10 +303,11 @@ def write_heatmaps(tr: Trace, r: dict, out_dir: str | Path, stem: str) -> list[P
     out = Path(out_dir)
     u = np.asarray(r["usage"], float)
     paths = [heatmap(u, out / f"{stem}-usage.png")]               # rows: layers, cols: experts
-    mid = tr.n_layers // 2
+    layers = tr.routes()[1]
+    mid = len(layers) // 2
     C = coactivation(tr, mid).astype(float)
     np.fill_diagonal(C, 0)
-    paths.append(heatmap(C, out / f"{stem}-coact-layer{int(tr.layers[mid])}.png", cell=8, per_row=False))
+    paths.append(heatmap(C, out / f"{stem}-coact-layer{int(layers[mid])}.png", cell=8, per_row=False))
     return paths
 
 

@@ -75,9 +75,9 @@ def concentration(ids: np.ndarray, n_expert: int) -> dict:
         out["entropy"].append(float(-(nz * np.log(nz)).sum() / math.log(n_expert)) if n_expert > 1 else 1.0)
         out["topk_cov"].append(float(np.sort(c)[::-1][:k].sum() / c.sum()))
     if L >= 2:
+        from ..runtime.trace import Trace
         from ..testbed.routing_report import cross_layer_recall
-        from ..testbed.collect import Trace
-        r = cross_layer_recall(Trace(ids=ids.astype(np.int32), n_expert=n_expert), [k], 1, None)
+        r = cross_layer_recall(Trace.from_routes(ids.astype(np.int32), n_expert), [k], 1, None)
         out["xl_recall"] = [float(x) for x in r["recall"][str(k)]]
     out["mean"] = {m: (float(np.mean(out[m])) if out[m] else float("nan")) for m in keys}
     return out
@@ -152,12 +152,9 @@ def _split_trace(p, path):
     full layers only."""
     from .session import read_decode_trace
     t = read_decode_trace(p, path)
-    per = {int(il): t.for_layer(int(il)) for il in t.layers()}
-    n = max(len(x) for x in per.values())
-    layers = [il for il, x in per.items() if len(x) == n]
-    txt = np.stack([per[il].ids[per[il].modality == 0] for il in layers])
-    img = np.stack([per[il].ids[per[il].modality == 1] for il in layers])
-    return txt, img, layers
+    ids, layers = t.routes()
+    modality = t.for_layer(int(layers[0])).modality       # the same rows, in the same order, in every full layer
+    return ids[:, modality == 0], ids[:, modality == 1], [int(il) for il in layers]
 
 
 def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, moe=None, session_kw=None,

@@ -473,13 +473,7 @@ class Session:
         off = Path(self._shadow_trace).stat().st_size
         self._decode_embd(sh, rows, pos, non_causal)
         data = Path(self._shadow_trace).read_bytes()
-        fd, tmp = tempfile.mkstemp(suffix=".trace")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data[:24] + data[off:])
-            tr = vtrace.read(tmp)
-        finally:
-            os.unlink(tmp)
+        tr = vtrace.parse(data[:vtrace.HEADER_BYTES] + data[off:], self._shadow_trace)   # this probe's records
         # drop the probe's KV: every image token shares section-0 position n_past (M-RoPE), or
         # occupies n_past .. n_past+N-1
         L.llama_memory_seq_rm(L.llama_get_memory(sh.ptr), 0, n_past, -1)
@@ -798,21 +792,12 @@ def read_decode_trace(p: Prepared, path):
     the same context, so its routing lands in the same trace)."""
     from ..runtime import trace as vtrace
     data = Path(path).read_bytes()
-    cuts = sorted(im.probe_trace_bytes for im in p.images if im.probe_trace_bytes)
-    if not cuts:
-        return vtrace.read(path)
     keep, at = [], 0
-    for a, b in cuts:
+    for a, b in sorted(im.probe_trace_bytes for im in p.images if im.probe_trace_bytes):
         keep.append(data[at:a])
         at = b
     keep.append(data[at:])
-    fd, tmp = tempfile.mkstemp(suffix=".trace")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(keep))
-        return vtrace.read(tmp)
-    finally:
-        os.unlink(tmp)
+    return vtrace.parse(b"".join(keep), str(path))
 
 
 def _ms(t0: float) -> float:
