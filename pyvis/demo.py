@@ -57,12 +57,6 @@ def testbed_inputs(preset: str, source: Path, calib_sha256: str) -> dict:
             "source_sha256": _sha256_file(source), "calibration_sha256": calib_sha256}
 
 
-def testbed_dir() -> Path:
-    """$VIS_TESTBED_DIR, else models/testbed/ of the checkout (ignored by git), where `pyvis moefy` writes too."""
-    from ._paths import REPO_ROOT
-    return Path(os.environ.get("VIS_TESTBED_DIR") or REPO_ROOT / "models" / "testbed")
-
-
 def stamp_path(model: Path) -> Path:
     return model.with_name(model.name + STAMP_SUFFIX)
 
@@ -311,7 +305,8 @@ def _main(a: argparse.Namespace) -> int:
         if not model.is_file():
             raise DemoError(f"{model}: no such file")
     else:
-        model = ensure_testbed(a.preset, a.testbed_dir or testbed_dir(), a.threads, a.rebuild)
+        from .testbed.moefy import default_out_dir   # $VIS_TESTBED_DIR, else models/testbed/ (ignored by git)
+        model = ensure_testbed(a.preset, a.testbed_dir or default_out_dir(), a.threads, a.rebuild)
     try:
         model = model.resolve().relative_to(Path.cwd())
     except ValueError:
