@@ -43,7 +43,7 @@ LLAMA_API int32_t llama_vis_model_moe_info(const struct llama_model * model, str
 
 
 // ---------------------------------------------------------------------------
-// Expert residency (src/vis-moe-cache.cpp, docs/residency.md)
+// Expert residency (src/vis-moe-*.cpp, docs/residency.md)
 //
 // For every MoE layer after a pinned prefix, the routed experts are served
 // from a per-layer pool of n_slots expert-sized slots ("slabs") on the
@@ -52,33 +52,58 @@ LLAMA_API int32_t llama_vis_model_moe_info(const struct llama_model * model, str
 // experts run (exact mode).  A layer whose slots cover all its experts, and
 // the pinned prefix, run upstream's graph unchanged.
 //
-// Parameters are process-wide defaults for contexts created afterwards
-// (the CLI flags --moe-* and the environment variables VIS_MOE_* set them).
+// Settings (src/vis-moe-settings.cpp).  Every --moe-* flag is one row of a
+// table (llama_vis_moe_flag below): name, VIS_MOE_* variable, value hint,
+// range and help.  The values are kept in two layers:
+//   - process-wide: the environment (read at each use, strictly: a bad value fails
+//     the next model load or context with an error naming the variable), overridden
+//     by the command-line flags (llama_vis_moe_cli_apply) and llama_vis_moe_set_params /
+//     llama_vis_moe_set_tier_params (NULL: back to the environment);
+//   - per thread: llama_vis_moe_set_thread_params overrides both structs for the
+//     calling thread only (models loaded and contexts created on that thread),
+//     which is how pyvis applies settings for one call without touching others.
+// A model load and a context creation read the settings in force on their thread.
 // ---------------------------------------------------------------------------
 struct llama_vis_moe_params {
     int32_t n_slots;       // slots per managed layer; 0 = use cache_mib; both 0 = off
     int64_t cache_mib;     // alternative: total slab budget in MiB, split evenly over managed layers
     int32_t n_pinned;      // first N MoE layers stay fully resident (VisMMOE anchor layers); -1 = all
-    int32_t print_stats;   // print per-layer stats when the context is freed
+    int32_t print_stats;   // print per-layer stats (to stderr) when the context is freed
     const char * trace_path; // routing trace file (NULL = off); copied at context creation
 };
 
 // Defaults: VIS_MOE_SLOTS, VIS_MOE_CACHE_MIB, VIS_MOE_PINNED, VIS_MOE_STATS, VIS_MOE_TRACE
-// from the environment, else everything off.
+// from the environment, else everything off.  An invalid variable is skipped here and
+// reported by the next model load / context creation.  trace_path: as for get_params.
 LLAMA_API struct llama_vis_moe_params llama_vis_moe_default_params(void);
 
-// Set the parameters used by contexts created from now on (NULL resets to defaults).
+// The parameters in force on the calling thread (its override, else the process-wide ones).
+// trace_path points into library storage valid until the next set on this thread.
+LLAMA_API struct llama_vis_moe_params llama_vis_moe_get_params(void);
+
+// Set the process-wide parameters used by contexts created from now on (NULL resets to defaults).
 // Returns 0, or -1 with llama_vis_last_error() set if the values are out of range.
 LLAMA_API int32_t llama_vis_moe_set_params(const struct llama_vis_moe_params * params);
 
-// Apply one command-line flag (--moe-slots N, --moe-cache-mib M, --moe-pinned-layers L,
-// --moe-stats, --moe-trace FILE) to the process-wide parameters.  Used by the
-// common/arg.cpp options of every llama.cpp tool.  Returns 0, or -1 with
-// llama_vis_last_error() naming the flag and the valid range.
+// Apply one command-line flag of the table below (value NULL or "" for flags without a value)
+// to the process-wide parameters.  Used by the common/arg.cpp options of every llama.cpp tool
+// (patch 0003).  Returns 0, or -1 with llama_vis_last_error() naming the flag and the valid range.
 LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value);
 
-// Message of the last failed llama_vis_* call (or of a context that failed to
-// attach its expert cache), "" if none.  Thread-local.
+// One row of the settings table: every --moe-* flag.
+struct llama_vis_moe_flag {
+    const char * name;        // "--moe-slots"
+    const char * env;         // "VIS_MOE_SLOTS"
+    const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
+    const char * help;        // help text (several lines, '\n'-separated; no env note)
+};
+LLAMA_API int32_t llama_vis_moe_n_flags(void);
+// Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range.
+LLAMA_API int32_t llama_vis_moe_get_flag(int32_t i, struct llama_vis_moe_flag * out);
+
+// Message of the last failed llama_vis_* call on this thread (or of a context that
+// failed to attach its expert cache), "" if none.  Every llama_vis_* call that can
+// fail clears it first.
 LLAMA_API const char * llama_vis_last_error(void);
 
 struct llama_vis_moe_stats {
@@ -101,7 +126,7 @@ LLAMA_API void    llama_vis_moe_reset_stats(struct llama_context * ctx);
 // Number of managed layers of ctx (0 when the cache is off or every layer fits).
 LLAMA_API int32_t llama_vis_moe_n_managed(const struct llama_context * ctx);
 
-// Print the stats table (as at exit with --moe-stats) through the llama log.
+// Print the stats table (as at exit with --moe-stats) to stderr.
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 
 // ---------------------------------------------------------------------------
@@ -127,9 +152,18 @@ struct llama_vis_moe_tier_params {
 // Defaults from VIS_MOE_STORE, VIS_MOE_HOST_MIB, VIS_MOE_MEM, VIS_MOE_IO_THREADS, VIS_MOE_DIRECT_IO,
 // VIS_MOE_UNIFIED, VIS_MOE_MLOCK, else the values above.
 LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_tier_default_params(void);
+// in force on the calling thread (its override, else the process-wide ones)
 LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_get_tier_params(void);
 // For models loaded and contexts created from now on; NULL resets.  0, or -1 with llama_vis_last_error().
 LLAMA_API int32_t llama_vis_moe_set_tier_params(const struct llama_vis_moe_tier_params * params);
+
+// Override both settings structs for the calling thread only (NULL for one of them: the
+// process-wide value at the time of the call).  Both NULL: drop the override, the thread
+// follows the process-wide settings again.  0, or -1 with llama_vis_last_error() if out of range.
+LLAMA_API int32_t llama_vis_moe_set_thread_params(const struct llama_vis_moe_params * params,
+                                                  const struct llama_vis_moe_tier_params * tier);
+// 1 if the calling thread has an override, else 0.
+LLAMA_API int32_t llama_vis_moe_thread_params_active(void);
 
 struct llama_vis_moe_io_stats {
     int64_t slab_hits;      // tier 1: routed experts found in a slab
@@ -179,7 +213,7 @@ struct llama_vis_moe_plan_request {
     int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available)
     int64_t resident_bytes;    // weights that stay resident (everything but the managed experts)
     int64_t kv_bytes;          // KV cache
-    int64_t reserve_bytes;     // compute buffers, runtime and slack; < 0: estimated by the caller's default
+    int64_t reserve_bytes;     // compute buffers, runtime and slack (>= 0): llama_vis_moe_estimate_reserve()
     int64_t expert_bytes;      // one expert of one managed layer (gate + up + down)
     int32_t n_managed_layers;  // MoE layers after the pinned prefix
     int32_t n_expert;
@@ -205,6 +239,13 @@ struct llama_vis_moe_plan {
                                // cache (not locked; re-read from the file under pressure, as upstream's mmap)
 };
 LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
+
+// The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes),
+// from the model's shape: bytes.  pyvis plan calls it too, so plan and runtime agree.
+LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,
+                                                 int64_t n_expert_used, int64_t n_ff_exp);
+// The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan.
+LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)
 // ---------------------------------------------------------------------------
 struct mtmd_context;
@@ -233,10 +274,12 @@ LLAMA_API int32_t llama_vis_mtmd_get_saliency(const struct mtmd_context * ctx, f
 // Same scores before normalisation: sum over the tokens * merge factor == 1.
 LLAMA_API int32_t llama_vis_mtmd_get_saliency_raw(const struct mtmd_context * ctx, float * out, int32_t n_max);
 
-// Hooks called by libmtmd (patch 0010); not for applications.
-LLAMA_API void llama_vis_mtmd_saliency_begin(const struct mtmd_context * ctx);
-LLAMA_API void llama_vis_mtmd_saliency_end(const struct mtmd_context * ctx, bool ok);
-LLAMA_API void llama_vis_mtmd_saliency_forget(const struct mtmd_context * ctx);
+// Hooks called by libmtmd (patch 0010); not for applications.  The state is owned by the
+// mtmd context (mtmd_context::vis_saliency, src/vis-owner.h) and freed with it.
+struct vis_saliency_state;
+LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(const struct mtmd_context * ctx);
+LLAMA_API void llama_vis_mtmd_saliency_begin(struct vis_saliency_state * st);
+LLAMA_API void llama_vis_mtmd_saliency_end(struct vis_saliency_state * st, bool ok);
 LLAMA_API bool llama_vis_clip_saliency_active(void);
 LLAMA_API bool llama_vis_clip_saliency_layer(const char * projector, int il, int n_layer);
 LLAMA_API void llama_vis_clip_saliency_collect(struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_tensor * kq, int il);

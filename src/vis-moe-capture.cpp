@@ -18,8 +18,11 @@
 //
 // Capture: build_moe_ffn marks a contiguous copy of the routed ids of every MoE
 // layer as a graph output ("vis_capture_ids-<il>"); after each ubatch they are
-// appended per layer.  Nothing of this exists in the graph when both are off.
+// appended per layer to the context's capture state (llama_context::vis_capture,
+// src/vis-owner.h).  Nothing of this exists in the graph when both are off.
 #include "vis-vlm.h"
+#include "vis-error.h"
+#include "vis-owner.h"
 
 #include "llama-context.h"
 #include "llama-cparams.h"
@@ -32,25 +35,25 @@
 #include "ggml-impl.h"  // ggml_cgraph::n_nodes (cutting the graph)
 
 #include <cstring>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 namespace {
-
 struct layer_routes {
     int32_t k = 0;
     std::vector<int32_t> ids;  // [n_rows][k]
 };
+} // namespace
 
-struct capture_state {
+struct vis_capture_state {
     std::vector<layer_routes> layers;
 };
 
-std::mutex g_mutex;
-std::map<const llama_context *, std::unique_ptr<capture_state>> g_capture;
+void vis_deleter::operator()(vis_capture_state * p) const {
+    delete p;
+}
+
+namespace {
 
 // architectures whose graph is known to honour the limit: the layer loop runs to
 // llm_graph_context::n_layer, the last layer prunes rows only through
@@ -124,15 +127,10 @@ void vis_layer_limit_finish(const llm_graph_params & params, llm_graph_result * 
 }
 
 void vis_capture_collect(llama_context * lctx, ggml_cgraph * gf) {
-    if (!lctx->get_cparams().vis_capture) {
+    if (!lctx->get_cparams().vis_capture || !lctx->vis_capture) {
         return;
     }
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_capture.find(lctx);
-    if (it == g_capture.end()) {
-        return;
-    }
-    capture_state & st = *it->second;
+    vis_capture_state & st = *lctx->vis_capture;
     bool synced = false;
     std::vector<int32_t> buf;
     const int n_nodes = ggml_graph_n_nodes(gf);
@@ -168,6 +166,7 @@ void vis_capture_collect(llama_context * lctx, ggml_cgraph * gf) {
 // public API
 // ---------------------------------------------------------------------------
 int32_t llama_vis_set_layer_limit(llama_context * ctx, int32_t n_layers) {
+    vis_clear_last_error();
     if (!ctx) {
         vis_set_last_error("llama_vis_set_layer_limit: NULL context");
         return -1;
@@ -194,6 +193,7 @@ int32_t llama_vis_get_layer_limit(const llama_context * ctx) {
 }
 
 int32_t llama_vis_moe_capture(llama_context * ctx, int32_t on) {
+    vis_clear_last_error();
     if (!ctx) {
         vis_set_last_error("llama_vis_moe_capture: NULL context");
         return -1;
@@ -204,44 +204,40 @@ int32_t llama_vis_moe_capture(llama_context * ctx, int32_t on) {
                            ") has no routed experts");
         return -1;
     }
-    std::lock_guard<std::mutex> lock(g_mutex);
     if (on) {
-        auto st = std::make_unique<capture_state>();
-        st->layers.resize(model.hparams.n_layer());
-        g_capture[ctx] = std::move(st);
+        ctx->vis_capture.reset(new vis_capture_state());
+        ctx->vis_capture->layers.resize(model.hparams.n_layer());
     } else {
-        g_capture.erase(ctx);
+        ctx->vis_capture.reset();
     }
     cparams_of(ctx).vis_capture = on != 0;
     return 0;
 }
 
 void llama_vis_moe_capture_reset(llama_context * ctx) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_capture.find(ctx);
-    if (it != g_capture.end()) {
-        for (auto & L : it->second->layers) {
+    if (ctx && ctx->vis_capture) {
+        for (auto & L : ctx->vis_capture->layers) {
             L = layer_routes();
         }
     }
 }
 
 static const layer_routes * routes_of(const llama_context * ctx, int32_t il, const char * fn) {
-    auto it = g_capture.find(ctx);
-    if (!ctx || it == g_capture.end() || !ctx->get_cparams().vis_capture) {
+    vis_clear_last_error();
+    if (!ctx || !ctx->vis_capture || !ctx->get_cparams().vis_capture) {
         vis_set_last_error(std::string(fn) + ": routing capture is off for this context (llama_vis_moe_capture(ctx, 1))");
         return nullptr;
     }
-    if (il < 0 || il >= (int32_t) it->second->layers.size()) {
+    const auto & layers = ctx->vis_capture->layers;
+    if (il < 0 || il >= (int32_t) layers.size()) {
         vis_set_last_error(std::string(fn) + ": layer " + std::to_string(il) + " out of range 0.." +
-                           std::to_string((int) it->second->layers.size() - 1));
+                           std::to_string((int) layers.size() - 1));
         return nullptr;
     }
-    return &it->second->layers[il];
+    return &layers[il];
 }
 
 int32_t llama_vis_moe_get_routes(const llama_context * ctx, int32_t il, int32_t * ids, int32_t n_max) {
-    std::lock_guard<std::mutex> lock(g_mutex);
     const layer_routes * L = routes_of(ctx, il, "llama_vis_moe_get_routes");
     if (!L) {
         return -1;
@@ -256,7 +252,6 @@ int32_t llama_vis_moe_get_routes(const llama_context * ctx, int32_t il, int32_t 
 }
 
 int32_t llama_vis_moe_routes_k(const llama_context * ctx, int32_t il) {
-    std::lock_guard<std::mutex> lock(g_mutex);
     const layer_routes * L = routes_of(ctx, il, "llama_vis_moe_routes_k");
     return L ? L->k : -1;
 }

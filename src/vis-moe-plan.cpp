@@ -2,7 +2,7 @@
 // MemAvailable, swap, zram) and how one budget splits over the tiers of the
 // expert cache.  `pyvis plan` calls the same two functions (docs/paging.md).
 #include "llama-vis.h"
-#include "vis-moe.h"
+#include "vis-error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -204,6 +204,16 @@ int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out) {
     return 0;
 }
 
+int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd, int64_t n_expert_used,
+                                       int64_t n_ff_exp) {
+    // f32 activations of one ubatch: logits, a few n_embd-wide rows, gate/up/down rows of the routed experts
+    // (qwen3moe 16L at -ub 512: estimate 156 MiB, measured compute buffer 121 MiB)
+    const int64_t act = std::max<int64_t>(n_ubatch, 1) * 4 *
+                        (std::max<int64_t>(n_vocab, 0) + 6 * std::max<int64_t>(n_embd, 0) +
+                         3 * std::max<int64_t>(n_expert_used, 0) * std::max<int64_t>(n_ff_exp, 0));
+    return act + (64ll << 20);  // + runtime (binary, libraries, heap: ~45 MiB measured for llama-cli)
+}
+
 static std::string mib(int64_t b) {
     char buf[32];
     if (b < (10ll << 20) && b % (1 << 20) != 0) {
@@ -215,17 +225,23 @@ static std::string mib(int64_t b) {
 }
 
 int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out) {
+    vis_clear_last_error();
     if (!req || !out) {
-        vis_moe_set_last_error("llama_vis_moe_plan: NULL argument");
+        vis_set_last_error("llama_vis_moe_plan: NULL argument");
         return -1;
     }
     const auto & r = *req;
+    if (r.reserve_bytes < 0) {
+        vis_set_last_error("llama_vis_moe_plan: reserve_bytes must be >= 0 (llama_vis_moe_estimate_reserve gives the "
+                           "runtime's estimate), got " + std::to_string(r.reserve_bytes));
+        return -1;
+    }
     struct llama_vis_moe_plan p = {};
     if (r.n_managed_layers <= 0 || r.expert_bytes <= 0 || r.n_expert <= 0) {
         // nothing to page: everything is resident
         p.ok = 1;
         p.n_slots = r.n_expert;
-        p.fixed_bytes = r.resident_bytes + r.kv_bytes + std::max<int64_t>(r.reserve_bytes, 0);
+        p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes;
         p.budget = r.budget;
         p.min_budget = p.fixed_bytes;
         *out = p;
@@ -237,7 +253,7 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         llama_vis_mem_probe(&m);
         budget = m.available;
     }
-    const int64_t reserve = r.reserve_bytes >= 0 ? r.reserve_bytes : (64ll << 20) + budget / 32;
+    const int64_t reserve = r.reserve_bytes;
     const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer
     const int     k       = std::max(1, (int) r.n_expert_used);
     const int     staging = r.no_staging ? 0 : 1;
@@ -264,7 +280,7 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     }
     if (slots < 1 || (r.unified && budget < p.min_budget)) {
         const std::string where = r.unified ? "memory budget" : "device memory";
-        vis_moe_set_last_error("the " + where + " of " + mib(r.unified ? budget : r.device_bytes) + " is too small: " +
+        vis_set_last_error("the " + where + " of " + mib(r.unified ? budget : r.device_bytes) + " is too small: " +
                                std::to_string(r.n_managed_layers) + " managed layers need at least one expert slot" +
                                (staging ? " + 1 staging slot" : "") + " each (" + mib((int64_t) (1 + staging) * row) + ")" +
                                (r.unified ? " on top of " + mib(r.kv_bytes + reserve + host_fixed) +
@@ -283,7 +299,7 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         // resident weights that do not fit next to the slabs: left to the page cache, never the slabs or KV
         p.pageable_bytes = std::max<int64_t>(0, p.fixed_bytes + host_fixed + p.slab_bytes - budget);
         if (p.pageable_bytes > r.resident_bytes) {
-            vis_moe_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.slab_bytes) + " slabs (" +
+            vis_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.slab_bytes) + " slabs (" +
                                    std::to_string(slots) + " slots per layer) + " + mib(host_fixed) + " host cache next to " +
                                    mib(r.kv_bytes + reserve) + " for KV cache and compute; lower --moe-slots or --moe-host-mib");
             p.ok = 0;

@@ -1,7 +1,7 @@
 // vis-moe-store.cpp - tiers 2 and 3 of the expert cache: the host-RAM expert
 // cache and expert-granular reads from the GGUF file (docs/paging.md).
 #include "vis-moe-store.h"
-#include "vis-moe.h"
+#include "vis-moe-settings.h"
 
 #include "llama-impl.h"
 
@@ -57,7 +57,7 @@ bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64
         return false;
     }
     int n_pinned = 0;
-    if (!vis_moe_store_deferral(n_pinned, n_expert)) {
+    if (!vis_moe_settings_deferral(n_pinned, n_expert)) {
         return false;
     }
     std::lock_guard<std::mutex> lock(g_store_mutex);

@@ -1,14 +1,14 @@
-// vis-moe.h - internal interface of the expert-residency cache, used by the
-// ggml-patches hooks in llama-context.cpp and llama-graph.cpp.
+// vis-moe.h - the hooks of the expert-residency cache, called by the ggml-patches
+// in llama-context.cpp (patch 0002) and llama-graph.cpp (build_moe_ffn).
 //
-// Public C API: llama-vis.h.  Design: docs/residency.md.
+// Public C API: llama-vis.h.  State: vis-moe-context.h.  Design: docs/architecture.md.
 #pragma once
 
 #include "llama-vis.h"
+#include "vis-owner.h"
 #include "ggml.h"
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 struct llama_context;
@@ -16,31 +16,24 @@ struct llama_model;
 struct llama_ubatch;
 struct vis_moe_context;
 
-// set llama_vis_last_error() (thread-local)
-void vis_moe_set_last_error(const std::string & msg);
-
-// Model load (src/vis-moe-store.cpp): defer routed-expert tensors to the file tier?
-// true with n_pinned = the pinned prefix when the expert cache with the file store is on
-// and n_expert experts do not all fit the slots.
-bool vis_moe_store_deferral(int & n_pinned, int64_t n_expert);
-
 // ---- context lifetime (patch 0002, llama-context.cpp) -----------------------
 
-// Create the cache for a new context from the current process-wide params.
-// Throws std::runtime_error with a message naming the flag on bad configuration.
-void vis_moe_context_attach(const llama_context * lctx, const llama_model & model);
-void vis_moe_context_detach(const llama_context * lctx);
-vis_moe_context * vis_moe_context_get(const llama_context * lctx);
+// The expert cache of a new context, from the settings in force on this thread; null when
+// the feature is off.  Throws std::runtime_error with a message naming the flag on bad
+// configuration (also left in llama_vis_last_error()).
+vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, const llama_model & model);
+// Print the stats if asked (--moe-stats) and free the cache.
+void vis_moe_context_detach(vis_owned<vis_moe_context> & vm);
 
 // Record the ubatch about to be computed (positions, sequences, modality for the trace).
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);
-// After compute: false if a load failed during the ubatch (message in llama_vis_last_error()).
+// After compute: false if a load or a trace write failed during the ubatch (message in llama_vis_last_error()).
 bool vis_moe_end_ubatch(vis_moe_context * vm);
 
 // Extra graph nodes the cache may add for a ubatch of n_tokens.
 uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
 
-// ---- graph (patch 0002, llm_graph_context::build_moe_ffn) -------------------
+// ---- graph (patch 0002, llm_graph_context::build_moe_ffn; src/vis-moe-graph.cpp) ----
 //
 // For one MoE layer of one graph.  An unmanaged layer (or no cache) yields one
 // pass whose ids and weights are upstream's: the graph is unchanged.

@@ -2,19 +2,24 @@
 // encoder (VisMMOE Algorithm 1, line 2), for visual-token pruning (issue #4).
 //
 // libmtmd (tools/mtmd) calls in through patch 0010:
-//   mtmd_encode_impl:  llama_vis_mtmd_saliency_begin(ctx) ... encode ... _end(ctx, ok)
+//   mtmd_context:      owns a vis_saliency_state (member vis_saliency, src/vis-owner.h),
+//                      created by llama_vis_mtmd_saliency_attach(), freed with the context
+//   mtmd_encode_impl:  llama_vis_mtmd_saliency_begin(state) ... encode ... _end(state, ok)
 //   clip build_attn:   llama_vis_clip_saliency_layer() decides per layer (false = the
 //                      upstream graph, unchanged); the selected layers hand their
 //                      softmax attention to _collect() (or, on the flash-attention path,
 //                      _attn() computes it next to flash attention)
 //   clip_encode:       llama_vis_clip_saliency_fetch() reads the results after compute
-//   mtmd_free:         llama_vis_mtmd_saliency_forget(ctx)
+// The clip hooks know no mtmd context: the encode in progress is thread-local.  The public
+// getters find a context's state through the registry of live states.
 //
 // In the graph: kq [n_kv, n_q, n_head, B] -> out_prod with a constant column
 // 1/(n_q*n_head) -> "vis_saliency-<il>" [n_kv, 1, B], the mean over heads and
 // queries of the attention each patch receives.  The host maps patches to output
 // tokens (mean of each token's merged patches) and averages over the layers.
 #include "vis-vlm.h"
+#include "vis-error.h"
+#include "vis-owner.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -38,7 +43,7 @@ struct sal_result {
 };
 
 struct sal_current {
-    const void * owner = nullptr;  // mtmd_context being encoded
+    const vis_saliency_state * owner = nullptr;  // state of the mtmd context being encoded
     int n_layers = 0;
     std::string unsupported;       // projector name when not supported
     std::vector<float> raw;        // per output token, all entries of the batch
@@ -46,9 +51,19 @@ struct sal_current {
     std::string error;
 };
 
+} // namespace
+
+struct vis_saliency_state {
+    const mtmd_context * owner = nullptr;
+    int        n_layers = -1;  // -1: the process-wide default
+    bool       encoded  = false;
+    sal_result last;           // last encode
+};
+
+namespace {
+
 std::mutex g_mutex;
-std::map<const void *, int> g_enable;           // per-context override
-std::map<const void *, sal_result> g_results;   // last encode of each context
+std::map<const mtmd_context *, vis_saliency_state *> g_live;  // for the public getters only
 std::atomic<int> g_default{-1};                 // -1: not read from the environment yet
 thread_local sal_current tl;
 
@@ -83,6 +98,7 @@ int32_t copy_out(const std::vector<float> & v, float * out, int32_t n_max) {
 }
 
 int32_t get_impl(const mtmd_context * ctx, float * out, int32_t n_max, bool normalise) {
+    vis_clear_last_error();
     if (!ctx) {
         vis_set_last_error("llama_vis_mtmd_get_saliency: NULL mtmd context");
         return -1;
@@ -90,16 +106,16 @@ int32_t get_impl(const mtmd_context * ctx, float * out, int32_t n_max, bool norm
     std::vector<float> v;
     {
         std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_results.find(ctx);
-        if (it == g_results.end()) {
+        auto it = g_live.find(ctx);
+        if (it == g_live.end() || !it->second->encoded) {
             vis_set_last_error("saliency: no image has been encoded by this mtmd context yet");
             return -1;
         }
-        if (!it->second.ok) {
-            vis_set_last_error(it->second.error);
+        if (!it->second->last.ok) {
+            vis_set_last_error(it->second->last.error);
             return -1;
         }
-        v = it->second.raw;
+        v = it->second->last.raw;
     }
     if (normalise && !v.empty()) {
         const auto [mn, mx] = std::minmax_element(v.begin(), v.end());
@@ -114,6 +130,7 @@ int32_t get_impl(const mtmd_context * ctx, float * out, int32_t n_max, bool norm
 } // namespace
 
 int32_t llama_vis_mtmd_saliency_enable(const mtmd_context * ctx, int32_t n_layers) {
+    vis_clear_last_error();
     if (n_layers < 0) {
         vis_set_last_error("llama_vis_mtmd_saliency_enable: n_layers must be >= 0 (0 = off, k = last k encoder layers), got " +
                            std::to_string(n_layers));
@@ -125,8 +142,35 @@ int32_t llama_vis_mtmd_saliency_enable(const mtmd_context * ctx, int32_t n_layer
         return 0;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_enable[ctx] = n_layers;
+    auto it = g_live.find(ctx);
+    if (it == g_live.end()) {
+        vis_set_last_error("llama_vis_mtmd_saliency_enable: not a live mtmd context");
+        return -1;
+    }
+    it->second->n_layers = n_layers;
     return 0;
+}
+
+vis_saliency_state * llama_vis_mtmd_saliency_attach(const mtmd_context * ctx) {
+    auto * st = new vis_saliency_state();
+    st->owner = ctx;
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_live[ctx] = st;
+    return st;
+}
+
+void vis_deleter::operator()(vis_saliency_state * st) const {
+    if (!st) {
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_live.find(st->owner);
+        if (it != g_live.end() && it->second == st) {
+            g_live.erase(it);
+        }
+    }
+    delete st;
 }
 
 int32_t llama_vis_mtmd_get_saliency(const mtmd_context * ctx, float * out, int32_t n_max) {
@@ -137,24 +181,21 @@ int32_t llama_vis_mtmd_get_saliency_raw(const mtmd_context * ctx, float * out, i
     return get_impl(ctx, out, n_max, false);
 }
 
-void llama_vis_mtmd_saliency_begin(const mtmd_context * ctx) {
-    int n = default_layers();
-    {
-        std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_enable.find(ctx);
-        if (it != g_enable.end()) {
-            n = it->second;
-        }
-        g_results.erase(ctx);
-    }
+void llama_vis_mtmd_saliency_begin(vis_saliency_state * st) {
     tl = sal_current();
-    tl.owner    = ctx;
-    tl.n_layers = n;
+    if (!st) {
+        return;
+    }
+    tl.owner    = st;
+    tl.n_layers = st->n_layers >= 0 ? st->n_layers : default_layers();
 }
 
-void llama_vis_mtmd_saliency_end(const mtmd_context * ctx, bool ok) {
+void llama_vis_mtmd_saliency_end(vis_saliency_state * st, bool ok) {
+    if (!st) {
+        return;
+    }
     sal_result r;
-    if (tl.owner != ctx) {
+    if (tl.owner != st) {
         r.error = "saliency: internal error (encode of another context in between)";
     } else if (!ok) {
         r.error = "saliency: the last image encode failed";
@@ -173,13 +214,8 @@ void llama_vis_mtmd_saliency_end(const mtmd_context * ctx, bool ok) {
     }
     tl = sal_current();
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_results[ctx] = std::move(r);
-}
-
-void llama_vis_mtmd_saliency_forget(const mtmd_context * ctx) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    g_enable.erase(ctx);
-    g_results.erase(ctx);
+    st->last    = std::move(r);
+    st->encoded = true;
 }
 
 bool llama_vis_clip_saliency_active(void) {

@@ -9,15 +9,11 @@
 #include "ggml.h"
 
 #include <cstdint>
-#include <string>
 
 struct llama_context;
 struct llama_cparams;
 struct llm_graph_params;
 class  llm_graph_result;
-
-// set llama_vis_last_error() (defined in vis-moe-cache.cpp)
-void vis_set_last_error(const std::string & msg);
 
 // ---- patch 0011 (llama-graph.cpp, llama-model.cpp, llama-context.cpp) ----
 

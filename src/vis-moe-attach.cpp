@@ -1,0 +1,462 @@
+// vis-moe-attach.cpp - creating a context's expert cache: which layers are managed,
+// how many slots they get (--moe-slots, --moe-cache-mib or the --moe-mem plan),
+// the slabs, the paging tiers and what gets locked in memory.
+#include "vis-moe.h"
+#include "vis-moe-context.h"
+#include "vis-moe-settings.h"
+#include "vis-error.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+namespace {
+
+const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
+
+std::array<ggml_tensor *, VIS_T_COUNT> expert_tensors(const llama_layer & l) {
+    return { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
+}
+
+int64_t layer_expert_bytes(const llama_layer & l) {
+    int64_t b = 0;
+    for (const ggml_tensor * t : expert_tensors(l)) {
+        b += t ? (int64_t) t->nb[2] : 0;
+    }
+    return b;
+}
+
+// The token embeddings of a model with its own output matrix: a token reads one row of them, so they are
+// neither counted as resident weights nor locked (a few touched pages stay in the page cache).
+bool row_gathered(const llama_model & model, const ggml_tensor * t) {
+    return t == model.tok_embd && model.output != nullptr &&
+           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;  // tied: same name
+}
+
+// Jetson: an integrated GPU whose buffers are CUDA managed memory (GGML_CUDA_ENABLE_UNIFIED_MEMORY=1)
+bool igpu_unified(ggml_backend_dev_t dev) {
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    const char * um = std::getenv("GGML_CUDA_ENABLE_UNIFIED_MEMORY");
+    return props.type == GGML_BACKEND_DEVICE_TYPE_IGPU && um && *um && std::strcmp(um, "0") != 0;
+}
+
+// is the memory behind buffer `buf` (on device `dev`) writable by the CPU?
+bool cpu_writable(ggml_backend_buffer_t buf, ggml_backend_dev_t dev) {
+    return ggml_backend_buffer_is_host(buf) || igpu_unified(dev);
+}
+
+// what attach decides, step by step
+struct attach_plan {
+    std::vector<int>  moe_layers;   // layers with routed experts
+    std::vector<bool> deferred;     // per layer: experts deferred to the file at load (patch 0004)
+    bool any_deferred = false;
+    std::vector<int>  managed;      // MoE layers after the pinned prefix
+    int  pinned = 0;
+    int64_t per_slot = 0;           // bytes of one slot in every managed layer
+    int64_t exp_max  = 0;           // largest expert of a managed layer
+    bool all_host_devices = true;   // every managed layer's device is CPU-writable memory
+    bool cpu_only = false;          // no GPU at all: no staging slot
+    int  staging  = 0;
+    int  n_slots  = 0;
+    int64_t host_bytes = 0;
+    bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
+    int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
+};
+
+// step 1: MoE layers, and which of them the loader deferred to the file
+void find_moe_layers(const llama_model & model, attach_plan & ap) {
+    const int n_layer = (int) model.hparams.n_layer();
+    ap.deferred.assign(n_layer, false);
+    for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
+        bool moe = false;
+        for (const ggml_tensor * t : expert_tensors(model.layers[il])) {
+            moe = moe || t != nullptr;
+            if (t && vis_moe_deferred(t)) {
+                ap.deferred[il] = ap.any_deferred = true;
+            }
+        }
+        if (moe) {
+            ap.moe_layers.push_back(il);
+        }
+    }
+}
+
+// step 2: the managed layers (after the pinned prefix) and the devices their slabs live on
+void choose_managed(const llama_model & model, const vis_moe_settings & s, attach_plan & ap) {
+    const int n_moe = (int) ap.moe_layers.size();
+    ap.pinned = s.params.n_pinned < 0 ? n_moe : s.params.n_pinned;
+    if (ap.pinned > n_moe) {
+        throw std::runtime_error("--moe-pinned-layers " + std::to_string(s.params.n_pinned) + " exceeds the model's " +
+                                 std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
+    }
+    ap.managed.assign(ap.moe_layers.begin() + ap.pinned, ap.moe_layers.end());
+    for (int il : ap.moe_layers) {
+        if (ap.deferred[il] && std::find(ap.managed.begin(), ap.managed.end(), il) == ap.managed.end()) {
+            throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " was deferred to the file at load but is pinned "
+                                     "now; create contexts with the --moe-pinned-layers the model was loaded with");
+        }
+    }
+    for (int il : ap.managed) {
+        const int64_t b = layer_expert_bytes(model.layers[il]);
+        ap.per_slot += b;
+        ap.exp_max   = std::max(ap.exp_max, b);
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            ap.all_host_devices = ap.all_host_devices && igpu_unified(dev);
+        }
+    }
+    if (s.tier.unified == 1 && !ap.all_host_devices) {
+        throw std::runtime_error("--moe-unified on: the slabs' device is not CPU-writable memory; it needs the CPU backend or "
+                                 "an integrated GPU (Jetson) with GGML_CUDA_ENABLE_UNIFIED_MEMORY=1 (use auto or off)");
+    }
+    // CPU-only run: passes skip other passes' pairs (patch 0006), so no staging slot; with a GPU present the
+    // scheduler may offload a host-weight mul_mat_id, and other passes' pairs go to one staging slot per layer
+    ap.cpu_only = model.devices.empty();
+    ap.staging  = ap.cpu_only ? 0 : 1;
+}
+
+// step 3a: --moe-cache-mib: slots from a slab budget
+void size_from_cache_mib(const vis_moe_settings & s, int n_exp, attach_plan & ap) {
+    const int64_t slots_total = (s.params.cache_mib << 20) / ap.per_slot;  // includes the staging slot
+    ap.n_slots = (int) std::min<int64_t>(slots_total - ap.staging, n_exp);
+    ap.planned = true;
+    if (ap.n_slots < 1) {
+        const double need = (double) ap.per_slot * (1 + ap.staging) / (1 << 20);
+        throw std::runtime_error("--moe-cache-mib " + std::to_string(s.params.cache_mib) + " is too small: the " +
+                                 std::to_string(ap.managed.size()) + " managed layers need at least " +
+                                 std::to_string((int64_t) std::ceil(need)) + " MiB (one slot" +
+                                 (ap.staging ? " + 1 staging slot" : "") + " each); raise it or pin fewer layers");
+    }
+}
+
+// step 3b: --moe-mem: split one budget over resident weights, KV cache, compute, slabs and the host cache
+void size_from_memory_plan(const llama_context * lctx, const llama_model & model, const vis_moe_settings & s,
+                           attach_plan & ap, vis_moe_context & vm) {
+    const int n_exp = (int) model.hparams.n_expert;
+    int64_t model_bytes = 0, kv_bytes = 0, deferred_bytes = 0;
+    // weights that stay resident: every tensor but the deferred experts (mapped buffers span file ranges, so
+    // buffer sizes would overcount); the context's own memory_breakdown() needs the scheduler, not there yet
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (!row_gathered(model, t)) {
+            model_bytes += (int64_t) ggml_nbytes(t);
+        }
+    }
+    if (lctx && lctx->get_memory()) {
+        for (const auto & [buft, size] : lctx->get_memory()->memory_breakdown()) {
+            kv_bytes += (int64_t) size;
+        }
+    }
+    for (int il : ap.managed) {
+        if (ap.deferred[il]) {
+            deferred_bytes += (int64_t) n_exp * layer_expert_bytes(model.layers[il]);
+        }
+    }
+    const auto & hp = model.hparams;
+    llama_vis_moe_plan_request rq = {};
+    rq.budget           = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
+    rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes);
+    rq.kv_bytes         = kv_bytes;
+    rq.reserve_bytes    = llama_vis_moe_estimate_reserve(lctx ? (int64_t) lctx->n_ubatch() : 512, model.vocab.n_tokens(),
+                                                         hp.n_embd, hp.n_expert_used_max(), hp.n_ff_exp());
+    rq.expert_bytes     = ap.per_slot / (int64_t) ap.managed.size();
+    rq.n_managed_layers = (int32_t) ap.managed.size();
+    rq.n_expert         = n_exp;
+    rq.n_expert_used    = (int32_t) hp.n_expert_used_max();
+    rq.unified          = ap.all_host_devices ? 1 : 0;
+    rq.host_mib         = s.tier.host_mib;
+    rq.n_slots          = s.params.n_slots;
+    rq.no_staging       = ap.cpu_only ? 1 : 0;
+    if (!ap.all_host_devices) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);
+        rq.device_bytes = (int64_t) (free * 9 / 10);
+    }
+    struct llama_vis_moe_plan plan;  // "struct": the function has the same name
+    if (llama_vis_moe_plan(&rq, &plan) != 0 || !plan.ok) {
+        throw std::runtime_error(std::string("--moe-mem ") + (s.tier.mem_mib < 0 ? "auto" : std::to_string(s.tier.mem_mib)) +
+                                 ": " + llama_vis_last_error());
+    }
+    ap.n_slots    = plan.n_slots;
+    ap.host_bytes = plan.host_bytes;
+    ap.pageable   = plan.pageable_bytes;
+    ap.planned    = s.params.n_slots <= 0;
+    vm.plan_budget  = plan.budget;
+    vm.plan_reserve = rq.reserve_bytes;
+    if (s.tier.mem_mib < 0) {
+        llama_vis_mem_info mi;
+        llama_vis_mem_probe(&mi);
+        vm.plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget
+            ? "auto: cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("auto: MemAvailable");
+    } else {
+        vm.plan_source = "--moe-mem";
+    }
+    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f + slabs %.0f "
+                   "(%d slots x %zu layers) + host cache %.0f MiB\n", plan.budget / 1048576.0,
+                   rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
+                   plan.slab_bytes / 1048576.0, ap.n_slots, ap.managed.size(), plan.host_bytes / 1048576.0);
+}
+
+// step 3: slots per managed layer and the host-cache bytes
+void size_slots(const llama_context * lctx, const llama_model & model, const vis_moe_settings & s, attach_plan & ap,
+                vis_moe_context & vm) {
+    const int n_exp = (int) model.hparams.n_expert;
+    const int k     = vm.n_expert_used;
+    ap.n_slots    = s.params.n_slots;
+    ap.host_bytes = s.tier.host_mib > 0 ? (s.tier.host_mib << 20) : 0;
+    if (s.params.cache_mib > 0 && !ap.managed.empty()) {
+        size_from_cache_mib(s, n_exp, ap);
+    } else if (s.tier.mem_mib != 0 && !ap.managed.empty() && model.hparams.no_alloc) {
+        ap.n_slots = s.params.n_slots > 0 ? s.params.n_slots : k;  // a memory-fit probe (--fit): nothing loaded, nothing to plan
+    } else if (s.tier.mem_mib != 0 && !ap.managed.empty()) {
+        size_from_memory_plan(lctx, model, s, ap, vm);
+    } else if (ap.n_slots <= 0) {
+        ap.n_slots = n_exp;  // deferred layers with the cache off: every expert gets a slot
+    }
+    if (ap.n_slots < 1) {
+        throw std::runtime_error("--moe-slots " + std::to_string(ap.n_slots) + ": valid range 1.." + std::to_string(n_exp) +
+                                 " (0 = off)");
+    }
+    if (ap.n_slots < k && !ap.managed.empty()) {
+        // exact all the same: every step runs its experts in passes of n_slots
+        char msg[320];
+        std::snprintf(msg, sizeof(msg), "%d slot%s per layer%s, below the model's top-k (%d): each decode step runs %d "
+                      "passes per managed layer and reads most routed experts again%s", ap.n_slots, ap.n_slots == 1 ? "" : "s",
+                      ap.planned ? " fit the budget" : "", k, (k + ap.n_slots - 1) / ap.n_slots,
+                      ap.planned ? "; a larger budget gives top-k slots" : "");
+        vm.note(msg);
+    }
+}
+
+// step 4: one layer's slot table and slab tensors (in the context for its device's buffer type)
+void create_layer(const llama_model & model, int il, const attach_plan & ap, ggml_context * c, vis_moe_context & vm) {
+    const llama_layer & l = model.layers[il];
+    const int n_exp = (int) model.hparams.n_expert;
+    vis_moe_layer & L = vm.layers[il];
+    L.orig     = expert_tensors(l);
+    L.deferred = ap.deferred[il];
+    size_t off = 0;
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        ggml_tensor * t = L.orig[ti];
+        if (!t) {
+            continue;
+        }
+        if (!L.deferred && t->extra != nullptr) {
+            throw std::runtime_error(std::string("vis-moe: ") + t->name + " is held in a repacked CPU buffer (" +
+                                     ggml_backend_buffer_name(t->buffer) + "), which cannot serve single experts; "
+                                     "run with --no-repack (-nr) to use the expert cache");
+        }
+        if (!ggml_is_contiguous(t)) {
+            throw std::runtime_error(std::string("vis-moe: ") + t->name + " is not contiguous");
+        }
+        if (L.deferred) {
+            L.file[ti] = vis_moe_deferred(t);
+            if (!L.file[ti]) {
+                throw std::runtime_error(std::string("vis-moe: ") + t->name + " of a deferred layer has no file record");
+            }
+        }
+        L.part_off[ti] = off;
+        off += t->nb[2];
+    }
+    const int ns = std::min(ap.n_slots, n_exp);
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (ggml_tensor * t = L.orig[ti]) {
+            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + ap.staging);
+            ggml_format_name(L.slab[ti], "vis_slab.blk.%d.%s", il, VIS_T_NAME[ti]);
+        }
+    }
+    L.managed      = true;
+    L.n_slots      = ns;
+    L.n_expert     = n_exp;
+    L.expert_bytes = layer_expert_bytes(l);
+    L.slot_of.assign(n_exp, -1);
+    L.pass_of.assign(n_exp, -1);
+    L.expert_of.assign(ns, -1);
+    L.policy = vis_moe_policy_lru(ns);
+    L.stats.n_slots = ns;
+    L.stats.managed = 1;
+    // CPU-only run: the CPU mul_mat_id skips id -1 (patch 0006), so passes compute only their own pairs;
+    // with a GPU present the scheduler may offload a host-weight mul_mat_id, so keep the staging slot there
+    L.cpu_passes = ap.cpu_only;
+    vm.n_managed++;
+}
+
+// step 4: slot tables and slabs of every managed layer that does not fit, allocated per buffer type.
+// Returns whether every slab buffer is locked in memory (mlock on).
+bool create_slabs(const llama_model & model, const vis_moe_settings & s, const attach_plan & ap, vis_moe_context & vm) {
+    const int n_exp   = (int) model.hparams.n_expert;
+    const int n_layer = (int) model.hparams.n_layer();
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    for (int il : ap.managed) {
+        const llama_layer & l = model.layers[il];
+        if (ap.n_slots >= n_exp && !ap.deferred[il]) {
+            continue;  // everything fits: bypass, upstream graph
+        }
+        if (l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s) {
+            if (ap.deferred[il]) {
+                throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " has per-expert scales, which the file "
+                                         "tier does not page yet; run with --moe-store model");
+            }
+            LLAMA_LOG_WARN("vis-moe: layer %d has per-expert scales; left fully resident\n", il);
+            continue;
+        }
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model.dev_layer(il));
+        ggml_context *& c = ctx_of[buft];
+        if (!c) {
+            ggml_init_params ip = { /*.mem_size =*/ ggml_tensor_overhead() * (size_t) (4 * n_layer + 8),
+                                    /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+            c = ggml_init(ip);
+            vm.ctxs.push_back(c);
+        }
+        create_layer(model, il, ap, c, vm);
+    }
+    bool locked = true;
+    for (auto & [buft, c] : ctx_of) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+        if (!buf) {
+            throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
+                                     "; lower --moe-slots / --moe-cache-mib / --moe-mem");
+        }
+        ggml_backend_buffer_clear(buf, 0);  // the staging slot (if any) and the padding hold finite zeros
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        vm.slab_bytes += (int64_t) ggml_backend_buffer_get_size(buf);
+        if (s.tier.mlock && ggml_backend_buffer_is_host(buf)) {
+            locked = vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs") && locked;
+        } else if (s.tier.mlock) {
+            locked = false;
+        }
+        vm.bufs.push_back(buf);
+    }
+    for (int il : ap.managed) {
+        vis_moe_layer & L = vm.layers[il];
+        if (L.managed && L.deferred) {
+            L.direct_write = vm.unified && cpu_writable(L.any_slab()->buffer, model.dev_layer(il));
+        }
+    }
+    return locked;
+}
+
+// step 5: the resident weights are mapped file pages: under memory pressure the kernel would drop them and fault
+// them back in every token (mmap thrash).  Lock them, tensor by tensor (mapped ranges also span deferred experts,
+// which must stay out of memory), as far as the plan has room for them: the `pageable` bytes it could not fit stay
+// unlocked, so the kernel can reclaim them instead of killing us.
+void lock_resident_weights(const llama_model & model, const attach_plan & ap, vis_moe_context & vm) {
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    size_t n_locked = 0, n_skipped = 0;
+    bool ok = true;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t) || row_gathered(model, t)) {
+            continue;
+        }
+        const uintptr_t a = (uintptr_t) t->data & ~(uintptr_t) (page - 1);
+        const uintptr_t b = ((uintptr_t) t->data + ggml_nbytes(t) + page - 1) & ~(uintptr_t) (page - 1);
+        if (n_skipped < (size_t) ap.pageable) {
+            n_skipped += ggml_nbytes(t);  // left unlocked until the plan's pageable bytes are covered
+            continue;
+        }
+        ok = vis_mlock_region((void *) a, b - a, "the resident weights") && ok;
+        n_locked += b - a;
+    }
+    if (ok && n_locked > 0) {
+        LLAMA_LOG_INFO("vis-moe: locked %.2f MiB of resident weights in memory\n", n_locked / 1048576.0);
+    }
+    if (n_skipped > 0) {
+        char msg[320];
+        std::snprintf(msg, sizeof(msg), "the memory budget cannot hold all resident weights next to the minimal "
+                      "slabs: %.2f MiB of them stay unlocked and are re-read from the file whenever the kernel "
+                      "drops them (slow); a budget of %.0f MiB or more keeps them locked",
+                      n_skipped / 1048576.0, (vm.plan_budget + ap.pageable) / 1048576.0);
+        vm.note(msg);
+    }
+}
+
+void log_summary(const vis_moe_settings & s, const attach_plan & ap, const vis_moe_context & vm, int n_exp) {
+    if (vm.n_managed > 0) {
+        LLAMA_LOG_INFO("vis-moe: expert cache: %d of %zu MoE layers managed (%d pinned), %d slots of %d experts each, "
+                       "slabs %.2f MiB\n", vm.n_managed, ap.moe_layers.size(), ap.pinned, std::min(ap.n_slots, n_exp), n_exp,
+                       vm.slab_bytes / 1048576.0);
+        if (ap.any_deferred) {
+            LLAMA_LOG_INFO("vis-moe: tiers: slabs %.2f MiB (%s) | host cache %.2f MiB (%s) | file: %s, %d I/O threads%s\n",
+                           vm.slab_bytes / 1048576.0, vm.unified ? "filled straight from the file" : "filled through a staging buffer",
+                           (vm.host ? vm.host->capacity_blocks() * vm.host->block_bytes() : 0) / 1048576.0,
+                           vm.host ? (vm.host_exclusive ? "exclusive of the slabs" : "inclusive") : "off",
+                           s.tier.direct_io == 0 ? "buffered reads, pages dropped" : "O_DIRECT where allowed",
+                           s.tier.io_threads, vm.locked ? ", memory locked" : "");
+        }
+    } else if (s.cache_on()) {
+        LLAMA_LOG_INFO("vis-moe: expert cache: every MoE layer fits (%d slots >= %d experts, or pinned); upstream graph\n",
+                       ap.n_slots, n_exp);
+    }
+}
+
+vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model & model) {
+    const vis_moe_settings s = vis_moe_settings_current();
+    const auto & hp = model.hparams;
+    attach_plan ap;
+    find_moe_layers(model, ap);
+    // the fit probe (--fit) creates contexts on a model without data: it never writes a trace
+    const bool tracing = !s.trace_path.empty() && !hp.no_alloc;
+    if (!s.cache_on() && !ap.any_deferred && !tracing) {
+        return nullptr;  // feature off: no object, no graph change
+    }
+    if (hp.n_expert == 0) {
+        LLAMA_LOG_WARN("vis-moe: the model has no routed experts; --moe-* options ignored\n");
+        return nullptr;
+    }
+    vis_owned<vis_moe_context> vm(new vis_moe_context());
+    vm->model         = &model;
+    vm->params        = s.params;
+    vm->tier          = s.tier;
+    vm->stream_passes = s.stream_passes;
+    vm->n_expert_used = (int) hp.n_expert_used_max();
+    vm->layers.resize(hp.n_layer());
+
+    choose_managed(model, s, ap);
+    vm->unified = s.tier.unified != 0 && ap.all_host_devices;
+    size_slots(lctx, model, s, ap, *vm);
+    bool locked = create_slabs(model, s, ap, *vm);
+    if (vm->n_managed > 0 && ap.any_deferred) {
+        vm->io = std::make_unique<vis_io_pool>(s.tier.io_threads, s.tier.direct_io);
+        if (s.tier.mlock && !hp.no_alloc) {
+            lock_resident_weights(model, ap, *vm);
+        }
+    }
+    if (vm->n_managed > 0 && ap.host_bytes > 0 && ap.n_slots < (int) hp.n_expert) {
+        vm->host = std::make_unique<vis_host_cache>((size_t) ap.host_bytes, (size_t) ap.exp_max, s.tier.mlock != 0);
+        vm->host_exclusive = vm->unified;
+        locked = locked && vm->host->locked();
+    }
+    vm->locked = s.tier.mlock && locked && vm->n_managed > 0;
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    vm->majflt0 = vm->majflt_last = ru.ru_majflt;
+    if (tracing) {
+        vm->trace = std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used);
+    }
+    log_summary(s, ap, *vm, (int) hp.n_expert);
+    if (vm->n_managed == 0 && !vm->trace) {
+        return nullptr;
+    }
+    return vm;
+}
+
+} // namespace
+
+vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
+    try {
+        return attach(lctx, model);
+    } catch (const std::exception & e) {
+        vis_set_last_error(e.what());
+        LLAMA_LOG_ERROR("%s\n", e.what());
+        throw;
+    }
+}

@@ -1,0 +1,118 @@
+// vis-moe-context.cpp - lifetime of a context's expert cache: ownership by
+// llama_context (vis-owner.h), per-ubatch bookkeeping, failures.
+#include "vis-moe.h"
+#include "vis-moe-context.h"
+#include "vis-error.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+
+#include <cinttypes>
+#include <set>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+
+void vis_deleter::operator()(vis_moe_context * p) const {
+    delete p;
+}
+
+vis_moe_context::~vis_moe_context() {
+    for (auto * b : bufs) {
+        ggml_backend_buffer_free(b);
+    }
+    for (auto * c : ctxs) {
+        ggml_free(c);
+    }
+}
+
+vis_moe_op_ud * vis_moe_context::ud(int il, int pass, vis_op_kind kind) {
+    auto & p = uds[{ il, pass, (int) kind }];
+    if (!p) {
+        p.reset(new vis_moe_op_ud{ this, il, pass, kind });
+    }
+    return p.get();
+}
+
+void vis_moe_context::note(const std::string & msg) {
+    notes.push_back(msg);
+    LLAMA_LOG_WARN("vis-moe: %s\n", msg.c_str());
+}
+
+void vis_moe_context::fail(const std::string & msg) {
+    std::lock_guard<std::mutex> lock(err_mutex);
+    if (!failed) {
+        failed  = true;
+        failure = msg;
+    }
+}
+
+vis_moe_context * vis_moe_of(const llama_context * lctx) {
+    return lctx ? lctx->vis_moe.get() : nullptr;
+}
+
+void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
+    if (vm && vm->params.print_stats && vm->n_managed > 0) {
+        llama_vis_moe_stats tot;
+        vis_moe_total_stats(*vm, tot);
+        if (tot.n_calls > 0) {  // not for contexts that never ran (e.g. --fit probes)
+            vis_moe_print_stats(*vm);
+        }
+    }
+    vm.reset();
+}
+
+void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
+    if (vm && vm->trace) {
+        vm->trace->begin_ubatch(ub);
+    }
+}
+
+// after a ubatch that streamed a layer: streaming faults its experts in on purpose (not a sign of paging), and the
+// read-ahead also spills past the streamed ranges: drop every unmapped page of the model files, so the page cache
+// does not sit on the budget during the next steps (mapped, locked resident weights stay)
+static void drop_streamed_pages(vis_moe_context & vm) {
+    std::set<const vis_gguf_file *> files;
+    for (const auto & L : vm.layers) {
+        for (const auto * f : L.file) {
+            if (f && files.insert(f->file.get()).second) {
+                posix_fadvise(f->file->fd, 0, 0, POSIX_FADV_DONTNEED);
+            }
+        }
+    }
+}
+
+bool vis_moe_end_ubatch(vis_moe_context * vm) {
+    if (!vm) {
+        return true;
+    }
+    if (vm->trace) {
+        const std::string err = vm->trace->end_ubatch();
+        if (!err.empty()) {
+            vm->fail(err);
+        }
+    }
+    if (vm->n_managed > 0) {
+        // the kernel paging our working set in and out means the budget is too large for the machine
+        rusage ru = {};
+        getrusage(RUSAGE_SELF, &ru);
+        const int64_t d = ru.ru_majflt - vm->majflt_last;
+        vm->majflt_last = ru.ru_majflt;
+        if (vm->ub_streamed) {
+            vm->ub_streamed = false;
+            drop_streamed_pages(*vm);
+        } else if (d >= 256 && !vm->warned_faults) {
+            vm->warned_faults = true;
+            LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "
+                           "(swap or evicted mmap pages); lower --moe-mem / --moe-slots / --moe-host-mib or use --moe-mem auto\n", d);
+        }
+    }
+    std::lock_guard<std::mutex> lock(vm->err_mutex);
+    if (vm->failed) {
+        vis_set_last_error(vm->failure);
+        LLAMA_LOG_ERROR("%s\n", vm->failure.c_str());
+        vm->failed = false;
+        return false;
+    }
+    return true;
+}

@@ -1,0 +1,151 @@
+// vis-moe-context.h - the state of one context's expert cache: per-layer slot
+// tables and slabs, the backing tiers, stats.  Owned by llama_context::vis_moe
+// (src/vis-owner.h), created by vis-moe-attach.cpp, destroyed with the context.
+//
+// Who does what (docs/architecture.md):
+//   vis-moe-attach.cpp    sizing and creation (slots, slabs, tiers, locking)
+//   vis-moe-graph.cpp     the graph of a managed layer (passes, merge, streaming)
+//   vis-moe-ops.cpp       the CPU ops those graphs run (plan, slot ids, merge, stream advice)
+//   vis-moe-passes.cpp    pass planning and the slot table, eviction through vis-moe-policy.h
+//   vis-moe-transfer.cpp  filling slots from tier 2, tier 3 or the model's copy
+//   vis-moe-stats.cpp     stats API and the --moe-stats table
+#pragma once
+
+#include "llama-vis.h"
+#include "vis-moe-policy.h"
+#include "vis-moe-store.h"
+#include "vis-moe-trace.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+struct llama_model;
+struct llama_context;
+
+// the expert tensors of a layer, in slab order
+enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
+
+// which custom op of a layer's graph (vis-moe-ops.h) a userdata belongs to
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP };
+
+struct vis_moe_context;
+
+// userdata of one custom op: which layer, pass and job
+struct vis_moe_op_ud {
+    vis_moe_context * vm;
+    int il;
+    int pass;
+    vis_op_kind kind;
+};
+
+struct vis_moe_layer {
+    bool managed  = false;
+    int  n_slots  = 0;      // cache slots; with a staging slot, slot index n_slots is it
+    int  n_expert = 0;
+    int64_t expert_bytes = 0;
+
+    std::array<ggml_tensor *, VIS_T_COUNT> orig = {};  // the model's expert tensors
+    std::array<ggml_tensor *, VIS_T_COUNT> slab = {};  // [ne0, ne1, n_slots (+ staging)]
+    std::array<const vis_deferred_tensor *, VIS_T_COUNT> file = {};  // tier 3 (deferred at load), else null
+    std::array<size_t, VIS_T_COUNT> part_off = {};  // offset of each tensor's slice in a packed expert
+    bool deferred     = false;  // experts come from the file
+    bool direct_write = false;  // slabs are CPU-writable: read straight into them
+    bool cpu_passes   = false;  // CPU-only layer: pairs of other passes are skipped (id -1, patch 0006)
+                                // and passes merge in place, instead of staging slot + concat
+
+    // slot table
+    std::vector<int32_t> slot_of;    // expert -> slot, -1 if not resident
+    std::vector<int32_t> expert_of;  // slot -> expert, -1 if empty
+    std::unique_ptr<vis_moe_policy> policy;
+
+    // pass plan of the ubatch being computed
+    std::vector<int32_t> pass_of;    // expert -> pass, -1 if not routed
+    std::vector<std::vector<int32_t>> passes;
+
+    llama_vis_moe_stats stats = {};
+
+    // the first slab tensor (every managed layer has one)
+    ggml_tensor * any_slab() const {
+        for (ggml_tensor * t : slab) {
+            if (t) {
+                return t;
+            }
+        }
+        return nullptr;
+    }
+    // the mapped file of the layer's deferred experts, or null
+    const vis_gguf_file * any_file() const {
+        for (const auto * f : file) {
+            if (f) {
+                return f->file.get();
+            }
+        }
+        return nullptr;
+    }
+    // the id a pair of another pass gets: skipped on CPU (-1), else the staging slot
+    int32_t foreign_id() const { return cpu_passes ? -1 : n_slots; }
+};
+
+struct vis_moe_context {
+    const llama_model * model = nullptr;
+    llama_vis_moe_params params = {};
+    llama_vis_moe_tier_params tier = {};
+    std::unique_ptr<vis_moe_trace> trace;
+
+    std::vector<vis_moe_layer> layers;  // indexed by layer
+    int n_managed     = 0;
+    int n_expert_used = 0;
+
+    std::vector<ggml_context *>        ctxs;
+    std::vector<ggml_backend_buffer_t> bufs;
+    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
+    std::vector<uint8_t> staging;  // host bytes between a tier and a slab that the CPU cannot write
+
+    // paging tiers (vis-moe-store.h)
+    std::unique_ptr<vis_io_pool>    io;
+    std::unique_ptr<vis_host_cache> host;
+    bool    host_exclusive = false;  // unified memory: tier 2 never holds what a slab holds
+    bool    unified        = false;
+    bool    locked         = false;
+    int64_t slab_bytes     = 0;
+    int64_t majflt0        = 0, majflt_last = 0;
+    bool    warned_faults  = false;
+    int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
+    int64_t n_streamed = 0, bytes_streamed = 0;
+    int     stream_passes = 8;      // a ubatch that would need more passes than this in a layer streams it
+    bool    ub_streamed   = false;  // the current ubatch streamed a layer
+
+    // memory plan (--moe-mem)
+    int64_t     plan_budget   = 0;   // the budget planned for
+    int64_t     plan_reserve  = -1;  // compute/runtime reserve it used
+    std::string plan_source;
+    std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
+
+    std::mutex  err_mutex;
+    bool        failed = false;
+    std::string failure;
+
+    ~vis_moe_context();
+
+    // userdata of a custom op, stable for the context's lifetime
+    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind);
+    // what a tight budget costs: a warning now, repeated in the --moe-stats footer
+    void note(const std::string & msg);
+    // a load failed inside a graph op: the ubatch is reported as failed (first message kept)
+    void fail(const std::string & msg);
+};
+
+// the expert cache of a context, or nullptr
+vis_moe_context * vis_moe_of(const llama_context * lctx);
+
+// stats (vis-moe-stats.cpp): totals over all layers; the --moe-stats table on stderr
+void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & out);
+void vis_moe_print_stats(const vis_moe_context & vm);

@@ -1,0 +1,129 @@
+// vis-moe-graph.cpp - the graph of one MoE layer under the expert cache (vis-moe.h:
+// vis_moe_layer_graph), and the graph nodes it may add.
+#include "vis-moe.h"
+#include "vis-moe-context.h"
+#include "vis-moe-ops.h"
+#include "vis-moe-passes.h"
+
+#include <algorithm>
+
+uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
+    if (!vm) {
+        return 0;
+    }
+    uint32_t extra = 0;
+    for (const auto & L : vm->layers) {
+        if (!L.managed) {
+            extra += vm->trace ? 4 : 0;
+            continue;
+        }
+        const int passes = vis_moe_max_passes(L.n_expert, (int64_t) vm->n_expert_used * n_tokens, L.n_slots);
+        extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
+    }
+    return extra;
+}
+
+vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
+                                         ggml_tensor * selected_experts, ggml_tensor * weights_, int64_t n_tokens)
+    : ctx(ctx_), gf(gf_), il(il_) {
+    vm = const_cast<vis_moe_context *>(vm_);
+    if (!vm || il < 0 || il >= (int) vm->layers.size()) {
+        vm = nullptr;
+        return;
+    }
+    const vis_moe_layer & L = vm->layers[il];
+    if (!L.managed && !vm->trace) {
+        vm = nullptr;  // bypass: upstream graph
+        return;
+    }
+    weights  = weights_;
+    ids_cont = ggml_cont(ctx, selected_experts);
+    ggml_format_name(ids_cont, "vis_moe_ids-%d", il);
+    if (!L.managed) {
+        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_trace_op, 1, vm->ud(il, 0, VIS_OP_TRACE));
+        ggml_format_name(t, "vis_moe_trace-%d", il);
+        ggml_build_forward_expand(gf, t);
+        vm = nullptr;
+        return;
+    }
+    managed = true;
+    const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
+    n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);
+    if (L.deferred && L.cpu_passes && vm->stream_passes > 0 && n_pass > vm->stream_passes) {
+        // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
+        // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
+        // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page
+        // cache, exactly as upstream's mmap does; the pages are dropped after the layer and the slabs are left as
+        // they are.  Same result, bit for bit: it is upstream's graph.
+        managed = false;
+        stream  = true;
+        n_pass  = 1;
+        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1, vm->ud(il, 0, VIS_OP_STREAM));
+        ggml_format_name(t, "vis_moe_stream-%d", il);
+        ggml_build_forward_expand(gf, t);
+    }
+}
+
+ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
+    if (!managed) {
+        return selected_experts;
+    }
+    ggml_tensor * dep = p == 0 ? weights : last;
+    ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, dep, vis_moe_pass_op, 1, vm->ud(il, p, VIS_OP_PASS));
+    ggml_format_name(t, "vis_moe_slots-%d.%d", il, p);
+    return t;
+}
+
+ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
+    if (!managed || w == nullptr) {
+        return w;
+    }
+    const vis_moe_layer & L = vm->layers[il];
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (L.orig[ti] == w) {
+            return L.slab[ti];
+        }
+    }
+    return w;
+}
+
+void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
+    if (managed && vm->layers[il].cpu_passes && !outs.empty()) {
+        // merge this pass into the accumulator in place: one pass's outputs alive at a time
+        const int p = (int) n_merged + 1;
+        ggml_tensor * acc = ggml_map_custom3_inplace(ctx, outs[0], experts, ids_cont, vis_moe_merge_op, GGML_N_TASKS_MAX,
+                                                     vm->ud(il, p, VIS_OP_MERGE));
+        ggml_format_name(acc, "vis_moe_merge-%d.%d", il, p);
+        n_merged++;
+        outs[0] = acc;
+        last    = acc;
+        return;
+    }
+    outs.push_back(experts);
+    last = experts;
+}
+
+ggml_tensor * vis_moe_layer_graph::output() {
+    GGML_ASSERT(!outs.empty());
+    if (stream) {
+        // after the layer's experts ran: drop their pages (the returned view orders the drop before later use)
+        ggml_tensor * t = ggml_map_custom1_inplace(ctx, outs[0], vis_moe_drop_op, 1, vm->ud(il, 0, VIS_OP_DROP));
+        ggml_format_name(t, "vis_moe_drop-%d", il);
+        return t;
+    }
+    if (!managed || outs.size() == 1) {
+        return outs[0];  // one pass, or the CPU in-place merge
+    }
+    ggml_tensor * cat = outs[0];
+    for (size_t p = 1; p < outs.size(); ++p) {
+        cat = ggml_concat(ctx, cat, outs[p], 2);
+    }
+    const int64_t n_embd = outs[0]->ne[0], k = outs[0]->ne[1], n_tokens = outs[0]->ne[2];
+    ggml_tensor * sel = ggml_map_custom2(ctx, ids_cont, last, vis_moe_select_op, 1, vm->ud(il, 0, VIS_OP_SELECT));
+    ggml_format_name(sel, "vis_moe_select-%d", il);
+    ggml_tensor * rows = ggml_reshape_2d(ctx, cat, n_embd, k * n_tokens * (int64_t) outs.size());
+    ggml_tensor * got  = ggml_get_rows(ctx, rows, ggml_reshape_1d(ctx, sel, k * n_tokens));
+    got = ggml_reshape_3d(ctx, got, n_embd, k, n_tokens);
+    ggml_format_name(got, "vis_moe_experts-%d", il);
+    return got;
+}

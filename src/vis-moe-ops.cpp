@@ -1,0 +1,164 @@
+// vis-moe-ops.cpp - CPU custom ops of a managed layer's graph (vis-moe-ops.h).
+#include "vis-moe-ops.h"
+#include "vis-moe-context.h"
+#include "vis-moe-passes.h"
+
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+// run `body`; on failure record it and fill dst with `fallback(j)` so the graph continues on finite data
+template <typename Body, typename Fallback>
+static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body body, Fallback fallback) {
+    try {
+        body();
+    } catch (const std::exception & e) {
+        vm.fail(e.what());
+        for (int64_t j = 0; j < n_pairs; ++j) {
+            out[j] = fallback(j);
+        }
+    }
+}
+
+void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * ud = (vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud->vm;
+    vis_moe_layer & L = vm.layers[ud->il];
+    const int64_t n_pairs = ggml_nelements(ids_t);
+    const auto * ids = (const int32_t *) ids_t->data;
+    auto * out = (int32_t *) dst->data;
+    guarded(vm, out, n_pairs, [&]() {
+        if (ud->pass == 0) {
+            if (vm.trace) {
+                vm.trace->record(ud->il, ids_t, dep);  // pass 0 depends on the router weights
+            }
+            vis_moe_plan_passes(L, ids, n_pairs);
+        }
+        vis_moe_run_pass(vm, L, ud->il, ud->pass, ids, n_pairs, out);
+    }, [&](int64_t) { return L.foreign_id(); });
+}
+
+void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
+    (void) dep;
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * ud = (vis_moe_op_ud *) userdata;
+    const vis_moe_layer & L = ud->vm->layers[ud->il];
+    const int64_t n_pairs = ggml_nelements(ids_t);
+    const auto * ids = (const int32_t *) ids_t->data;
+    auto * out = (int32_t *) dst->data;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        out[j] = (int32_t) (L.pass_of[ids[j]] * n_pairs + j);
+    }
+}
+
+void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * weights, int ith, int nth,
+                      void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * ud = (vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud->vm;
+    const int64_t n_pairs = ggml_nelements(ids_t);
+    const auto * ids = (const int32_t *) ids_t->data;
+    if (vm.trace) {
+        vm.trace->record(ud->il, ids_t, weights);
+    }
+    std::memcpy(dst->data, ids, n_pairs * sizeof(int32_t));
+}
+
+// Prefill streaming: the mapped expert tensors of layer L.  Before the layer: sequential read-ahead (the loader
+// marks lazy ranges MADV_RANDOM, i.e. 4 KiB faults).  After it: drop the pages from our mapping and from the page
+// cache, so the streamed experts cost no memory, and go back to MADV_RANDOM.
+static void stream_advise(const vis_moe_layer & L, bool before) {
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        const vis_deferred_tensor * f = L.file[ti];
+        if (!f || !L.orig[ti] || !L.orig[ti]->data) {
+            continue;
+        }
+        const size_t n = f->nb2 * (size_t) f->n_expert;
+        // pages wholly inside the tensor: a neighbouring tensor's pages are not ours to drop
+        const uintptr_t a0 = ((uintptr_t) L.orig[ti]->data + page - 1) & ~(uintptr_t) (page - 1);
+        const uintptr_t a1 = ((uintptr_t) L.orig[ti]->data + n) & ~(uintptr_t) (page - 1);
+        if (a1 <= a0) {
+            continue;
+        }
+        if (before) {
+            madvise((void *) a0, a1 - a0, MADV_SEQUENTIAL);
+        } else {
+            madvise((void *) a0, a1 - a0, MADV_DONTNEED);
+            madvise((void *) a0, a1 - a0, MADV_RANDOM);
+            posix_fadvise(f->file->fd, (off_t) f->offs, (off_t) n, POSIX_FADV_DONTNEED);
+        }
+    }
+}
+
+void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * weights, int ith, int nth,
+                       void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * ud = (vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud->vm;
+    const vis_moe_layer & L = vm.layers[ud->il];
+    const int64_t n_pairs = ggml_nelements(ids_t);
+    const auto * ids = (const int32_t *) ids_t->data;
+    auto * out = (int32_t *) dst->data;
+    std::memcpy(out, ids, n_pairs * sizeof(int32_t));
+    guarded(vm, out, n_pairs, [&]() {
+        if (vm.trace) {
+            vm.trace->record(ud->il, ids_t, weights);
+        }
+        std::vector<bool> seen(L.n_expert, false);
+        for (int64_t j = 0; j < n_pairs; ++j) {
+            if (ids[j] >= 0 && ids[j] < L.n_expert && !seen[ids[j]]) {
+                seen[ids[j]] = true;
+                vm.n_streamed++;
+                vm.bytes_streamed += L.expert_bytes;
+            }
+        }
+        if (const vis_gguf_file * f = L.any_file()) {
+            f->check_unchanged();  // never compute on a file replaced under us
+        }
+        stream_advise(L, true);
+        vm.ub_streamed = true;
+    }, [&](int64_t j) { return ids[j]; });
+}
+
+void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * ids_t, int ith,
+                      int nth, void * userdata) {
+    auto * ud = (vis_moe_op_ud *) userdata;
+    const vis_moe_layer & L = ud->vm->layers[ud->il];
+    const int64_t n_pairs = ggml_nelements(ids_t);
+    const auto * ids = (const int32_t *) ids_t->data;
+    const size_t row = b->nb[1];
+    GGML_ASSERT(dst->data == a->data && ggml_is_contiguous(a) && ggml_is_contiguous(b) && a->nb[1] == row);
+    for (int64_t j = ith; j < n_pairs; j += nth) {
+        if (L.pass_of[ids[j]] == ud->pass) {
+            std::memcpy((char *) dst->data + j * row, (const char *) b->data + j * row, row);
+        }
+    }
+}
+
+void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    (void) a;
+    (void) dst;
+    (void) nth;
+    if (ith == 0) {
+        auto * ud = (vis_moe_op_ud *) userdata;
+        stream_advise(ud->vm->layers[ud->il], false);
+    }
+}

@@ -1,0 +1,110 @@
+// vis-moe-passes.cpp - pass planning and the slot table (vis-moe-passes.h).
+#include "vis-moe-passes.h"
+#include "vis-moe-context.h"
+#include "vis-moe-transfer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+#include <vector>
+
+int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
+    return std::max(1, (int) ((std::min<int64_t>(n_expert, n_pairs) + n_slots - 1) / n_slots));
+}
+
+void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs) {
+    std::fill(L.pass_of.begin(), L.pass_of.end(), -1);
+    std::vector<int32_t> hits, misses;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        GGML_ASSERT(e >= 0 && e < L.n_expert);
+        if (L.pass_of[e] == -1) {
+            L.pass_of[e] = -2;  // seen
+            (L.slot_of[e] >= 0 ? hits : misses).push_back(e);
+        }
+    }
+    L.passes.clear();
+    std::vector<int32_t> order = hits;
+    order.insert(order.end(), misses.begin(), misses.end());
+    for (size_t i = 0; i < order.size(); i += L.n_slots) {
+        const size_t end = std::min(order.size(), i + (size_t) L.n_slots);
+        L.passes.emplace_back(order.begin() + i, order.begin() + end);
+        for (size_t x = i; x < end; ++x) {
+            L.pass_of[order[x]] = (int32_t) L.passes.size() - 1;
+        }
+    }
+    L.stats.n_calls++;
+}
+
+// evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
+static void evict(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
+    const int old = L.expert_of[s];
+    if (old < 0) {
+        return;
+    }
+    L.slot_of[old] = -1;
+    L.expert_of[s] = -1;
+    L.policy->forget(s);
+    if (vm.host && vm.host_exclusive && L.deferred) {
+        if (uint8_t * h = vm.host->insert(il, old)) {
+            vis_moe_slab_read(L, s, h);
+        }
+    }
+}
+
+void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs,
+                      int32_t * out) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto add_stall = [&]() {
+        L.stats.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+    };
+    static const std::vector<int32_t> none;
+    const std::vector<int32_t> & experts = p < (int) L.passes.size() ? L.passes[p] : none;
+    L.stats.n_passes++;
+    L.policy->begin_pass();
+
+    // hits first: touched (Required) before any miss looks for a victim
+    for (int e : experts) {
+        const int s = L.slot_of[e];
+        if (s >= 0) {
+            L.policy->touch(s);
+            L.stats.n_hits++;
+            vm.n_slab_hits++;
+        }
+    }
+    std::vector<std::pair<int, int>> misses;  // (expert, slot)
+    for (int e : experts) {
+        if (L.slot_of[e] >= 0) {
+            continue;
+        }
+        const int s = L.policy->victim();
+        GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
+        evict(vm, L, il, s);
+        L.expert_of[s] = e;
+        L.slot_of[e]   = s;
+        L.policy->touch(s);
+        misses.emplace_back(e, s);
+        L.stats.n_misses++;
+        L.stats.bytes_loaded += L.expert_bytes;
+    }
+    L.stats.n_routed += (int64_t) experts.size();
+
+    try {
+        vis_moe_fill_slots(vm, L, il, misses);
+    } catch (...) {
+        // never leave a slot marked as holding an expert it does not hold
+        for (const auto & [e, s] : misses) {
+            L.slot_of[e]   = -1;
+            L.expert_of[s] = -1;
+            L.policy->forget(s);
+        }
+        add_stall();
+        throw;
+    }
+
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        out[j] = L.pass_of[e] == p ? L.slot_of[e] : L.foreign_id();
+    }
+    add_stall();
+}

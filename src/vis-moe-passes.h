@@ -1,0 +1,31 @@
+// vis-moe-passes.h - the pass planner and slot table of a managed layer
+// (src/vis-moe-passes.cpp).
+//
+// Exactness.  A managed layer's three mul_mat_id read a slab [ne0, ne1, n_slots
+// (+ 1)] holding byte-identical copies of resident experts, with ids remapped to
+// slots.  Output column (i, t) of mul_mat_id depends only on the matrix bytes and
+// the input column, and - on CPU - the kernel chosen per expert depends on the rows
+// routed to it, never on n_as.  When a ubatch routes more distinct experts than there
+// are slots, its experts are split into passes of at most n_slots experts; every pass
+// runs the *whole* ubatch, and pairs whose expert belongs to another pass are skipped
+// (CPU, id -1, patch 0006) or point at a dedicated staging slot (the "+ 1", never
+// holding a real expert); the outputs are merged per pair from the pass that owned its
+// expert.  Each real expert therefore sees exactly the rows it sees upstream.
+#pragma once
+
+#include <cstdint>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+
+// passes a ubatch of n_pairs (token, expert) pairs needs at most, with n_slots slots of n_expert experts
+int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
+
+// split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first)
+void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs);
+
+// make the experts of pass p resident (evicting through the layer's policy, filling through the tiers)
+// and write the slot id of every pair (foreign pairs: L.foreign_id()).  Throws on a load failure, with
+// the slot table left consistent.
+void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs,
+                      int32_t * out);

@@ -1,0 +1,43 @@
+// vis-moe-policy.h - who gets evicted: the eviction-policy interface of the slot
+// pools, and its first implementation, LRU (src/vis-moe-policy.cpp).
+//
+// The pass planner (vis-moe-passes.cpp) asks the layer's policy for a victim on
+// every miss and tells it of every touch.  Slots carry VisMMOE's classes (§3.4.2):
+//   Required     used by the running pass: never evicted by it
+//   Speculative  filled ahead of need (prefetch), protected for a horizon of steps
+//   Expired      everything else: evicted first
+// Prefetch and substitution change *who is evicted* through this interface, not by
+// editing the planner.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+enum class vis_slot_class : uint8_t { EMPTY, EXPIRED, SPECULATIVE, REQUIRED };
+
+class vis_moe_policy {
+public:
+    virtual ~vis_moe_policy() = default;
+    virtual const char * name() const = 0;
+
+    // a pass starts: slots touched from now on are Required until the next pass starts
+    virtual void begin_pass() = 0;
+    // slot s serves the running pass (a hit, or a miss just placed there): Required, and most recent
+    virtual void touch(int s) = 0;
+    // slot s was filled ahead of need; protected for `horizon` steps unless the running pass needs its space first
+    virtual void speculate(int s, int horizon) = 0;
+    // a ubatch finished: speculative horizons count down, expired ones become Expired
+    virtual void end_step() = 0;
+    // slot s no longer holds an expert
+    virtual void forget(int s) = 0;
+
+    virtual vis_slot_class slot_class(int s) const = 0;
+    // the slot a miss of the running pass goes to: an empty one, else an Expired one, else a Speculative one
+    // (each by the policy's order); -1 when every slot is Required (a plan bug: passes never need more)
+    virtual int victim() const = 0;
+};
+
+// Least recently used, with exact recency: one tick per touch, in the order of the touches (hits of a pass
+// first, then its misses), as pyvis.runtime's cache simulator models it.
+std::unique_ptr<vis_moe_policy> vis_moe_policy_lru(int n_slots);

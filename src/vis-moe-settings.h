@@ -1,0 +1,35 @@
+// vis-moe-settings.h - every --moe-* setting, declared once (src/vis-moe-settings.cpp).
+//
+// One table holds each flag's name, VIS_MOE_* variable, value hint, help and
+// parser.  Patch 0003 registers the table's rows with common/arg.cpp in one loop;
+// llama-bench (its own parser) gets the same settings from the variables.  Values
+// are parsed once, strictly, into typed fields: a bad value is an error naming the
+// flag (or variable) and its range, never a silent default.
+//
+// The settings in force on a thread: its override (llama_vis_moe_set_thread_params),
+// else the process-wide ones (environment, then flags and the set_* calls).
+#pragma once
+
+#include "llama-vis.h"
+
+#include <cstdint>
+#include <string>
+
+struct vis_moe_settings {
+    llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
+    llama_vis_moe_tier_params tier   = {};
+    std::string trace_path;                 // routing trace file, "" = off
+    int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
+
+    // is the expert cache asked for (any of slots, cache budget, memory budget)?
+    bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }
+};
+
+// The settings in force on the calling thread.  Throws std::runtime_error naming the
+// variable when they come from an environment with an invalid VIS_MOE_* value.
+vis_moe_settings vis_moe_settings_current();
+
+// Model load (patch 0004): defer the routed experts of managed layers to the file tier?
+// true, with n_pinned = the pinned prefix, when the cache with the file store is on and
+// n_expert experts would not all fit the slots.
+bool vis_moe_settings_deferral(int & n_pinned, int64_t n_expert);

@@ -1,0 +1,189 @@
+// vis-moe-stats.cpp - per-layer and per-tier stats of the expert cache, and the
+// --moe-stats table (stderr), behind the stats half of the C API (llama-vis.h).
+#include "vis-moe-context.h"
+#include "vis-error.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <sys/resource.h>
+
+void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & tot) {
+    tot = {};
+    for (const auto & L : vm.layers) {
+        const auto & s = L.stats;
+        tot.n_slots = std::max(tot.n_slots, s.n_slots);
+        tot.managed |= s.managed;
+        tot.n_routed += s.n_routed;
+        tot.n_hits += s.n_hits;
+        tot.n_misses += s.n_misses;
+        tot.bytes_loaded += s.bytes_loaded;
+        tot.load_us += s.load_us;
+        tot.n_calls += s.n_calls;
+        tot.n_passes += s.n_passes;
+    }
+}
+
+static int64_t rss_peak_bytes() {
+    FILE * f = std::fopen("/proc/self/status", "r");
+    if (!f) {
+        return -1;
+    }
+    char line[256];
+    int64_t kib = -1;
+    while (std::fgets(line, sizeof(line), f)) {
+        if (std::strncmp(line, "VmHWM:", 6) == 0) {
+            kib = std::strtoll(line + 6, nullptr, 10);
+        }
+    }
+    std::fclose(f);
+    return kib < 0 ? -1 : kib * 1024;
+}
+
+static llama_vis_moe_io_stats io_stats(const vis_moe_context & vm) {
+    llama_vis_moe_io_stats st = {};
+    st.slab_hits    = vm.n_slab_hits;
+    st.host_hits    = vm.n_host_hits;
+    st.file_reads   = vm.n_file_reads;
+    st.model_copies = vm.n_model_copies;
+    if (vm.io) {
+        const auto & c = vm.io->counters();
+        st.bytes_read    = c.bytes_read;
+        st.bytes_storage = c.bytes_device;
+        st.read_us       = c.wait_us;
+        st.direct_io     = c.n_direct > 0 ? 1 : 0;
+        st.io_threads    = vm.io->n_threads();
+    }
+    if (vm.host) {
+        st.host_bytes     = (int64_t) (vm.host->capacity_blocks() * vm.host->block_bytes());
+        st.host_used      = (int64_t) (vm.host->used_blocks() * vm.host->block_bytes());
+        st.host_evictions = vm.host->n_evictions;
+    }
+    st.slab_bytes = vm.slab_bytes;
+    st.unified    = vm.unified ? 1 : 0;
+    st.locked     = vm.locked ? 1 : 0;
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    st.major_faults   = ru.ru_majflt - vm.majflt0;
+    st.rss_peak       = rss_peak_bytes();
+    st.streamed       = vm.n_streamed;
+    st.bytes_streamed = vm.bytes_streamed;
+    return st;
+}
+
+static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
+                 label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
+                 s.bytes_loaded / 1048576.0, s.load_us / 1000.0, s.n_passes);
+}
+
+void vis_moe_print_stats(const vis_moe_context & vm) {
+    std::fprintf(stderr, "vis-moe: expert cache stats (%d managed layers)\n", vm.n_managed);
+    std::fprintf(stderr, "vis-moe: %5s %6s %10s %10s %10s %8s %12s %10s %8s\n", "layer", "slots", "routed", "hits", "misses",
+                 "hit%", "MiB loaded", "stall ms", "passes");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].stats.managed) {
+            print_row(std::to_string(il), std::to_string(vm.layers[il].stats.n_slots), vm.layers[il].stats);
+        }
+    }
+    llama_vis_moe_stats t;
+    vis_moe_total_stats(vm, t);
+    print_row("total", "", t);
+    const llama_vis_moe_io_stats io = io_stats(vm);
+    if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {
+        return;
+    }
+    const double secs = io.read_us / 1e6;
+    std::fprintf(stderr, "vis-moe: tiers: slab hits %" PRId64 " | host-cache hits %" PRId64 " | file reads %" PRId64
+                         " (%.2f MiB payload, %.2f MiB from storage%s, %.2f s waiting, %.0f MiB/s) | model copies %" PRId64 "\n",
+                 io.slab_hits, io.host_hits, io.file_reads, io.bytes_read / 1048576.0, io.bytes_storage / 1048576.0,
+                 io.direct_io ? " with O_DIRECT" : " buffered", secs, secs > 0 ? io.bytes_read / 1048576.0 / secs : 0.0,
+                 io.model_copies);
+    if (io.streamed > 0) {
+        std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) read through the mapping by "
+                             "ubatches needing more than %d passes, pages dropped after each layer\n",
+                     io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes);
+    }
+    std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
+                         "peak RSS %.2f MiB, major faults %" PRId64 "\n",
+                 io.slab_bytes / 1048576.0, io.host_used / 1048576.0, io.host_bytes / 1048576.0, io.host_evictions,
+                 io.locked ? "locked" : "not locked", io.rss_peak / 1048576.0, io.major_faults);
+    if (vm.plan_budget > 0) {
+        std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm.plan_budget / 1048576.0, vm.plan_source.c_str());
+    }
+    for (const auto & n : vm.notes) {
+        std::fprintf(stderr, "vis-moe: %s\n", n.c_str());
+    }
+}
+
+// ---- C API ---------------------------------------------------------------------
+int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis_moe_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_stats: NULL output" : "llama_vis_moe_get_stats: the context has no expert cache");
+        return -1;
+    }
+    if (il >= 0) {
+        if (il >= (int32_t) vm->layers.size()) {
+            vis_set_last_error("llama_vis_moe_get_stats: layer " + std::to_string(il) + " out of range -1.." +
+                               std::to_string(vm->layers.size() - 1));
+            return -1;
+        }
+        *out = vm->layers[il].stats;
+        return 0;
+    }
+    vis_moe_total_stats(*vm, *out);
+    return 0;
+}
+
+int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_io_stats: NULL output" : "llama_vis_moe_get_io_stats: the context has no expert cache");
+        return -1;
+    }
+    *out = io_stats(*vm);
+    return 0;
+}
+
+void llama_vis_moe_reset_stats(llama_context * ctx) {
+    vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm) {
+        return;
+    }
+    vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
+    vm->n_streamed = vm->bytes_streamed = 0;
+    if (vm->io) {
+        vm->io->reset_counters();
+    }
+    if (vm->host) {
+        vm->host->n_evictions = 0;
+    }
+    for (auto & L : vm->layers) {
+        const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
+        L.stats = {};
+        L.stats.n_slots = n_slots;
+        L.stats.managed = managed;
+    }
+}
+
+int32_t llama_vis_moe_n_managed(const llama_context * ctx) {
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    return vm ? vm->n_managed : 0;
+}
+
+void llama_vis_moe_print_stats(const llama_context * ctx) {
+    if (const vis_moe_context * vm = vis_moe_of(ctx)) {
+        vis_moe_print_stats(*vm);
+    }
+}
+
+int64_t llama_vis_moe_context_reserve(const llama_context * ctx) {
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    return vm ? vm->plan_reserve : -1;
+}

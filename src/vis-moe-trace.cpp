@@ -1,0 +1,125 @@
+// vis-moe-trace.cpp - routing trace writer (vis-moe-trace.h).
+#include "vis-moe-trace.h"
+
+#include "llama-batch.h"
+
+#include "ggml.h"
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+static const char     TRACE_MAGIC[8]  = { 'V', 'I', 'S', 'T', 'R', 'A', 'C', 'E' };
+static const uint32_t TRACE_VERSION   = 1;
+static const uint32_t TRACE_REC_TAG   = 0x31434552; // "REC1"
+
+// what `path` holds now: "" (nothing, empty, or an earlier trace) or why it must not be overwritten
+static std::string refuse_reason(const std::string & path) {
+    FILE * in = std::fopen(path.c_str(), "rb");
+    if (!in) {
+        return "";
+    }
+    char head[8] = {};
+    const size_t n = std::fread(head, 1, sizeof(head), in);
+    std::fclose(in);
+    if (n == 0 || (n == sizeof(head) && std::memcmp(head, TRACE_MAGIC, sizeof(head)) == 0)) {
+        return "";
+    }
+    if (n >= 4 && std::memcmp(head, "GGUF", 4) == 0) {
+        return "it is a GGUF model file";
+    }
+    return "it exists and is not a routing trace";
+}
+
+vis_moe_trace::vis_moe_trace(const std::string & path, uint32_t n_layer, uint32_t n_expert, uint32_t n_expert_used)
+    : file_path(path) {
+    const std::string why = refuse_reason(path);
+    if (!why.empty()) {
+        throw std::runtime_error("--moe-trace: refusing to overwrite '" + path + "': " + why + "; give a new file name");
+    }
+    f = std::fopen(path.c_str(), "wb");
+    if (!f) {
+        throw std::runtime_error("--moe-trace: cannot open '" + path + "' for writing: " + std::strerror(errno));
+    }
+    const uint32_t hdr[4] = { TRACE_VERSION, n_layer, n_expert, n_expert_used };
+    write(TRACE_MAGIC, 1, sizeof(TRACE_MAGIC));
+    write(hdr, sizeof(uint32_t), 4);
+    if (std::fflush(f) != 0 && error.empty()) {
+        error = std::strerror(errno);
+    }
+    if (!error.empty()) {
+        std::fclose(f);
+        f = nullptr;
+        throw std::runtime_error("--moe-trace: cannot write '" + path + "': " + error);
+    }
+}
+
+vis_moe_trace::~vis_moe_trace() {
+    if (f) {
+        std::fclose(f);
+    }
+}
+
+void vis_moe_trace::write(const void * p, size_t size, size_t n) {
+    if (n > 0 && std::fwrite(p, size, n, f) != n && error.empty()) {
+        error = std::strerror(errno ? errno : EIO);
+    }
+}
+
+void vis_moe_trace::begin_ubatch(const llama_ubatch & ub) {
+    ubatch_index++;
+    ub_pos.assign(ub.n_tokens, -1);
+    ub_seq.assign(ub.n_tokens, -1);
+    ub_out.clear();
+    for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+        if (ub.output && ub.output[t]) {
+            ub_out.push_back((int32_t) t);
+        }
+        ub_pos[t] = ub.pos ? ub.pos[t] : -1;
+        ub_seq[t] = (ub.seq_id && ub.n_seq_id && ub.n_seq_id[t] > 0) ? ub.seq_id[t][0] : -1;
+    }
+    ub_image = ub.embd != nullptr ? 1 : 0;
+}
+
+void vis_moe_trace::record(int il, const ggml_tensor * ids, const ggml_tensor * weights) {
+    const int32_t k        = (int32_t) ids->ne[0];
+    const int32_t n_tokens = (int32_t) ids->ne[1];
+    const int32_t rec[5]   = { (int32_t) TRACE_REC_TAG, ubatch_index, il, n_tokens, k };
+    write(rec, sizeof(int32_t), 5);
+    std::vector<int32_t> seq(n_tokens, -1), pos(n_tokens, -1);
+    std::vector<uint8_t> mod(n_tokens, ub_image);
+    // a layer sees every token of the ubatch, or (the last layer) only the output tokens
+    const bool all_rows = n_tokens == (int) ub_pos.size();
+    for (int t = 0; t < n_tokens; ++t) {
+        const int row = all_rows ? t : (t < (int) ub_out.size() ? ub_out[t] : -1);
+        if (row >= 0 && row < (int) ub_pos.size()) {
+            pos[t] = ub_pos[row];
+            seq[t] = ub_seq[row];
+        }
+    }
+    write(seq.data(), sizeof(int32_t), n_tokens);
+    write(pos.data(), sizeof(int32_t), n_tokens);
+    write(mod.data(), 1, n_tokens);
+    write(ids->data, sizeof(int32_t), (size_t) k * n_tokens);  // contiguous
+    std::vector<float> w((size_t) k * n_tokens, 0.0f);
+    if (weights && weights->type == GGML_TYPE_F32 && ggml_nelements(weights) == (int64_t) w.size()) {
+        if (ggml_is_contiguous(weights)) {
+            std::memcpy(w.data(), weights->data, w.size() * sizeof(float));
+        } else {  // [1, k, n_tokens] with strides
+            for (int t = 0; t < n_tokens; ++t) {
+                for (int i = 0; i < k; ++i) {
+                    w[(size_t) t * k + i] = *(const float *) ((const char *) weights->data + i * weights->nb[1] + t * weights->nb[2]);
+                }
+            }
+        }
+    }
+    write(w.data(), sizeof(float), w.size());
+}
+
+std::string vis_moe_trace::end_ubatch() {
+    if (std::fflush(f) != 0 && error.empty()) {
+        error = std::strerror(errno ? errno : EIO);
+    }
+    return error.empty() ? "" : "--moe-trace: writing '" + file_path + "' failed: " + error +
+                                " (the trace is incomplete; free space or choose another file)";
+}

@@ -1,0 +1,40 @@
+// vis-moe-trace.h - the routing trace writer (--moe-trace FILE; format in
+// docs/residency.md#routing-trace, reader pyvis.runtime.trace).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+struct ggml_tensor;
+struct llama_ubatch;
+
+class vis_moe_trace {
+public:
+    // Opens `path` and writes the header.  Refuses (std::runtime_error naming the flag) a path that
+    // holds anything but an earlier trace - a model, any other file - so an input is never overwritten.
+    vis_moe_trace(const std::string & path, uint32_t n_layer, uint32_t n_expert, uint32_t n_expert_used);
+    ~vis_moe_trace();
+    vis_moe_trace(const vis_moe_trace &) = delete;
+    vis_moe_trace & operator=(const vis_moe_trace &) = delete;
+
+    // the ubatch about to be computed: positions, sequences, output rows, modality
+    void begin_ubatch(const llama_ubatch & ub);
+    // one MoE layer's routing: ids [k, n_tokens] (contiguous i32), weights [1?, k, n_tokens] f32 or null
+    void record(int il, const ggml_tensor * ids, const ggml_tensor * weights);
+    // after the ubatch: flush; "" or the message of the first write error (disk full, I/O error)
+    std::string end_ubatch();
+
+    const std::string & path() const { return file_path; }
+
+private:
+    void write(const void * p, size_t size, size_t n);
+
+    std::string file_path;
+    FILE *      f = nullptr;
+    std::string error;  // first write error
+    int32_t     ubatch_index = -1;
+    std::vector<int32_t> ub_pos, ub_seq, ub_out;  // ub_out: rows of the output tokens (the last layer computes only those)
+    uint8_t     ub_image = 0;
+};

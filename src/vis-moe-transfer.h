@@ -1,0 +1,16 @@
+// vis-moe-transfer.h - moving expert bytes into and out of slabs (src/vis-moe-transfer.cpp):
+// from tier 2 (host cache), tier 3 (the GGUF file, in parallel) or llama.cpp's own copy.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+
+// fill slot s with expert e for each (e, s) of `misses`: tier 2 first, then the file (or the model's copy)
+void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<std::pair<int, int>> & misses);
+
+// copy slot s of the layer's slabs into a packed expert buffer (expert_bytes)
+void vis_moe_slab_read(const vis_moe_layer & L, int s, uint8_t * packed);
