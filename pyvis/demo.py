@@ -96,7 +96,7 @@ def ensure_testbed(preset: str, out_dir: Path, threads: int, rebuild: bool = Fal
     if why is None:
         say(f"testbed  {model} (cached; inputs unchanged)")
         return model
-    say(f"testbed  building {model} ({why}); about 3-6 minutes on 2 cores, once")
+    say(f"testbed  building {model} ({why}): once, about 2 minutes on 2 idle cores, more when they are busy")
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path(model).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pyvis.cli", "moefy", "--preset", preset, "-o", str(model), "-t", str(threads)]
