@@ -6,6 +6,7 @@
 
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -289,6 +290,17 @@ vis_moe_settings vis_moe_settings_current() {
     std::string error;
     vis_moe_settings s = process_settings(&error);
     if (!error.empty()) {
+        // also straight to stderr, once per message: tools that silence the llama log (llama-bench) would
+        // otherwise report only "failed to load model"
+        static std::mutex m;
+        static std::string said;
+        {
+            std::lock_guard<std::mutex> lock(m);
+            if (said != error) {
+                said = error;
+                std::fprintf(stderr, "vis-moe: %s\n", error.c_str());
+            }
+        }
         throw std::runtime_error("vis-moe: " + error);
     }
     return s;
@@ -304,6 +316,26 @@ bool vis_moe_settings_deferral(int & n_pinned, int64_t n_expert) {
     }
     n_pinned = s.params.n_pinned;
     return true;
+}
+
+bool vis_moe_settings_mem_only(const vis_moe_settings & s) {
+    return s.tier.mem_mib != 0 && s.tier.store == 0 && s.params.n_slots == 0 && s.params.cache_mib == 0 &&
+           s.params.n_pinned >= 0;
+}
+
+bool vis_moe_settings_model_fits(int64_t model_bytes) {
+    const vis_moe_settings s = vis_moe_settings_current();
+    if (!vis_moe_settings_mem_only(s)) {
+        return false;
+    }
+    int64_t budget = s.tier.mem_mib << 20;
+    if (s.tier.mem_mib < 0) {
+        llama_vis_mem_info mi;
+        llama_vis_mem_probe(&mi);
+        budget = mi.available;
+    }
+    const int64_t floor = llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);
+    return model_bytes + floor <= budget / 10 * 9;
 }
 
 // ---- C API ---------------------------------------------------------------------

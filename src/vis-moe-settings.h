@@ -33,3 +33,10 @@ vis_moe_settings vis_moe_settings_current();
 // true, with n_pinned = the pinned prefix, when the cache with the file store is on and
 // n_expert experts would not all fit the slots.
 bool vis_moe_settings_deferral(int & n_pinned, int64_t n_expert);
+
+// --moe-mem sizes the cache (no --moe-slots / --moe-cache-mib, store = file) and a model of
+// model_bytes fits the budget whole (with the runtime floor of llama_vis_moe_estimate_reserve and
+// 10 % left for KV cache and compute): then nothing is deferred or managed, and upstream's path runs.
+bool vis_moe_settings_model_fits(int64_t model_bytes);
+// the same settings, at context creation: a model loaded without deferral runs upstream's path
+bool vis_moe_settings_mem_only(const vis_moe_settings & s);

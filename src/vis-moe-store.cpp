@@ -3,6 +3,8 @@
 #include "vis-moe-store.h"
 #include "vis-moe-settings.h"
 
+#include "llama-model-loader.h"
+
 #include "llama-impl.h"
 
 #include <algorithm>
@@ -26,6 +28,7 @@ static constexpr size_t VIS_DIO_ALIGN = 4096;
 namespace {
 struct load_state {
     const void *     loader  = nullptr;
+    bool             fits    = false;  // --moe-mem: the whole model fits the budget, nothing is deferred
     int              last_bid = -1;
     std::vector<int> moe_bids;  // layers with routed-expert tensors seen so far, in order
 };
@@ -64,6 +67,10 @@ bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64
     if (g_load.loader != loader || bid < g_load.last_bid) {
         g_load = {};  // a new model load starts
         g_load.loader = loader;
+        g_load.fits   = vis_moe_settings_model_fits((int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes);
+    }
+    if (g_load.fits) {
+        return false;  // upstream's load, unchanged (repacking included)
     }
     g_load.last_bid = bid;
     if (g_load.moe_bids.empty() || g_load.moe_bids.back() != bid) {
@@ -86,16 +93,24 @@ static int64_t stat_mtime_ns(const struct stat & st) {
     return (int64_t) st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
 }
 
+static int64_t stat_ctime_ns(const struct stat & st) {
+    return (int64_t) st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+}
+
 void vis_gguf_file::check_unchanged() const {
     struct stat st;
     if (fstat(fd, &st) != 0) {
         throw vis_io_error("vis-moe: cannot stat " + path + ": " + std::strerror(errno));
     }
-    if ((uint64_t) st.st_size != size || stat_mtime_ns(st) != mtime_ns) {
-        throw vis_io_error("vis-moe: " + path + " changed since the model was loaded (size " + std::to_string(size) +
-                           " -> " + std::to_string((uint64_t) st.st_size) +
-                           " bytes or modification time); experts read now would not match the loaded model - "
-                           "restart with the intended file");
+    // an in-place rewrite may keep the size and restore the mtime, but it always moves the ctime
+    const char * what = (uint64_t) st.st_size != size ? "size"
+                      : stat_mtime_ns(st) != mtime_ns  ? "modification time"
+                      : stat_ctime_ns(st) != ctime_ns  ? "change time (rewritten in place)"
+                      : (uint64_t) st.st_ino != ino    ? "inode" : nullptr;
+    if (what) {
+        throw vis_io_error("vis-moe: " + path + " changed since the model was loaded (" + what + ": size " +
+                           std::to_string(size) + " -> " + std::to_string((uint64_t) st.st_size) +
+                           " bytes); experts read now would not match the loaded model - restart with the intended file");
     }
 }
 
@@ -131,6 +146,7 @@ static std::shared_ptr<vis_gguf_file> open_gguf_file(int loader_fd) {
     }
     f->size     = (uint64_t) st2.st_size;
     f->mtime_ns = stat_mtime_ns(st2);
+    f->ctime_ns = stat_ctime_ns(st2);
     f->ino      = (uint64_t) st2.st_ino;
 #ifdef O_DIRECT
     f->fd_direct = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
@@ -367,6 +383,10 @@ void vis_io_pool::read(const std::vector<vis_read_req> & reqs) {
     }
     cnt.wait_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     if (!err.empty()) {
+        // a read error is often the file changing under us: say so when it did
+        for (const auto & r : reqs) {
+            r.src->file->check_unchanged();
+        }
         throw vis_io_error(err);
     }
 }

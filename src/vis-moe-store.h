@@ -47,9 +47,11 @@ struct vis_gguf_file {
     int      fd_direct = -1;   // O_DIRECT, -1 where the filesystem refuses it
     uint64_t size      = 0;
     int64_t  mtime_ns  = 0;
+    int64_t  ctime_ns  = 0;
     uint64_t ino       = 0;
     ~vis_gguf_file();
-    // throws vis_io_error if the file was truncated or rewritten since it was opened
+    // throws vis_io_error if the file's size, mtime, ctime or inode changed since it was opened (a truncation,
+    // an append, an in-place rewrite even with the mtime restored)
     void check_unchanged() const;
 };
 

@@ -9,12 +9,18 @@
 #include <cstring>
 #include <stdexcept>
 
+#include <sys/stat.h>
+
 static const char     TRACE_MAGIC[8]  = { 'V', 'I', 'S', 'T', 'R', 'A', 'C', 'E' };
 static const uint32_t TRACE_VERSION   = 1;
 static const uint32_t TRACE_REC_TAG   = 0x31434552; // "REC1"
 
 // what `path` holds now: "" (nothing, empty, or an earlier trace) or why it must not be overwritten
 static std::string refuse_reason(const std::string & path) {
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        return "";  // nothing there yet, or a device / pipe (/dev/null): nothing to lose
+    }
     FILE * in = std::fopen(path.c_str(), "rb");
     if (!in) {
         return "";

@@ -1,0 +1,163 @@
+"""Bad input through the C side (issue #12): every --moe-* value and VIS_MOE_* variable parsed strictly, a trace
+path that never overwrites an input, trace write errors, files changed under a running model, --moe-mem when
+the model fits.  Each test here failed on the code before the settings table (src/vis-moe-settings.cpp)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from pyvis.runtime import moe
+from pyvis.runtime import native as _native
+from conftest import run
+
+PROMPT_ARGS = ["-p", "hi", "-n", "2", "-st", "-c", "128", "-t", "2", "--temp", "0"]
+
+
+def _cli(bindir, model, *extra, env=None, timeout=60):
+    r = run([bindir / "llama-cli", "-m", model, *PROMPT_ARGS, *extra], timeout=timeout, extra_env=env)
+    return r, r.stdout + r.stderr
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("value", ["1e9", "1.5", "8abc", "abc", "4294967296", "-1", ""])
+def test_slots_flag_is_parsed_strictly(bindir, fixture_dir, value):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", value)
+    assert r.returncode != 0
+    assert f"--moe-slots: expected an integer in 0..65536 (0 = off), got '{value}'" in out, out[-1500:]
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--moe-pinned-layers", "-2", "--moe-pinned-layers: expected an integer in -1..65536 (-1 = all), got '-2'"),
+    ("--moe-cache-mib", "12x", "--moe-cache-mib: expected an integer in 0..1073741824 (0 = off), got '12x'"),
+    ("--moe-io-threads", "0", "--moe-io-threads: expected an integer in 1..64, got '0'"),
+    ("--moe-mem", "0", "--moe-mem: expected an integer in 1..1073741824 MiB (or auto, off), got '0'"),
+    ("--moe-mlock", "auto", "--moe-mlock: expected on or off, got 'auto'"),
+    ("--moe-store", "disk", "--moe-store: expected file or model, got 'disk'"),
+    ("--moe-stream-passes", "-3", "--moe-stream-passes: expected an integer in 0..65536 (0 = never), got '-3'"),
+])
+def test_every_flag_names_itself_and_its_range(bindir, fixture_dir, flag, value, needle):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", flag, value)
+    assert r.returncode != 0 and needle in out, out[-1500:]
+
+
+def test_bad_variable_fails_cli_and_bench(bindir, fixture_dir):
+    model = fixture_dir / "qwen3moe.gguf"
+    r, out = _cli(bindir, model, env={"VIS_MOE_SLOTS": "8abc"})
+    assert r.returncode != 0
+    assert "invalid environment variable: VIS_MOE_SLOTS: expected an integer in 0..65536 (0 = off), got '8abc'" in out
+    assert "fix or unset VIS_MOE_SLOTS" in out
+    # llama-bench has its own parser and takes the settings from the variables only: it must not ignore them
+    r = run([bindir / "llama-bench", "-m", model, "-p", "0", "-n", "1", "-r", "1"], timeout=120,
+            extra_env={"VIS_MOE_MEM": "lots"})
+    assert r.returncode != 0
+    assert "VIS_MOE_MEM: expected an integer in 1..1073741824 MiB (or auto, off), got 'lots'" in r.stdout + r.stderr
+    # a flag overrides its variable: the bad variable no longer matters
+    r, out = _cli(bindir, model, "--moe-slots", "8", env={"VIS_MOE_SLOTS": "8abc"})
+    assert r.returncode == 0, out[-1500:]
+
+
+def test_help_lists_every_flag_of_the_table(bindir):
+    help_text = run([bindir / "llama-cli", "--help"]).stdout
+    n = _native.lib.llama_vis_moe_n_flags() if hasattr(_native, "lib") else None
+    flags = re.findall(r"(--moe-[a-z-]+)", help_text)
+    for name in ("--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace", "--moe-store",
+                 "--moe-host-mib", "--moe-mem", "--moe-io-threads", "--moe-direct-io", "--moe-unified", "--moe-mlock",
+                 "--moe-stream-passes"):
+        assert name in flags, name
+        env = "VIS_MOE_" + {"--moe-pinned-layers": "PINNED"}.get(name, name[6:].upper().replace("-", "_"))
+        assert f"(env: {env})" in help_text, env
+    if n is not None:
+        assert len(set(flags)) == n
+
+
+def test_trace_never_overwrites_a_model(bindir, fixture_dir, tmp_path):
+    """The data-loss bug: `--moe-trace MODEL` emptied the model before anything checked the path."""
+    model = tmp_path / "victim.gguf"
+    shutil.copy(fixture_dir / "qwen3moe.gguf", model)
+    before = _sha(model)
+    r, out = _cli(bindir, model, "--moe-trace", model)
+    assert r.returncode != 0
+    assert f"--moe-trace: refusing to overwrite '{model}': it is a GGUF model file" in out, out[-1500:]
+    assert _sha(model) == before
+    other = tmp_path / "notes.txt"
+    other.write_text("keep me")
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-trace", other)
+    assert r.returncode != 0 and "it exists and is not a routing trace" in out
+    assert other.read_text() == "keep me"
+    # an earlier trace is replaced, and the fit probe of llama-cli never opens the trace
+    trace = tmp_path / "t.trace"
+    for _ in range(2):
+        r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-trace", trace)
+        assert r.returncode == 0, out[-1500:]
+        assert trace.read_bytes()[:8] == b"VISTRACE"
+
+
+def test_trace_write_error_fails_the_run(bindir, fixture_dir):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-trace", "/dev/full")
+    assert r.returncode != 0
+    assert "--moe-trace: cannot write '/dev/full'" in out, out[-1500:]
+
+
+def test_trace_disk_full_during_decode_fails_the_run(bindir, fixture_dir, tmp_path):
+    """A file-size limit makes writes fail with EFBIG part-way through (as a full disk does mid-run)."""
+    trace = tmp_path / "big.trace"
+    cmd = " ".join(f"'{c}'" for c in [bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", *PROMPT_ARGS,
+                                      "--moe-trace", trace])
+    r = run(["bash", "-c", f"trap '' XFSZ; ulimit -f 4; exec {cmd}"], timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-1500:]
+    assert re.search(rf"--moe-trace: writing '{re.escape(str(trace))}' failed: File too large", out), out[-1500:]
+
+
+def test_file_rewritten_in_place_with_mtime_restored_is_detected(fixture_dir, tmp_path):
+    model = tmp_path / "m.gguf"
+    shutil.copy(fixture_dir / "qwen3moe.gguf", model)
+    llm = moe.load(model, slots=4, n_ctx=128, n_threads=2, verbose=False)
+    llm.eval(llm.tokenize(b"Experts", add_bos=True))
+    st = os.stat(model)
+    data = model.read_bytes()
+    with open(model, "r+b") as f:  # same size, same bytes, same mtime: only the ctime tells
+        f.write(data)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(model).st_mtime_ns == st.st_mtime_ns and os.stat(model).st_size == st.st_size
+    llm.reset()
+    with pytest.raises(Exception):
+        llm.eval(llm.tokenize(b"A different prompt reaches other experts", add_bos=True))
+    assert "changed since the model was loaded (change time (rewritten in place)" in _native.last_error()
+
+
+def test_moe_mem_runs_upstreams_path_when_the_model_fits(bindir, fixture_dir):
+    model = fixture_dir / "qwen3moe.gguf"
+    ref, ref_out = _cli(bindir, model, "-v")
+    r, out = _cli(bindir, model, "--moe-mem", "4096", "--moe-stats", "-v")
+    assert ref.returncode == 0 and r.returncode == 0, out[-1500:]
+    assert "vis-moe: --moe-mem: the whole model fits the memory budget; running upstream's path" in out
+    assert "expert cache stats" not in out and "memory plan" not in out
+    # repacking as upstream decides: the same buffers as the plain run
+    bufs = lambda o: sorted(set(re.findall(r"(\S+) model buffer size", o)))  # noqa: E731
+    assert bufs(out) == bufs(ref_out)
+    text = lambda o: o.split("> hi", 1)[-1].split("[ Prompt:")[0]  # noqa: E731
+    assert text(r.stdout) == text(ref.stdout)
+
+
+def test_logits_identical_when_the_model_fits(fixture_dir):
+    kw = dict(n_ctx=128, logits_all=True, n_threads=2, verbose=False)
+    toks = None
+    out = []
+    for mem in (0, 4096):
+        llm = moe.load(fixture_dir / "deepseek2.gguf", mem=mem, **kw) if mem else _native.llama_cpp.Llama(
+            str(fixture_dir / "deepseek2.gguf"), **kw)
+        toks = toks or llm.tokenize(b"Fits in memory", add_bos=True)
+        llm.eval(toks)
+        out.append(np.array(llm.scores[: llm.n_tokens], copy=True))
+        assert _native.moe_n_managed(llm) == 0
+        del llm
+    assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
