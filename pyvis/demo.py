@@ -288,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def cli_equivalent(model: Path, a: argparse.Namespace, budget: int, k: int | None) -> str:
+def cli_equivalent(model: Path, a: argparse.Namespace, budget: int, k: int | None, arch: str = "deepseek") -> str:
     """The same paged run with upstream's llama-cli on our libllama (sampling there is llama-cli's own)."""
-    ov = f" --override-kv deepseek.expert_used_count=int:{k}" if k else ""
+    ov = f" --override-kv {arch}.expert_used_count=int:{k}" if k else ""
     pin = f" --moe-pinned-layers {a.pinned}" if a.pinned else ""
     prompt = a.prompt.replace("'", "'\\''")
     return (f"build/bin/llama-cli -m {model} --moe-mem {budget}{pin}{ov} -c {a.ctx_size} -b {a.ubatch_size} "
@@ -339,7 +339,7 @@ def _main(a: argparse.Namespace) -> int:
     say(f"budget   {budget} MiB = resident {rq['resident_bytes'] / MIB:.0f} + KV {rq['kv_bytes'] / MIB:.0f} + compute "
         f"{rq['reserve_bytes'] / MIB:.0f} + experts {in_mem / MIB:.0f} MiB ({plan['n_slots']} of {shape.n_expert} "
         f"per layer, {100 * in_mem / max(plan['managed_bytes'], 1):.0f} % of the experts)")
-    say(f"CLI      {cli_equivalent(model, a, budget, k)}")
+    say(f"CLI      {cli_equivalent(model, a, budget, k, shape.arch)}")
     say("         (the same paged run with upstream's llama-cli; it formats the chat a little differently)")
     say(f"\n== {a.prompt}")
     paged = run_paged(model, a.prompt, a.n_predict, budget, a.ctx_size, a.ubatch_size, a.threads, a.pinned, kv,

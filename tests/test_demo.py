@@ -46,6 +46,7 @@ def test_cli_equivalent_quotes_the_prompt(tmp_path):
     assert "--moe-mem 500" in cmd and "--moe-pinned-layers 1" in cmd
     assert "deepseek.expert_used_count=int:12" in cmd and "-st" in cmd
     assert cmd.endswith("-p 'it'\\''s'")
+    assert "qwen3moe.expert_used_count=int:4" in demo.cli_equivalent(tmp_path / "m.gguf", a, 500, 4, "qwen3moe")
 
 
 def test_help_runs_without_a_build():
