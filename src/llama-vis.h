@@ -126,6 +126,12 @@ LLAMA_API void    llama_vis_moe_reset_stats(struct llama_context * ctx);
 // Number of managed layers of ctx (0 when the cache is off or every layer fits).
 LLAMA_API int32_t llama_vis_moe_n_managed(const struct llama_context * ctx);
 
+// Decodes the expert cache failed (an expert read error, a trace write error), and the message of the
+// last decode's failure ("" if the last decode did not fail in the cache).  For tools that must report
+// it: llama-server sends it to the client, llama-perplexity exits non-zero (patch 0007).
+LLAMA_API int64_t     llama_vis_moe_n_failures(const struct llama_context * ctx);
+LLAMA_API const char * llama_vis_moe_last_failure(const struct llama_context * ctx);
+
 // Print the stats table (as at exit with --moe-stats) to stderr.
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 

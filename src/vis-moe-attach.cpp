@@ -192,9 +192,14 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
+    llama_vis_mem_info mi;
+    llama_vis_mem_probe(&mi);
+    if (s.tier.mem_mib > 0 && mi.cgroup_limit > 0 && (s.tier.mem_mib << 20) > mi.cgroup_limit) {
+        vm.note("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds this process's memory limit of " +
+                std::to_string(mi.cgroup_limit >> 20) + " MiB (cgroup v" + std::to_string(mi.cgroup_version) +
+                "): the kernel may kill the run; use --moe-mem auto or at most " + std::to_string(mi.cgroup_limit >> 20));
+    }
     if (s.tier.mem_mib < 0) {
-        llama_vis_mem_info mi;
-        llama_vis_mem_probe(&mi);
         vm.plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget
             ? "auto: cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("auto: MemAvailable");
     } else {
@@ -412,6 +417,10 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     // the fit probe (--fit) creates contexts on a model without data: it never writes a trace
     const bool tracing = !s.trace_path.empty() && !hp.no_alloc;
+    if (!s.cache_on() && !ap.any_deferred && s.tier.host_mib > 0) {
+        LLAMA_LOG_WARN("vis-moe: --moe-host-mib %lld ignored: the host cache sits below the expert slots, which are off; "
+                       "add --moe-mem, --moe-slots or --moe-cache-mib\n", (long long) s.tier.host_mib);
+    }
     if (!s.cache_on() && !ap.any_deferred && !tracing) {
         return nullptr;  // feature off: no object, no graph change
     }

@@ -112,7 +112,10 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         vis_set_last_error(vm->failure);
         LLAMA_LOG_ERROR("%s\n", vm->failure.c_str());
         vm->failed = false;
+        vm->n_failures++;
+        vm->last_failure = vm->failure;
         return false;
     }
+    vm->last_failure.clear();
     return true;
 }

@@ -132,6 +132,8 @@ struct vis_moe_context {
     std::mutex  err_mutex;
     bool        failed = false;
     std::string failure;
+    int64_t     n_failures = 0;   // ubatches failed by the cache (read errors, trace write errors)
+    std::string last_failure;     // message of the last ubatch's failure, "" if it succeeded
 
     ~vis_moe_context();
 

@@ -187,3 +187,13 @@ int64_t llama_vis_moe_context_reserve(const llama_context * ctx) {
     const vis_moe_context * vm = vis_moe_of(ctx);
     return vm ? vm->plan_reserve : -1;
 }
+
+int64_t llama_vis_moe_n_failures(const llama_context * ctx) {
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    return vm ? vm->n_failures : 0;
+}
+
+const char * llama_vis_moe_last_failure(const llama_context * ctx) {
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    return vm ? vm->last_failure.c_str() : "";
+}

@@ -161,3 +161,58 @@ def test_logits_identical_when_the_model_fits(fixture_dir):
         assert _native.moe_n_managed(llm) == 0
         del llm
     assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
+
+
+def test_perplexity_exits_nonzero_after_an_expert_read_error(bindir, fixture_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} experts route tokens" for i in range(400)))
+    args = [bindir / "llama-perplexity", "-m", fixture_dir / "qwen3moe.gguf", "-f", text, "-c", "128", "-b", "128",
+            "-t", "2", "--chunks", "2", "--moe-slots", "8"]
+    ok = run(args, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-1500:]
+    bad = run(args, timeout=300, extra_env={"VIS_MOE_FAULT_READ": "*"})
+    out = bad.stdout + bad.stderr
+    assert bad.returncode == 1, out[-1500:]
+    assert "injected by VIS_MOE_FAULT_READ" in out and "failed in the expert cache" in out
+
+
+def test_server_tells_the_client_why_a_decode_failed(bindir, fixture_dir):
+    import json
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VIS_MOE_FAULT_READ="*", LLAMA_LOG_COLORS="0")
+    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(fixture_dir / "qwen3moe.gguf"), "--port", str(port),
+                             "--host", "127.0.0.1", "-c", "256", "-t", "2", "--moe-slots", "8", "-np", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+                time.sleep(0.3)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", method="POST",
+                                     data=json.dumps({"prompt": "Hello experts", "n_predict": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+            body = ""
+        except urllib.error.HTTPError as e:
+            body = e.read().decode()
+        assert "Compute error. vis-moe:" in body and "injected by VIS_MOE_FAULT_READ" in body, body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_host_cache_without_a_cache_flag_is_reported(bindir, fixture_dir):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-host-mib", "64", "-v")
+    assert r.returncode == 0, out[-1500:]
+    assert "vis-moe: --moe-host-mib 64 ignored: the host cache sits below the expert slots, which are off" in out
