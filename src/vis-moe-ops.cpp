@@ -11,6 +11,20 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+// what an ids op (one thread) works on: its context and layer, the routed ids in, the ids out
+struct ids_op {
+    vis_moe_op_ud &   ud;
+    vis_moe_context & vm;
+    vis_moe_layer &   L;
+    int64_t           n_pairs;
+    const int32_t *   ids;
+    int32_t *         out;
+
+    ids_op(ggml_tensor * dst, const ggml_tensor * ids_t, void * userdata)
+        : ud(*(vis_moe_op_ud *) userdata), vm(*ud.vm), L(vm.layers[ud.il]), n_pairs(ggml_nelements(ids_t)),
+          ids((const int32_t *) ids_t->data), out((int32_t *) dst->data) {}
+};
+
 // run `body`; on failure record it and fill dst with `fallback(j)` so the graph continues on finite data
 template <typename Body, typename Fallback>
 static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body body, Fallback fallback) {
@@ -29,21 +43,16 @@ void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_te
     if (ith != 0) {
         return;
     }
-    auto * ud = (vis_moe_op_ud *) userdata;
-    vis_moe_context & vm = *ud->vm;
-    vis_moe_layer & L = vm.layers[ud->il];
-    const int64_t n_pairs = ggml_nelements(ids_t);
-    const auto * ids = (const int32_t *) ids_t->data;
-    auto * out = (int32_t *) dst->data;
-    guarded(vm, out, n_pairs, [&]() {
-        if (ud->pass == 0) {
-            if (vm.trace) {
-                vm.trace->record(ud->il, ids_t, dep);  // pass 0 depends on the router weights
+    ids_op a(dst, ids_t, userdata);
+    guarded(a.vm, a.out, a.n_pairs, [&]() {
+        if (a.ud.pass == 0) {
+            if (a.vm.trace) {
+                a.vm.trace->record(a.ud.il, ids_t, dep);  // pass 0 depends on the router weights
             }
-            vis_moe_plan_passes(L, ids, n_pairs);
+            vis_moe_plan_passes(a.L, a.ids, a.n_pairs);
         }
-        vis_moe_run_pass(vm, L, ud->il, ud->pass, ids, n_pairs, out);
-    }, [&](int64_t) { return L.foreign_id(); });
+        vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.ids, a.n_pairs, a.out);
+    }, [&](int64_t) { return a.L.foreign_id(); });
 }
 
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
@@ -52,13 +61,9 @@ void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
     if (ith != 0) {
         return;
     }
-    auto * ud = (vis_moe_op_ud *) userdata;
-    const vis_moe_layer & L = ud->vm->layers[ud->il];
-    const int64_t n_pairs = ggml_nelements(ids_t);
-    const auto * ids = (const int32_t *) ids_t->data;
-    auto * out = (int32_t *) dst->data;
-    for (int64_t j = 0; j < n_pairs; ++j) {
-        out[j] = (int32_t) (L.pass_of[ids[j]] * n_pairs + j);
+    ids_op a(dst, ids_t, userdata);
+    for (int64_t j = 0; j < a.n_pairs; ++j) {
+        a.out[j] = (int32_t) (a.L.pass_of[a.ids[j]] * a.n_pairs + j);
     }
 }
 
@@ -68,14 +73,11 @@ void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_t
     if (ith != 0) {
         return;
     }
-    auto * ud = (vis_moe_op_ud *) userdata;
-    vis_moe_context & vm = *ud->vm;
-    const int64_t n_pairs = ggml_nelements(ids_t);
-    const auto * ids = (const int32_t *) ids_t->data;
-    if (vm.trace) {
-        vm.trace->record(ud->il, ids_t, weights);
+    ids_op a(dst, ids_t, userdata);
+    if (a.vm.trace) {
+        a.vm.trace->record(a.ud.il, ids_t, weights);
     }
-    std::memcpy(dst->data, ids, n_pairs * sizeof(int32_t));
+    std::memcpy(a.out, a.ids, a.n_pairs * sizeof(int32_t));
 }
 
 // Prefill streaming: the mapped expert tensors of layer L.  Before the layer: sequential read-ahead (the loader
@@ -111,16 +113,15 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
     if (ith != 0) {
         return;
     }
-    auto * ud = (vis_moe_op_ud *) userdata;
-    vis_moe_context & vm = *ud->vm;
-    const vis_moe_layer & L = vm.layers[ud->il];
-    const int64_t n_pairs = ggml_nelements(ids_t);
-    const auto * ids = (const int32_t *) ids_t->data;
-    auto * out = (int32_t *) dst->data;
-    std::memcpy(out, ids, n_pairs * sizeof(int32_t));
-    guarded(vm, out, n_pairs, [&]() {
+    ids_op a(dst, ids_t, userdata);
+    vis_moe_context & vm = a.vm;
+    const vis_moe_layer & L = a.L;
+    const int64_t n_pairs = a.n_pairs;
+    const int32_t * ids = a.ids;
+    std::memcpy(a.out, ids, n_pairs * sizeof(int32_t));
+    guarded(vm, a.out, n_pairs, [&]() {
         if (vm.trace) {
-            vm.trace->record(ud->il, ids_t, weights);
+            vm.trace->record(a.ud.il, ids_t, weights);
         }
         std::vector<bool> seen(L.n_expert, false);
         for (int64_t j = 0; j < n_pairs; ++j) {
