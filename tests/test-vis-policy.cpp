@@ -1,0 +1,121 @@
+// test-vis-policy: the eviction-policy interface (src/vis-moe-policy.h) and its LRU,
+// and the settings table (src/vis-moe-settings.cpp) through the C API.
+//   - LRU picks the first empty slot, then the least recently touched slot;
+//   - a slot touched by the running pass (Required) is never a victim;
+//   - Speculative slots go after every Expired one, and expire after their horizon;
+//   - strict parsing: flag values and thread overrides out of range are errors naming the flag.
+#include "llama-vis.h"
+#include "vis-moe-policy.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+static int g_failures = 0;
+
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);     \
+            g_failures++;                                                            \
+        }                                                                            \
+    } while (0)
+
+static void test_lru() {
+    auto p = vis_moe_policy_lru(4);
+    p->begin_pass();
+    CHECK(p->victim() == 0);               // all empty: the first
+    for (int s : { 0, 1, 2, 3 }) {
+        p->touch(s);
+    }
+    CHECK(p->victim() == -1);              // every slot Required by this pass
+    p->begin_pass();
+    CHECK(p->slot_class(2) == vis_slot_class::EXPIRED);
+    p->touch(0);                           // 0 is Required now; 1 is the least recent
+    CHECK(p->slot_class(0) == vis_slot_class::REQUIRED);
+    CHECK(p->victim() == 1);
+    p->touch(1);
+    CHECK(p->victim() == 2);
+    p->forget(3);                          // an empty slot beats any expired one
+    CHECK(p->victim() == 3);
+}
+
+static void test_speculative() {
+    auto p = vis_moe_policy_lru(3);
+    p->begin_pass();
+    p->touch(0);
+    p->touch(1);
+    p->speculate(2, 2);                    // prefetched, protected for 2 steps
+    p->begin_pass();
+    CHECK(p->slot_class(2) == vis_slot_class::SPECULATIVE);
+    CHECK(p->victim() == 0);               // an expired slot (the least recent) before the speculative one
+    p->touch(0);
+    p->touch(1);
+    CHECK(p->victim() == 2);               // only the speculative one is left: it goes before a Required one
+    p->begin_pass();
+    p->end_step();
+    CHECK(p->slot_class(2) == vis_slot_class::SPECULATIVE);
+    p->end_step();
+    CHECK(p->slot_class(2) == vis_slot_class::EXPIRED);
+    // a speculative slot the pass uses becomes Required
+    p->speculate(1, 5);
+    p->begin_pass();
+    p->touch(1);
+    CHECK(p->slot_class(1) == vis_slot_class::REQUIRED);
+}
+
+static void test_settings() {
+    CHECK(llama_vis_moe_cli_apply("--moe-slots", "8abc") == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-slots: expected an integer in 0..65536") != nullptr);
+    CHECK(llama_vis_moe_cli_apply("--moe-slots", "12") == 0);
+    CHECK(llama_vis_last_error()[0] == '\0');  // cleared by the call that succeeded
+    CHECK(llama_vis_moe_get_params().n_slots == 12);
+    CHECK(llama_vis_moe_cli_apply("--moe-frobnicate", "1") == -1);
+
+    // a thread override shadows the process-wide values until it is dropped
+    llama_vis_moe_params p = llama_vis_moe_get_params();
+    p.n_slots = 3;
+    CHECK(llama_vis_moe_set_thread_params(&p, nullptr) == 0);
+    CHECK(llama_vis_moe_thread_params_active() == 1);
+    CHECK(llama_vis_moe_get_params().n_slots == 3);
+    p.n_slots = -5;
+    CHECK(llama_vis_moe_set_thread_params(&p, nullptr) == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-slots must be in 0..65536") != nullptr);
+    CHECK(llama_vis_moe_get_params().n_slots == 3);  // a refused override changes nothing
+    CHECK(llama_vis_moe_set_thread_params(nullptr, nullptr) == 0);
+    CHECK(llama_vis_moe_thread_params_active() == 0);
+    CHECK(llama_vis_moe_get_params().n_slots == 12);
+
+    llama_vis_moe_tier_params t = llama_vis_moe_get_tier_params();
+    t.io_threads = 65;
+    CHECK(llama_vis_moe_set_tier_params(&t) == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-io-threads must be in 1..64") != nullptr);
+
+    // every row of the table has a name, a variable and help
+    const int n = llama_vis_moe_n_flags();
+    CHECK(n >= 13);
+    for (int i = 0; i < n; ++i) {
+        llama_vis_moe_flag f;
+        CHECK(llama_vis_moe_get_flag(i, &f) == 0);
+        CHECK(std::strncmp(f.name, "--moe-", 6) == 0 && std::strncmp(f.env, "VIS_MOE_", 8) == 0 && f.help && *f.help);
+    }
+    llama_vis_moe_flag f;
+    CHECK(llama_vis_moe_get_flag(n, &f) == -1);
+
+    // the one reserve estimate grows with the ubatch and has a runtime floor
+    CHECK(llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0) == (64ll << 20));
+    CHECK(llama_vis_moe_estimate_reserve(512, 1000, 64, 8, 32) > llama_vis_moe_estimate_reserve(64, 1000, 64, 8, 32));
+}
+
+int main() {
+    test_lru();
+    test_speculative();
+    test_settings();
+    if (g_failures) {
+        std::fprintf(stderr, "%d check(s) failed\n", g_failures);
+        return 1;
+    }
+    std::printf("test-vis-policy: ok\n");
+    return 0;
+}
