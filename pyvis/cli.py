@@ -114,7 +114,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from . import vlm
     from .vlm import prune
-    from .runtime.native import MoeParams, VisError
+    from .runtime.native import VisError
+    from .runtime.settings import MoeParams
     moe = None
     if args.moe_slots or args.moe_cache_mib or args.moe_pinned_layers or args.moe_stats or args.moe_trace:
         moe = MoeParams(args.moe_slots, args.moe_cache_mib, args.moe_pinned_layers, args.moe_stats, args.moe_trace)

@@ -20,6 +20,7 @@ import pytest
 
 from pyvis.runtime import moe
 from pyvis.runtime import native as _native
+from pyvis.runtime.settings import MoeParams, applied
 from pyvis import fixtures as fx
 from conftest import run
 
@@ -96,12 +97,9 @@ def test_store_model_copies_instead_of_reading(fixture_dir, reference):
 def test_deferred_layers_stay_served_when_the_context_has_no_cache(fixture_dir, reference):
     """A model loaded with deferred experts, then a context created with the cache off: every expert gets a slot."""
     from pyvis.runtime.native import llama_cpp
-    _native.moe_set_params(_native.MoeParams(slots=8))
-    try:
+    with applied(MoeParams(slots=8)):
         mp = llama_cpp.llama_model_default_params()
         model = llama_cpp.llama_model_load_from_file(str(fixture_dir / "qwen3moe.gguf").encode(), mp)
-    finally:
-        _native.moe_set_params(None)
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_threads, cp.n_threads_batch = 128, 2, 2
     ctx = llama_cpp.llama_init_from_model(model, cp)

@@ -13,6 +13,7 @@ import pytest
 
 from pyvis.runtime import moe
 from pyvis.runtime import native as _native, trace as vtrace
+from pyvis.runtime.settings import MoeParams, applied
 from pyvis import fixtures as fx
 from conftest import run
 
@@ -33,7 +34,7 @@ def _pinned_configs(spec) -> list[int]:
     return [0, 1, -1]
 
 
-def _run(path, params: _native.MoeParams | None, n_ubatch: int = 512):
+def _run(path, params: MoeParams | None, n_ubatch: int = 512):
     """Prefill PROMPT, then greedy-decode N_DECODE tokens; return (all logits, tokens, stats, llm)."""
     kw = dict(n_ctx=256, n_batch=512, n_ubatch=n_ubatch, logits_all=True, n_threads=2, verbose=False, seed=1)
     llm = moe.load(path, **(dict(slots=params.slots, cache_mib=params.cache_mib,
@@ -73,7 +74,7 @@ def test_byte_identical_for_every_cache_size_and_prefix(fixture_dir, reference, 
     checked = 0
     for slots in _slot_configs(spec):
         for pinned in _pinned_configs(spec):
-            logits, toks, st, llm = _run(fixture_dir / f"{name}.gguf", _native.MoeParams(slots=slots, pinned_layers=pinned))
+            logits, toks, st, llm = _run(fixture_dir / f"{name}.gguf", MoeParams(slots=slots, pinned_layers=pinned))
             where = f"{name} slots={slots} pinned={pinned}"
             assert toks == ref_toks, where
             assert logits.shape == ref_logits.shape, where
@@ -90,13 +91,13 @@ def test_byte_identical_for_every_cache_size_and_prefix(fixture_dir, reference, 
 
 def test_overflowing_prefill_uses_passes_and_stays_exact(fixture_dir, reference):
     """qwen3moe: 8 slots of 32 experts, top-8: the prompt routes to far more experts than slots."""
-    logits, toks, st, llm = _run(fixture_dir / "qwen3moe.gguf", _native.MoeParams(slots=8))
+    logits, toks, st, llm = _run(fixture_dir / "qwen3moe.gguf", MoeParams(slots=8))
     ref_logits, ref_toks = reference("qwen3moe")
     assert np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))
     assert st.n_passes > st.n_calls  # at least one layer needed several passes
     # a small ubatch changes the reference too, but must also match its own feature-off run
     ref16, _ = reference("qwen3moe", n_ubatch=16)
-    l16, _, _, _ = _run(fixture_dir / "qwen3moe.gguf", _native.MoeParams(slots=8), n_ubatch=16)
+    l16, _, _, _ = _run(fixture_dir / "qwen3moe.gguf", MoeParams(slots=8), n_ubatch=16)
     assert np.array_equal(l16.view(np.uint32), ref16.view(np.uint32))
 
 
@@ -126,15 +127,12 @@ def test_stats_add_up(fixture_dir):
 
 def _decode_two_sequences(path, slots):
     """One batch holding two sequences (as parallel server slots do); logits of each last token."""
-    _native.moe_set_params(_native.MoeParams(slots=slots))
-    try:
+    with applied(MoeParams(slots=slots)):
         mp = llama_cpp.llama_model_default_params()
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 256, 128, 128, 2, 2, 2
         ctx = llama_cpp.llama_init_from_model(model, cp)
-    finally:
-        _native.moe_set_params(None)
     assert ctx, _native.last_error()
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)

@@ -5,12 +5,15 @@
     llm("Hello", max_tokens=16)
     print(pyvis.moe.stats(llm))          # totals; stats(llm, layer) per layer
 
-The options are the --moe-* flags of the C tools (docs/residency.md).
+The options are the --moe-* flags of the C tools (docs/residency.md, docs/paging.md).  They apply to this
+load only, on this thread (:func:`pyvis.runtime.settings.applied`): settings made before the call, by this
+thread or process-wide, are in force again after it, and other threads loading at the same time keep theirs.
 """
 from __future__ import annotations
 
-from . import native as _native
-from .native import MoeParams, MoeStats, TierParams, VisError, llama_cpp
+from . import native
+from .native import MoeStats, VisError, llama_cpp
+from .settings import MoeParams, TierParams, applied
 
 __all__ = ["load", "stats", "layer_stats", "io_stats", "reset_stats", "MoeParams", "MoeStats", "TierParams", "VisError"]
 
@@ -22,37 +25,33 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
     direct_io, unified, mlock: the paging tiers (docs/paging.md); with store="file" (default) the managed
-    experts are not loaded at start but read from the GGUF file on demand.
+    experts are not loaded at start but read from the GGUF file on demand.  A bad value raises VisError
+    naming the option and its range.
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
-    previous, previous_tier = _native.moe_default_params(), _native.tier_default_params()
-    _native.moe_set_params(params)
-    try:
-        _native.set_tier_params(tier)
-        return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
-    except ValueError as e:
-        err = _native.last_error()
-        if err:
-            raise VisError(err) from e
-        raise
-    finally:
-        _native.moe_set_params(previous)
-        _native.set_tier_params(previous_tier)
+    with applied(params, tier):
+        try:
+            return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
+        except ValueError as e:
+            err = native.last_error()       # cleared by applied(): only this load's own error
+            if err:
+                raise VisError(err) from e
+            raise
 
 
 def stats(llm) -> MoeStats | None:
-    return _native.moe_stats(llm, -1)
+    return native.moe_stats(llm, -1)
 
 
 def layer_stats(llm, layer: int) -> MoeStats | None:
-    return _native.moe_stats(llm, layer)
+    return native.moe_stats(llm, layer)
 
 
 def io_stats(llm) -> dict | None:
     """Per-tier stats: slab/host hits, file reads, bytes read, I/O wait, peak RSS (docs/paging.md)."""
-    return _native.io_stats(llm)
+    return native.io_stats(llm)
 
 
 def reset_stats(llm) -> None:
-    _native.moe_reset_stats(llm)
+    native.moe_reset_stats(llm)

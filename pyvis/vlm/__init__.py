@@ -10,7 +10,7 @@
     report     `pyvis prune-report` and `pyvis prune-sim`
     evaluate   `pyvis prune-eval`: accuracy and latency over image/question/answer items
 """
-from ..runtime.native import MoeParams
+from ..runtime.settings import MoeParams
 from .session import (SALIENCY_SOURCES, ImageReport, Prepared, Session, VLMError, kept_positions, mrope_positions,
                       next_position, prepare, read_decode_trace)
 

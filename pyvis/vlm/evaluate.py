@@ -132,7 +132,7 @@ def format_table(results: list[dict]) -> str:
 
 def _cmd(args) -> int:
     from .. import vlm
-    from ..runtime.native import MoeParams
+    from ..runtime.settings import MoeParams
     try:
         items = load_items(args.items)
     except EvalError as e:

@@ -161,7 +161,7 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
                repeat: int = 1, **prep_kw) -> dict:
     """Prefill once per repeat (fresh session each: cold expert cache) and collect numbers + routing."""
     from .. import vlm
-    from ..runtime.native import MoeParams
+    from ..runtime.settings import MoeParams
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tr = tmp_dir / f"{method}-{keep_ratio:g}.trace"
@@ -244,7 +244,7 @@ def _progress(msg: str) -> None:
 
 def _cmd(args) -> int:
     from .. import vlm
-    from ..runtime.native import MoeParams
+    from ..runtime.settings import MoeParams
     methods = args.methods
     ratios = sorted(set(args.keep_ratio), reverse=True)
     moe = MoeParams(args.moe_slots or 0, args.moe_cache_mib or 0, args.moe_pinned_layers or 0)

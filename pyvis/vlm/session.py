@@ -54,7 +54,8 @@ import numpy as np
 
 from . import prune
 from ..runtime import native as _native
-from ..runtime.native import MoeParams, llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
+from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
+from ..runtime.settings import MoeParams, applied
 
 from llama_cpp import llama_cpp as L  # noqa: E402
 from llama_cpp import mtmd_cpp as M  # noqa: E402
@@ -192,15 +193,12 @@ class _Ctx:
             self.batch = L.llama_batch_ext_init(self.ptr)
             return
         self.owned = True
-        previous = _native.moe_default_params()
-        _native.moe_set_params(moe or MoeParams())
-        try:
-            self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
-        except ValueError as e:
-            err = _native.last_error()
-            raise VLMError(err or f"failed to create a llama context: {e}") from e
-        finally:
-            _native.moe_set_params(previous)
+        with applied(moe or MoeParams()):     # this context only; the caller's settings stay
+            try:
+                self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
+            except ValueError as e:
+                err = _native.last_error()     # cleared by applied(): this creation's own error
+                raise VLMError(err or f"failed to create a llama context: {e}") from e
         self.ptr = self.ctx.ctx
         self.batch = L.llama_batch_ext_init(self.ptr)
 
@@ -386,7 +384,7 @@ class Session:
     def _process(self, c: _Ctx, what: str) -> None:
         r = L.llama_process(c.ptr, L.LLAMA_PROCESS_TYPE_DECODE, c.batch)
         if r != 0:
-            err = _native.last_error()
+            err = _native.moe_failures(c.ptr)[1]     # this decode's failure in the expert cache, if it was one
             raise VLMError(f"decoding {what} failed (llama_process returned {r})" + (f": {err}" if err else ""))
 
     def _decode_text(self, c: _Ctx, tokens, n_past: int, logits_last: bool) -> int:

@@ -1,0 +1,600 @@
+"""1:1 ctypes mirror of src/llama-vis.h, the fork's public C API, in the header's order.
+
+Each struct has its ``_fields_`` in the header's order and each function its C declaration above it,
+as llama-cpp-python's ``llama_cpp/llama_cpp.py`` does.  Nothing here converts or checks values: the
+friendly layer is :mod:`pyvis.runtime.native` (dataclasses, VisError, range checks) and
+:mod:`pyvis.runtime.settings`.  tests/test_python.py holds this file to the header.
+
+The functions come from the very library handle llama-cpp-python loaded, so pointers from ``llama_cpp``
+(models, contexts) and ``llama_cpp.mtmd_cpp`` (mtmd contexts) can be passed straight in.  A libllama that is
+not a vis-moe build fails at import; a function an older vis-moe build lacks raises :class:`MissingSymbol`
+when called, not at import.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+from .. import _paths
+
+_paths.configure_native_env()
+_paths.lib_dir()  # clear error if the build is missing
+
+import llama_cpp  # noqa: E402  (after the env is set)
+from llama_cpp import llama_cpp as _ll  # noqa: E402
+
+_lib = _ll._lib
+
+if getattr(_lib, "llama_vis_version", None) is None:
+    raise RuntimeError(f"llama_vis_version is missing from {_lib._name}: this libllama is not a vis-moe build. "
+                       "Rebuild with scripts/setup.sh, or point VIS_LIB_DIR at our build/bin.")
+
+
+class MissingSymbol(RuntimeError):
+    """The loaded libllama predates a function of src/llama-vis.h."""
+
+
+def ctypes_function(name: str, argtypes: list, restype) -> Callable:
+    """Bind ``name`` from libllama with these types (the decorated function is only its documentation)."""
+    def decorator(f: Callable) -> Callable:
+        fn = getattr(_lib, name, None)
+        if fn is None:
+            def missing(*args, **kwargs):
+                raise MissingSymbol(f"{name} is missing from {_lib._name}: this libllama is older than "
+                                    "src/llama-vis.h. Rebuild it (scripts/setup.sh).")
+            missing.__name__, missing.__doc__ = name, f.__doc__
+            return missing
+        fn.argtypes, fn.restype = argtypes, restype
+        fn.__doc__ = f.__doc__
+        return fn
+    return decorator
+
+
+# opaque pointers
+llama_model_p = ctypes.c_void_p         # const struct llama_model *
+llama_context_p = ctypes.c_void_p       # struct llama_context *
+mtmd_context_p = ctypes.c_void_p        # const struct mtmd_context *
+vis_saliency_state_p = ctypes.c_void_p  # struct vis_saliency_state *
+ggml_context_p = ctypes.c_void_p        # struct ggml_context *
+ggml_cgraph_p = ctypes.c_void_p         # struct ggml_cgraph *
+ggml_tensor_p = ctypes.c_void_p         # struct ggml_tensor *
+
+
+# LLAMA_API const char * llama_vis_version(void);
+@ctypes_function("llama_vis_version", [], ctypes.c_char_p)
+def llama_vis_version() -> bytes:
+    """Version of the fork, e.g. "0.1.0"."""
+
+
+# LLAMA_API const char * llama_vis_upstream_commit(void);
+@ctypes_function("llama_vis_upstream_commit", [], ctypes.c_char_p)
+def llama_vis_upstream_commit() -> bytes:
+    """Pinned upstream llama.cpp commit the fork is built on, e.g. "0c1e570"."""
+
+
+# LLAMA_API const char * llama_vis_system_info(void);
+@ctypes_function("llama_vis_system_info", [], ctypes.c_char_p)
+def llama_vis_system_info() -> bytes:
+    """Fragment appended to llama_print_system_info() by patch 0001."""
+
+
+# struct llama_vis_moe_info {
+#     int32_t  n_layer;          // transformer layers
+#     int32_t  n_moe_layers;     // layers with routed experts (*_exps tensors)
+#     int32_t  first_moe_layer;  // index of the first MoE layer, -1 if none
+#     int32_t  n_expert;         // routed experts per MoE layer
+#     int32_t  n_expert_used;    // experts selected per token (top-k, max over layers)
+#     int32_t  n_expert_shared;  // shared experts per layer (hparams; 0 if none)
+#     int32_t  has_shared_exp;   // 1 if any layer has *_shexp tensors
+#     int32_t  has_exp_bias;     // 1 if any layer has per-expert biases (*_exps_b)
+#     int32_t  has_gate_up_exp;  // 1 if any layer has a merged gate_up_exps tensor
+#     int64_t  expert_bytes;     // bytes of one routed expert in one layer (gate+up+down), max over layers
+#     int64_t  routed_bytes;     // bytes of all routed experts in all layers
+# };
+class llama_vis_moe_info(ctypes.Structure):
+    _fields_ = [
+        ("n_layer", ctypes.c_int32),
+        ("n_moe_layers", ctypes.c_int32),
+        ("first_moe_layer", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("n_expert_shared", ctypes.c_int32),
+        ("has_shared_exp", ctypes.c_int32),
+        ("has_exp_bias", ctypes.c_int32),
+        ("has_gate_up_exp", ctypes.c_int32),
+        ("expert_bytes", ctypes.c_int64),
+        ("routed_bytes", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_model_moe_info(const struct llama_model * model, struct llama_vis_moe_info * info);
+@ctypes_function("llama_vis_model_moe_info", [llama_model_p, ctypes.POINTER(llama_vis_moe_info)], ctypes.c_int32)
+def llama_vis_model_moe_info(model, info) -> int:
+    """Fill *info for a loaded model. Returns 0 on success, -1 if model or info is NULL."""
+
+
+# ---------------------------------------------------------------------------
+# Expert residency
+# ---------------------------------------------------------------------------
+# struct llama_vis_moe_params {
+#     int32_t n_slots;       // slots per managed layer; 0 = use cache_mib; both 0 = off
+#     int64_t cache_mib;     // alternative: total slab budget in MiB, split evenly over managed layers
+#     int32_t n_pinned;      // first N MoE layers stay fully resident (VisMMOE anchor layers); -1 = all
+#     int32_t print_stats;   // print per-layer stats (to stderr) when the context is freed
+#     const char * trace_path; // routing trace file (NULL = off); copied at context creation
+# };
+class llama_vis_moe_params(ctypes.Structure):
+    _fields_ = [
+        ("n_slots", ctypes.c_int32),
+        ("cache_mib", ctypes.c_int64),
+        ("n_pinned", ctypes.c_int32),
+        ("print_stats", ctypes.c_int32),
+        ("trace_path", ctypes.c_char_p),
+    ]
+
+
+# LLAMA_API struct llama_vis_moe_params llama_vis_moe_default_params(void);
+@ctypes_function("llama_vis_moe_default_params", [], llama_vis_moe_params)
+def llama_vis_moe_default_params() -> llama_vis_moe_params:
+    """Defaults: VIS_MOE_SLOTS, VIS_MOE_CACHE_MIB, VIS_MOE_PINNED, VIS_MOE_STATS, VIS_MOE_TRACE, else off."""
+
+
+# LLAMA_API struct llama_vis_moe_params llama_vis_moe_get_params(void);
+@ctypes_function("llama_vis_moe_get_params", [], llama_vis_moe_params)
+def llama_vis_moe_get_params() -> llama_vis_moe_params:
+    """The parameters in force on the calling thread (its override, else the process-wide ones).
+    trace_path points into library storage valid until the next set on this thread."""
+
+
+# LLAMA_API int32_t llama_vis_moe_set_params(const struct llama_vis_moe_params * params);
+@ctypes_function("llama_vis_moe_set_params", [ctypes.POINTER(llama_vis_moe_params)], ctypes.c_int32)
+def llama_vis_moe_set_params(params) -> int:
+    """Set the process-wide parameters (NULL resets to defaults). 0, or -1 with llama_vis_last_error()."""
+
+
+# LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value);
+@ctypes_function("llama_vis_moe_cli_apply", [ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int32)
+def llama_vis_moe_cli_apply(flag: bytes, value: bytes | None) -> int:
+    """Apply one command-line flag of the settings table to the process-wide parameters.
+    0, or -1 with llama_vis_last_error() naming the flag and the valid range."""
+
+
+# struct llama_vis_moe_flag {
+#     const char * name;        // "--moe-slots"
+#     const char * env;         // "VIS_MOE_SLOTS"
+#     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
+#     const char * help;        // help text (several lines, '\n'-separated; no env note)
+# };
+class llama_vis_moe_flag(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("env", ctypes.c_char_p),
+        ("value_hint", ctypes.c_char_p),
+        ("help", ctypes.c_char_p),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_n_flags(void);
+@ctypes_function("llama_vis_moe_n_flags", [], ctypes.c_int32)
+def llama_vis_moe_n_flags() -> int:
+    """Rows of the settings table: every --moe-* flag."""
+
+
+# LLAMA_API int32_t llama_vis_moe_get_flag(int32_t i, struct llama_vis_moe_flag * out);
+@ctypes_function("llama_vis_moe_get_flag", [ctypes.c_int32, ctypes.POINTER(llama_vis_moe_flag)], ctypes.c_int32)
+def llama_vis_moe_get_flag(i: int, out) -> int:
+    """Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range."""
+
+
+# LLAMA_API const char * llama_vis_last_error(void);
+@ctypes_function("llama_vis_last_error", [], ctypes.c_char_p)
+def llama_vis_last_error() -> bytes:
+    """Message of the last failed llama_vis_* call on this thread, "" if none; every fallible call clears it first."""
+
+
+# struct llama_vis_moe_stats {
+#     int32_t n_slots;        // slots of a managed layer (0: layer not managed)
+#     int32_t managed;        // 1 if the layer (or, for totals, any layer) is managed
+#     int64_t n_routed;       // distinct experts looked up (per pass of every ubatch)
+#     int64_t n_hits;         // ... that were already resident
+#     int64_t n_misses;       // ... that had to be loaded (n_hits + n_misses == n_routed)
+#     int64_t bytes_loaded;   // bytes copied into slabs (n_misses * expert bytes)
+#     int64_t load_us;        // time spent loading (the stall of exact mode), microseconds
+#     int64_t n_calls;        // ubatch x layer evaluations
+#     int64_t n_passes;       // expert passes (> n_calls when a ubatch routed more experts than slots)
+# };
+class llama_vis_moe_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_slots", ctypes.c_int32),
+        ("managed", ctypes.c_int32),
+        ("n_routed", ctypes.c_int64),
+        ("n_hits", ctypes.c_int64),
+        ("n_misses", ctypes.c_int64),
+        ("bytes_loaded", ctypes.c_int64),
+        ("load_us", ctypes.c_int64),
+        ("n_calls", ctypes.c_int64),
+        ("n_passes", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_stats(const struct llama_context * ctx, int32_t il, struct llama_vis_moe_stats * out);
+@ctypes_function("llama_vis_moe_get_stats", [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_stats)],
+                 ctypes.c_int32)
+def llama_vis_moe_get_stats(ctx, il: int, out) -> int:
+    """Stats of layer il, or totals with il = -1. 0, or -1 if ctx has no expert cache or il is out of range."""
+
+
+# LLAMA_API void    llama_vis_moe_reset_stats(struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_reset_stats", [llama_context_p], None)
+def llama_vis_moe_reset_stats(ctx) -> None:
+    ...
+
+
+# LLAMA_API int32_t llama_vis_moe_n_managed(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_n_managed", [llama_context_p], ctypes.c_int32)
+def llama_vis_moe_n_managed(ctx) -> int:
+    """Number of managed layers of ctx (0 when the cache is off or every layer fits)."""
+
+
+# LLAMA_API int64_t     llama_vis_moe_n_failures(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_n_failures", [llama_context_p], ctypes.c_int64)
+def llama_vis_moe_n_failures(ctx) -> int:
+    """Decodes the expert cache failed (an expert read error, a trace write error)."""
+
+
+# LLAMA_API const char * llama_vis_moe_last_failure(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_last_failure", [llama_context_p], ctypes.c_char_p)
+def llama_vis_moe_last_failure(ctx) -> bytes:
+    """Message of the last decode's failure in the cache ("" if the last decode did not fail there)."""
+
+
+# LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_print_stats", [llama_context_p], None)
+def llama_vis_moe_print_stats(ctx) -> None:
+    """Print the stats table (as at exit with --moe-stats) to stderr."""
+
+
+# ---------------------------------------------------------------------------
+# Paging tiers
+# ---------------------------------------------------------------------------
+# struct llama_vis_moe_tier_params {
+#     int32_t store;       // 0 = file (tier 3; default), 1 = model (experts loaded by llama.cpp, copied from RAM/mmap)
+#     int64_t host_mib;    // tier-2 budget in MiB; -1 = planned by --moe-mem (else 0), 0 = none
+#     int64_t mem_mib;     // total memory budget of the process for --moe-mem: 0 = off, -1 = auto (cgroup, MemAvailable)
+#     int32_t io_threads;  // parallel expert reads (default 4)
+#     int32_t direct_io;   // -1 = auto (O_DIRECT where allowed), 0 = buffered reads (pages dropped after), 1 = O_DIRECT
+#     int32_t unified;     // -1 = auto, 0 = off, 1 = on: slabs are written straight from the file
+#     int32_t mlock;       // 1 = lock slabs and the host cache in memory (default), 0 = don't
+# };
+class llama_vis_moe_tier_params(ctypes.Structure):
+    _fields_ = [
+        ("store", ctypes.c_int32),
+        ("host_mib", ctypes.c_int64),
+        ("mem_mib", ctypes.c_int64),
+        ("io_threads", ctypes.c_int32),
+        ("direct_io", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("mlock", ctypes.c_int32),
+    ]
+
+
+# LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_tier_default_params(void);
+@ctypes_function("llama_vis_moe_tier_default_params", [], llama_vis_moe_tier_params)
+def llama_vis_moe_tier_default_params() -> llama_vis_moe_tier_params:
+    """Defaults from VIS_MOE_STORE, VIS_MOE_HOST_MIB, VIS_MOE_MEM, ... else the built-in values."""
+
+
+# LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_get_tier_params(void);
+@ctypes_function("llama_vis_moe_get_tier_params", [], llama_vis_moe_tier_params)
+def llama_vis_moe_get_tier_params() -> llama_vis_moe_tier_params:
+    """In force on the calling thread (its override, else the process-wide ones)."""
+
+
+# LLAMA_API int32_t llama_vis_moe_set_tier_params(const struct llama_vis_moe_tier_params * params);
+@ctypes_function("llama_vis_moe_set_tier_params", [ctypes.POINTER(llama_vis_moe_tier_params)], ctypes.c_int32)
+def llama_vis_moe_set_tier_params(params) -> int:
+    """Process-wide, for models loaded and contexts created from now on; NULL resets. 0, or -1."""
+
+
+# LLAMA_API int32_t llama_vis_moe_set_thread_params(const struct llama_vis_moe_params * params,
+#                                                   const struct llama_vis_moe_tier_params * tier);
+@ctypes_function("llama_vis_moe_set_thread_params",
+                 [ctypes.POINTER(llama_vis_moe_params), ctypes.POINTER(llama_vis_moe_tier_params)], ctypes.c_int32)
+def llama_vis_moe_set_thread_params(params, tier) -> int:
+    """Override both settings structs for the calling thread only (NULL for one: the process-wide value at the
+    time of the call).  Both NULL: drop the override.  0, or -1 with llama_vis_last_error()."""
+
+
+# LLAMA_API int32_t llama_vis_moe_thread_params_active(void);
+@ctypes_function("llama_vis_moe_thread_params_active", [], ctypes.c_int32)
+def llama_vis_moe_thread_params_active() -> int:
+    """1 if the calling thread has an override, else 0."""
+
+
+# struct llama_vis_moe_io_stats {
+#     int64_t slab_hits;      // tier 1: routed experts found in a slab
+#     int64_t host_hits;      // tier 2: misses served from the host cache
+#     int64_t file_reads;     // tier 3: misses read from the file (experts)
+#     int64_t model_copies;   // misses copied from llama.cpp's own copy (store = model)
+#     int64_t bytes_read;     // payload bytes read from the file
+#     int64_t bytes_storage;  // bytes requested from storage (O_DIRECT reads are 4 KiB-aligned supersets)
+#     int64_t read_us;        // wall time compute waited for file reads
+#     int64_t host_bytes;     // tier-2 capacity in bytes
+#     int64_t host_used;      // bytes in tier 2 now
+#     int64_t host_evictions;
+#     int64_t slab_bytes;     // tier-1 bytes
+#     int32_t direct_io;      // 1 if reads use O_DIRECT
+#     int32_t unified;        // 1 if slabs are filled straight from the file
+#     int32_t locked;         // 1 if slabs and host cache are locked in memory
+#     int32_t io_threads;
+#     int64_t major_faults;   // major page faults of the process since the context was created
+#     int64_t rss_peak;       // peak resident set of the process (VmHWM), bytes
+#     int64_t streamed;       // experts a large ubatch read through the mapping instead of the slabs
+#     int64_t bytes_streamed; // their bytes
+# };
+class llama_vis_moe_io_stats(ctypes.Structure):
+    _fields_ = [
+        ("slab_hits", ctypes.c_int64),
+        ("host_hits", ctypes.c_int64),
+        ("file_reads", ctypes.c_int64),
+        ("model_copies", ctypes.c_int64),
+        ("bytes_read", ctypes.c_int64),
+        ("bytes_storage", ctypes.c_int64),
+        ("read_us", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
+        ("host_used", ctypes.c_int64),
+        ("host_evictions", ctypes.c_int64),
+        ("slab_bytes", ctypes.c_int64),
+        ("direct_io", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("locked", ctypes.c_int32),
+        ("io_threads", ctypes.c_int32),
+        ("major_faults", ctypes.c_int64),
+        ("rss_peak", ctypes.c_int64),
+        ("streamed", ctypes.c_int64),
+        ("bytes_streamed", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);
+@ctypes_function("llama_vis_moe_get_io_stats", [llama_context_p, ctypes.POINTER(llama_vis_moe_io_stats)],
+                 ctypes.c_int32)
+def llama_vis_moe_get_io_stats(ctx, out) -> int:
+    """Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache."""
+
+
+# struct llama_vis_mem_info {
+#     int64_t mem_total;       // MemTotal
+#     int64_t mem_available;   // MemAvailable
+#     int64_t swap_total;      // SwapTotal
+#     int64_t swap_free;       // SwapFree
+#     int64_t zram_bytes;      // memory used by zram swap devices (0 if none)
+#     int64_t cgroup_limit;    // tightest memory limit over our cgroup and its parents (v1 or v2), -1 if none
+#     int64_t cgroup_usage;    // usage of the cgroup holding that limit (page cache included), -1 if unknown
+#     int32_t cgroup_version;  // 2, 1, or 0 if no memory cgroup was found
+#     int64_t rss;             // VmRSS of this process
+#     int64_t rss_peak;        // VmHWM of this process
+#     int64_t major_faults;    // major page faults of this process so far
+#     int64_t limit;           // min(cgroup_limit, MemTotal): what the process may ever use
+#     int64_t available;       // min(cgroup_limit - cgroup_usage + rss, MemAvailable + rss): what it may use now
+# };
+class llama_vis_mem_info(ctypes.Structure):
+    _fields_ = [
+        ("mem_total", ctypes.c_int64),
+        ("mem_available", ctypes.c_int64),
+        ("swap_total", ctypes.c_int64),
+        ("swap_free", ctypes.c_int64),
+        ("zram_bytes", ctypes.c_int64),
+        ("cgroup_limit", ctypes.c_int64),
+        ("cgroup_usage", ctypes.c_int64),
+        ("cgroup_version", ctypes.c_int32),
+        ("rss", ctypes.c_int64),
+        ("rss_peak", ctypes.c_int64),
+        ("major_faults", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("available", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out);
+@ctypes_function("llama_vis_mem_probe", [ctypes.POINTER(llama_vis_mem_info)], ctypes.c_int32)
+def llama_vis_mem_probe(out) -> int:
+    """What this machine gives us."""
+
+
+# struct llama_vis_moe_plan_request {
+#     int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available)
+#     int64_t resident_bytes;    // weights that stay resident (everything but the managed experts)
+#     int64_t kv_bytes;          // KV cache
+#     int64_t reserve_bytes;     // compute buffers, runtime and slack
+#     int64_t expert_bytes;      // one expert of one managed layer (gate + up + down)
+#     int32_t n_managed_layers;  // MoE layers after the pinned prefix
+#     int32_t n_expert;
+#     int32_t n_expert_used;     // top-k
+#     int32_t unified;           // 1: slabs live in the same memory (CPU, Jetson); 0: discrete GPU
+#     int64_t device_bytes;      // discrete GPU: device memory for slabs (ignored when unified)
+#     int64_t host_mib;          // explicit tier-2 budget; -1: plan it
+#     int32_t n_slots;           // explicit slots per layer; 0: plan them
+#     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
+# };
+class llama_vis_moe_plan_request(ctypes.Structure):
+    _fields_ = [
+        ("budget", ctypes.c_int64),
+        ("resident_bytes", ctypes.c_int64),
+        ("kv_bytes", ctypes.c_int64),
+        ("reserve_bytes", ctypes.c_int64),
+        ("expert_bytes", ctypes.c_int64),
+        ("n_managed_layers", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("device_bytes", ctypes.c_int64),
+        ("host_mib", ctypes.c_int64),
+        ("n_slots", ctypes.c_int32),
+        ("no_staging", ctypes.c_int32),
+    ]
+
+
+# struct llama_vis_moe_plan {
+#     int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
+#     int32_t n_slots;           // slots per managed layer (n_expert: everything resident)
+#     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
+#     int64_t host_bytes;        // tier 2
+#     int64_t budget;            // the budget planned for
+#     int64_t fixed_bytes;       // resident weights + KV + reserve
+#     int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
+#     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
+#     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
+#     int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs
+# };
+# (the struct shares its name with the function below: in Python it is struct_llama_vis_moe_plan)
+class struct_llama_vis_moe_plan(ctypes.Structure):
+    _fields_ = [
+        ("ok", ctypes.c_int32),
+        ("n_slots", ctypes.c_int32),
+        ("slab_bytes", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
+        ("budget", ctypes.c_int64),
+        ("fixed_bytes", ctypes.c_int64),
+        ("min_budget", ctypes.c_int64),
+        ("file_only_bytes", ctypes.c_int64),
+        ("tight_budget", ctypes.c_int64),
+        ("pageable_bytes", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
+@ctypes_function("llama_vis_moe_plan", [ctypes.POINTER(llama_vis_moe_plan_request),
+                                        ctypes.POINTER(struct_llama_vis_moe_plan)], ctypes.c_int32)
+def llama_vis_moe_plan(req, out) -> int:
+    """How one memory budget splits over resident weights, KV cache, compute, slabs and the host cache."""
+
+
+# LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,
+#                                                  int64_t n_expert_used, int64_t n_ff_exp);
+@ctypes_function("llama_vis_moe_estimate_reserve",
+                 [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)
+def llama_vis_moe_estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int,
+                                   n_ff_exp: int) -> int:
+    """The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes): bytes."""
+
+
+# LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_context_reserve", [llama_context_p], ctypes.c_int64)
+def llama_vis_moe_context_reserve(ctx) -> int:
+    """The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan."""
+
+
+# ---------------------------------------------------------------------------
+# Visual-token pruning support: encoder saliency
+# ---------------------------------------------------------------------------
+# LLAMA_API int32_t llama_vis_mtmd_saliency_enable(const struct mtmd_context * ctx, int32_t n_layers);
+@ctypes_function("llama_vis_mtmd_saliency_enable", [mtmd_context_p, ctypes.c_int32], ctypes.c_int32)
+def llama_vis_mtmd_saliency_enable(ctx, n_layers: int) -> int:
+    """Ask for saliency (ctx NULL: the process-wide default). n_layers 0 = off. 0, or -1 if n_layers < 0."""
+
+
+# LLAMA_API int32_t llama_vis_mtmd_get_saliency(const struct mtmd_context * ctx, float * out, int32_t n_max);
+@ctypes_function("llama_vis_mtmd_get_saliency", [mtmd_context_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_vis_mtmd_get_saliency(ctx, out, n_max: int) -> int:
+    """Scores of the last image chunk encoded by ctx, min-max normalised. The count, or -1."""
+
+
+# LLAMA_API int32_t llama_vis_mtmd_get_saliency_raw(const struct mtmd_context * ctx, float * out, int32_t n_max);
+@ctypes_function("llama_vis_mtmd_get_saliency_raw", [mtmd_context_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_vis_mtmd_get_saliency_raw(ctx, out, n_max: int) -> int:
+    """Same scores before normalisation."""
+
+
+# Hooks called by libmtmd (patch 0010); not for applications, mirrored for completeness.
+# LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(const struct mtmd_context * ctx);
+@ctypes_function("llama_vis_mtmd_saliency_attach", [mtmd_context_p], vis_saliency_state_p)
+def llama_vis_mtmd_saliency_attach(ctx):
+    ...
+
+
+# LLAMA_API void llama_vis_mtmd_saliency_begin(struct vis_saliency_state * st);
+@ctypes_function("llama_vis_mtmd_saliency_begin", [vis_saliency_state_p], None)
+def llama_vis_mtmd_saliency_begin(st) -> None:
+    ...
+
+
+# LLAMA_API void llama_vis_mtmd_saliency_end(struct vis_saliency_state * st, bool ok);
+@ctypes_function("llama_vis_mtmd_saliency_end", [vis_saliency_state_p, ctypes.c_bool], None)
+def llama_vis_mtmd_saliency_end(st, ok: bool) -> None:
+    ...
+
+
+# LLAMA_API bool llama_vis_clip_saliency_active(void);
+@ctypes_function("llama_vis_clip_saliency_active", [], ctypes.c_bool)
+def llama_vis_clip_saliency_active() -> bool:
+    ...
+
+
+# LLAMA_API bool llama_vis_clip_saliency_layer(const char * projector, int il, int n_layer);
+@ctypes_function("llama_vis_clip_saliency_layer", [ctypes.c_char_p, ctypes.c_int, ctypes.c_int], ctypes.c_bool)
+def llama_vis_clip_saliency_layer(projector: bytes, il: int, n_layer: int) -> bool:
+    ...
+
+
+# LLAMA_API void llama_vis_clip_saliency_collect(struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_tensor * kq, int il);
+@ctypes_function("llama_vis_clip_saliency_collect", [ggml_context_p, ggml_cgraph_p, ggml_tensor_p, ctypes.c_int], None)
+def llama_vis_clip_saliency_collect(ctx, gf, kq, il: int) -> None:
+    ...
+
+
+# LLAMA_API void llama_vis_clip_saliency_attn(struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_tensor * q,
+#                                             struct ggml_tensor * k, struct ggml_tensor * kq_mask, float kq_scale,
+#                                             struct ggml_tensor * sinks, int il);
+@ctypes_function("llama_vis_clip_saliency_attn", [ggml_context_p, ggml_cgraph_p, ggml_tensor_p, ggml_tensor_p,
+                                                  ggml_tensor_p, ctypes.c_float, ggml_tensor_p, ctypes.c_int], None)
+def llama_vis_clip_saliency_attn(ctx, gf, q, k, kq_mask, kq_scale: float, sinks, il: int) -> None:
+    ...
+
+
+# LLAMA_API void llama_vis_clip_saliency_fetch(struct ggml_cgraph * gf, int n_tokens_out);
+@ctypes_function("llama_vis_clip_saliency_fetch", [ggml_cgraph_p, ctypes.c_int], None)
+def llama_vis_clip_saliency_fetch(gf, n_tokens_out: int) -> None:
+    ...
+
+
+# ---------------------------------------------------------------------------
+# Visual-token pruning support: prefix-layer evaluation and routing capture
+# ---------------------------------------------------------------------------
+# LLAMA_API int32_t llama_vis_set_layer_limit(struct llama_context * ctx, int32_t n_layers);
+@ctypes_function("llama_vis_set_layer_limit", [llama_context_p, ctypes.c_int32], ctypes.c_int32)
+def llama_vis_set_layer_limit(ctx, n_layers: int) -> int:
+    """From the next llama_decode on, evaluate only layers 0..n_layers-1 (0 = off). 0, or -1."""
+
+
+# LLAMA_API int32_t llama_vis_get_layer_limit(const struct llama_context * ctx);
+@ctypes_function("llama_vis_get_layer_limit", [llama_context_p], ctypes.c_int32)
+def llama_vis_get_layer_limit(ctx) -> int:
+    ...
+
+
+# LLAMA_API int32_t llama_vis_moe_capture(struct llama_context * ctx, int32_t on);
+@ctypes_function("llama_vis_moe_capture", [llama_context_p, ctypes.c_int32], ctypes.c_int32)
+def llama_vis_moe_capture(ctx, on: int) -> int:
+    """on = 1: capture the routed expert ids of every MoE layer (clears earlier captures); on = 0: stop and free."""
+
+
+# LLAMA_API void    llama_vis_moe_capture_reset(struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_capture_reset", [llama_context_p], None)
+def llama_vis_moe_capture_reset(ctx) -> None:
+    ...
+
+
+# LLAMA_API int32_t llama_vis_moe_get_routes(const struct llama_context * ctx, int32_t il, int32_t * ids, int32_t n_max);
+@ctypes_function("llama_vis_moe_get_routes", [llama_context_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                                              ctypes.c_int32], ctypes.c_int32)
+def llama_vis_moe_get_routes(ctx, il: int, ids, n_max: int) -> int:
+    """Routes of layer il since the last reset: row-major [n_rows][k]. n_rows, or -1 (capture off, il out of range)."""
+
+
+# LLAMA_API int32_t llama_vis_moe_routes_k(const struct llama_context * ctx, int32_t il);
+@ctypes_function("llama_vis_moe_routes_k", [llama_context_p, ctypes.c_int32], ctypes.c_int32)
+def llama_vis_moe_routes_k(ctx, il: int) -> int:
+    """k (ids per row) of layer il's capture; 0 if nothing was captured."""

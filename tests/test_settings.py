@@ -1,0 +1,174 @@
+"""pyvis.runtime from Python: the ctypes mirror against src/llama-vis.h, settings applied per call and thread
+(the caller's own settings survive, threads do not see each other's), errors of the failing call only, and
+integers checked before they reach C (issue #12: items 2, 3, 4)."""
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+import pyvis.moe as moe
+from pyvis.runtime import capi, native, settings
+from pyvis.runtime.settings import MoeParams, TierParams, applied
+
+HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
+CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "const char *": ctypes.c_char_p}
+KW = dict(n_ctx=64, n_threads=2, verbose=False)
+
+
+def _header():
+    text = re.sub(r"//[^\n]*", "", HEADER.read_text())
+    structs = {m.group(1): re.findall(r"(int32_t|int64_t|const char \*)\s*(\w+);", m.group(2))
+               for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
+    funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
+    return structs, funcs
+
+
+def test_the_mirror_is_the_header():
+    """Every struct of llama-vis.h with its fields in order and their C types, every function, nothing more."""
+    structs, funcs = _header()
+    assert len(structs) >= 9 and len(funcs) >= 40
+    for name, cfields in structs.items():
+        cls = getattr(capi, f"struct_{name}", None) or getattr(capi, name)   # struct_: named like a function
+        assert [(n, CTYPES[t]) for t, n in cfields] == list(cls._fields_), name
+    bound = {n for n in dir(capi) if n.startswith("llama_vis_") and callable(getattr(capi, n))
+             and not isinstance(getattr(capi, n), type)}
+    assert bound == set(funcs)
+    src = Path(capi.__file__).read_text()
+    for f in funcs:       # the C declaration is written above each binding
+        assert re.search(rf"# LLAMA_API [^\n]*\b{f}\(", src), f
+
+
+def test_every_settings_field_is_a_flag_of_the_c_table():
+    rows = {f.name: f for f in native.flags()}
+    fields = [f.name for cls in (MoeParams, TierParams) for f in __import__("dataclasses").fields(cls)]
+    assert {settings.flag_of(f) for f in fields} == set(rows) - {"--moe-stream-passes"}   # env/flag only
+    assert all(rows[n].env.startswith("VIS_MOE_") and rows[n].help for n in rows)
+
+
+def test_caller_settings_survive_a_load(fixture_dir):
+    """Process-wide settings made before pyvis.moe.load are in force after it (the old load reset them to the
+    environment's), and so is the calling thread's own override."""
+    path = fixture_dir / "qwen3moe.gguf"
+    settings.set_params(MoeParams(slots=8, pinned_layers=1))
+    settings.set_tier_params(TierParams(io_threads=3, host_mib=2))
+    try:
+        llm = moe.load(path, slots=4, io_threads=1, **KW)
+        assert moe.stats(llm).n_slots == 4                       # the load used its own
+        assert settings.get_params() == MoeParams(slots=8, pinned_layers=1)
+        assert settings.get_tier_params() == TierParams(io_threads=3, host_mib=2)
+        assert not capi.llama_vis_moe_thread_params_active()
+        with applied(MoeParams(slots=6), TierParams(io_threads=5)):
+            llm = moe.load(path, slots=4, **KW)
+            assert moe.stats(llm).n_slots == 4
+            assert settings.get_params().slots == 6 and settings.get_tier_params().io_threads == 5
+            assert capi.llama_vis_moe_thread_params_active()
+        assert settings.get_params().slots == 8 and not capi.llama_vis_moe_thread_params_active()
+    finally:
+        settings.set_params(None)
+        settings.set_tier_params(None)
+
+
+def test_a_failed_load_restores_too(fixture_dir):
+    settings.set_params(MoeParams(slots=5))
+    try:
+        with pytest.raises(native.VisError, match="--moe-pinned-layers 7 exceeds"):
+            moe.load(fixture_dir / "qwen3moe.gguf", slots=8, pinned_layers=7, **KW)
+        assert settings.get_params().slots == 5 and not capi.llama_vis_moe_thread_params_active()
+    finally:
+        settings.set_params(None)
+
+
+def test_threads_loading_at_once_keep_their_own_settings(fixture_dir):
+    """Two threads load with different settings at the same time, several rounds: each gets its own."""
+    path = fixture_dir / "qwen3moe.gguf"
+    rounds = 4
+    barrier = threading.Barrier(2)
+    got: dict[str, list] = {"cached": [], "plain": []}
+    errors = []
+
+    def worker(name, kw):
+        try:
+            for _ in range(rounds):
+                barrier.wait(timeout=60)
+                llm = moe.load(path, **kw, **KW)
+                st = moe.stats(llm)
+                got[name].append(st.n_slots if st else None)
+                del llm
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    ts = [threading.Thread(target=worker, args=("cached", dict(slots=4))),
+          threading.Thread(target=worker, args=("plain", {}))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert got == {"cached": [4] * rounds, "plain": [None] * rounds}
+
+
+def test_errors_belong_to_the_failing_call(fixture_dir, tmp_path):
+    """A failed load's message is not reported again by a later failure of another kind."""
+    with pytest.raises(native.VisError, match="--moe-slots must be in 0..65536"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=-1, **KW)
+    with pytest.raises(native.VisError, match="--moe-pinned-layers 7 exceeds"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, pinned_layers=7, **KW)
+    with pytest.raises(Exception) as e:
+        moe.load(tmp_path / "nonexistent.gguf", **KW)
+    assert "--moe" not in str(e.value)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(Exception) as e:
+        moe.load(bad, slots=4, **KW)
+    assert "--moe" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(slots=2 ** 32), r"slots \(--moe-slots\) = 4294967296 is out of range: the C argument is an int32_t"),
+    (dict(slots=2 ** 32 + 4), r"slots \(--moe-slots\) = 4294967300"),
+    (dict(pinned_layers=-2 ** 31 - 1), r"pinned_layers \(--moe-pinned-layers\) = -2147483649"),
+    (dict(cache_mib=2 ** 63), r"cache_mib \(--moe-cache-mib\) = 9223372036854775808 .* int64_t"),
+    (dict(mem=2 ** 64), r"mem \(--moe-mem\) = 18446744073709551616"),
+    (dict(host_mib=-2 ** 63 - 1), r"host_mib \(--moe-host-mib\)"),
+    (dict(io_threads=2 ** 31), r"io_threads \(--moe-io-threads\) = 2147483648"),
+    (dict(slots=1.5), r"slots \(--moe-slots\) must be an integer, got 1.5"),
+    (dict(mem="lots"), r"mem \(--moe-mem\) must be an integer, got 'lots'"),
+    (dict(direct_io="maybe"), r"direct_io \(--moe-direct-io\) must be auto, on or off"),
+    (dict(store="disk"), r"store \(--moe-store\) must be 'file' or 'model'"),
+    (dict(slots=70000), r"--moe-slots must be in 0..65536"),                      # in int32_t: the C range
+    (dict(io_threads=0), r"--moe-io-threads must be in 1..64"),
+])
+def test_integers_are_checked_before_they_reach_c(fixture_dir, kw, needle):
+    settings.set_params(MoeParams(slots=3))
+    try:
+        with pytest.raises(native.VisError, match=needle):
+            moe.load(fixture_dir / "qwen3moe.gguf", **kw, **KW)
+        assert settings.get_params().slots == 3          # nothing half-applied
+    finally:
+        settings.set_params(None)
+
+
+def test_native_arguments_are_range_checked(fixture_dir):
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=8, **KW)
+    for call, name in [(lambda: native.set_layer_limit(llm, 2 ** 32), "n_layers"),
+                       (lambda: native.saliency_enable(None, 2 ** 32 + 1), "n_layers"),
+                       (lambda: native.moe_stats(llm, 2 ** 32 - 1), "layer"),
+                       (lambda: native.moe_routes(llm, -2 ** 31 - 1), "layer"),
+                       (lambda: native.estimate_reserve(2 ** 63, 1, 1, 1, 1), "n_ubatch"),
+                       (lambda: native.plan(budget=1 << 30, reserve_bytes=0, n_expert=2 ** 31), "n_expert")]:
+        with pytest.raises(native.VisError, match=rf"{name} = -?\d+ is out of range"):
+            call()
+    assert native.get_layer_limit(llm) == 0
+
+
+def test_missing_symbol_is_an_error_when_called_not_at_import():
+    @capi.ctypes_function("llama_vis_no_such_function", [], ctypes.c_int32)
+    def llama_vis_no_such_function() -> int:
+        """A function a newer header might declare."""
+    with pytest.raises(capi.MissingSymbol, match="llama_vis_no_such_function is missing from .*Rebuild"):
+        llama_vis_no_such_function()
