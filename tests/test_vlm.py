@@ -96,10 +96,7 @@ def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     assert p.n_past == t.pos.max() + 1
 
 
-PROBES = ["shadow"] + (["native"] if vlm.session.native_layer_limit_available() else [])
-
-
-@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("probe", ["shadow", "native"])
 @pytest.mark.parametrize("prefix_layers", [1, 2])
 def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, prefix_layers):
     tr = tmp_path / "full.trace"
@@ -129,7 +126,6 @@ def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, 
     assert p.images[1].prefix_ids.shape == (prefix_layers, 20, 4)
 
 
-@pytest.mark.skipif(len(PROBES) < 2, reason="this build has no native layer limit")
 def test_native_probe_equals_shadow_probe(files):
     prompt = f"{M.mtmd_default_marker().decode()} and {M.mtmd_default_marker().decode()}: " + PROMPT
     imgs = [files["big"], files["img"]]

@@ -355,7 +355,7 @@ def _common_prune_args(s, moe_trace: bool = False, many_alphas: bool = False) ->
     g.add_argument("--prefix-layers", type=int, default=1,
                    help="affinity: MoE layers whose routing defines a token's expert set (default: 1)")
     g.add_argument("--saliency", default="auto", choices=["auto", "attention", "entropy"],
-                   help="saliency source: auto = encoder attention when the build has it, else entropy")
+                   help="saliency source: auto = encoder attention when the projector supports it, else entropy")
     g.add_argument("--seed", type=int, default=0, help="seed of the random method and of sampling (default: 0)")
     g.add_argument("--no-chat-template", action="store_true", help="use the prompt as is (default: apply the "
                    "model's chat template, as llama-mtmd-cli does)")

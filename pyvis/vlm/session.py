@@ -29,16 +29,18 @@ those of upstream's ``mtmd_helper_eval_chunks``, so the logits are byte-identica
 (tests/test_vlm.py).
 
 Scores: ``entropy`` (MACS, from the output embeddings, numpy), ``saliency`` (the vision encoder's
-head-averaged attention received per merged patch, from the native side when this build has
-it; otherwise the entropy score stands in and ``ImageReport.saliency_source`` says so), ``random``.
+head-averaged attention received per merged patch, from the native side; with ``saliency="auto"`` a
+projector without saliency support gets the entropy score instead, and ``ImageReport.saliency_source``
+says so), ``random``.
 
 Expert affinity (``method="affinity"``): each image token's experts in the first
-``prefix_layers`` MoE layers.  With the native layer limit (``llama_vis_set_layer_limit``) the full
-image is run through only those layers of the same context, their routing is captured, and the
-probe's KV is dropped with ``llama_memory_seq_rm``.  Without it, a *shadow* context of the same
-model (no expert cache, routing trace on) mirrors every decode of the prompt and runs the full image
-through the whole model; only its prefix layers' routing is used.  Both give the routing of the
-full image in the same left context; the shadow costs a full-model forward instead of a prefix one.
+``prefix_layers`` MoE layers.  The *native* probe (default) runs the full image through only those
+layers of the same context with the layer limit (``llama_vis_set_layer_limit``), captures their
+routing, and drops the probe's KV with ``llama_memory_seq_rm``.  The *shadow* probe (``probe="shadow"``)
+uses a second context of the same model (no expert cache, routing trace on) that mirrors every decode
+of the prompt and runs the full image through the whole model; only its prefix layers' routing is
+used.  Both give the routing of the full image in the same left context; the shadow costs a
+full-model forward instead of a prefix one.
 """
 from __future__ import annotations
 
@@ -66,23 +68,6 @@ SALIENCY_SOURCES = ("auto", "attention", "entropy")
 
 class VLMError(RuntimeError):
     """A user-facing error of the multimodal path (bad image, no vision support, decode failure)."""
-
-
-# --------------------------------------------------------------------------
-# native additions (optional: used when this libllama/libmtmd has them)
-# --------------------------------------------------------------------------
-def _native_has(*names: str) -> bool:
-    return all(callable(getattr(_native, n, None)) for n in names)
-
-
-def native_saliency_available() -> bool:
-    """The build has the encoder-saliency functions (docs/vlm-native-api.md section 1)."""
-    return _native_has("saliency_enable", "mtmd_saliency")
-
-
-def native_layer_limit_available() -> bool:
-    """The build has the layer limit and in-memory routing capture (docs/vlm-native-api.md 2-3)."""
-    return _native_has("set_layer_limit", "moe_capture", "moe_routes")
 
 
 # --------------------------------------------------------------------------
@@ -558,8 +543,8 @@ class Session:
         keep_ratio  beta in (0, 1]: keep floor(beta N) tokens of each image (at least ``min_keep``)
         alpha, lam  Algorithm 1's salient-core ratio and trade-off weight
         prefix_layers  MoE layers whose routing defines a token's expert set (affinity)
-        saliency    auto (encoder attention if the build has it, else entropy) | attention | entropy
-        probe       auto | native | shadow: how the affinity probe runs (module doc)
+        saliency    auto (encoder attention if the projector supports it, else entropy) | attention | entropy
+        probe       auto (= native) | native | shadow: how the affinity probe runs (module doc)
         """
         images = [str(i) for i in images]
         if method not in prune.METHODS:
@@ -570,9 +555,6 @@ class Session:
             raise VLMError(str(e)) from e
         if saliency not in SALIENCY_SOURCES:
             raise VLMError(f"unknown saliency source {saliency!r} (choose from {', '.join(SALIENCY_SOURCES)})")
-        if saliency == "attention" and not native_saliency_available():
-            raise VLMError("encoder-attention saliency is not available in this build "
-                           "(use --saliency entropy or auto)")
         if probe not in ("auto", "native", "shadow"):
             raise VLMError(f"unknown probe {probe!r} (auto, native, shadow)")
         pruning = method != "none" and keep_ratio < 1.0
@@ -580,9 +562,7 @@ class Session:
         if pruning and method == "affinity":
             if not (1 <= prefix_layers <= self.info.n_moe_layers):
                 raise VLMError(f"prefix_layers must be in 1..{self.info.n_moe_layers}, got {prefix_layers}")
-            if probe == "native" and not native_layer_limit_available():
-                raise VLMError("the native prefix probe (llama_vis_set_layer_limit) is not in this build")
-            use_shadow = probe == "shadow" or not native_layer_limit_available()
+            use_shadow = probe == "shadow"
         T: dict[str, float] = {k: 0.0 for k in ("tokenize", "encode", "score", "probe", "select",
                                                  "decode_image", "decode_text")}
         t_all = time.perf_counter()
@@ -660,7 +640,7 @@ class Session:
         nx, ny = int(M.mtmd_image_tokens_get_nx(it)), int(M.mtmd_image_tokens_get_ny(it))
         tm: dict[str, float] = {}
         t0 = time.perf_counter()
-        want_attn = method in ("saliency", "affinity") and saliency != "entropy" and native_saliency_available()
+        want_attn = method in ("saliency", "affinity") and saliency != "entropy"
         attn = None
         if want_attn:      # saliency only for this encode: other encodes stay upstream's graph
             _native.saliency_enable(self.mctx, self.saliency_layers)
