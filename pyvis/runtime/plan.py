@@ -2,9 +2,10 @@
 
     pyvis plan MODEL.gguf [--budget auto|MIB] [-c N] [--pinned L] [--slots N] [--host-mib N] [--device-mib N]
 
-Reads only the GGUF header (no weights) and asks the same two C functions the
+Reads only the GGUF header (no weights) and asks the same C functions the
 runtime uses for `--moe-mem` (src/vis-moe-plan.cpp): `llama_vis_mem_probe`
-(cgroup v1/v2 limit, MemAvailable, swap, zram) and `llama_vis_moe_plan`.
+(cgroup v1/v2 limit, MemAvailable, swap, zram), `llama_vis_moe_estimate_reserve`
+(compute buffers) and `llama_vis_moe_plan`, so the plan is the runtime's.
 See docs/paging.md.
 """
 from __future__ import annotations
@@ -17,6 +18,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MIB = 1 << 20
+_I32 = (1 << 31) - 1
+_MAX_MIB = ((1 << 63) - 1) // MIB
+
+# the ranges of make_plan's arguments: (lo, hi, the CLI option, note); argparse checks the options with them
+RANGES = {
+    "budget_mib": (1, _MAX_MIB, "--budget", " MiB (or auto)"),
+    "n_ctx": (1, _I32, "-c/--ctx-size", ""),
+    "n_ubatch": (1, _I32, "-ub/--ubatch-size", ""),
+    "pinned": (-1, _I32, "--pinned", " (-1 = all)"),
+    "slots": (0, _I32, "--slots", " (0 = planned)"),
+    "host_mib": (-1, _MAX_MIB, "--host-mib", " (-1 = planned)"),
+    "device_mib": (1, _MAX_MIB, "--device-mib", ""),
+}
+
+
+def _range_text(key: str) -> str:
+    lo, hi, _, note = RANGES[key]
+    return f"an integer in {lo}..{hi}{note}"
+
+
+def check_args(**kw) -> None:
+    """ValueError naming the option and its range for an argument of make_plan outside RANGES (None: not given)."""
+    for key, v in kw.items():
+        lo, hi, opt, _ = RANGES[key]
+        if v is not None and not (isinstance(v, int) and lo <= v <= hi):
+            raise ValueError(f"{opt} must be {_range_text(key)}, got {v!r}")
+
+
+def _option(key: str, words: tuple[str, ...] = ()):
+    """argparse type of one RANGES option: an integer in its range, or one of ``words``."""
+    def parse(s: str):
+        if s in words:
+            return s
+        try:
+            v = int(s)
+            check_args(**{key: v})
+            return v
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_range_text(key)}, got {s!r}") from None
+    return parse
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
@@ -98,8 +139,9 @@ def read_shape(path: str | Path) -> ModelShape:
 
 
 def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
-    """Compute buffers + runtime, the same estimate as estimate_reserve() in src/vis-moe-cache.cpp."""
-    return n_ubatch * 4 * (s.n_vocab + 6 * s.n_embd + 3 * s.n_expert_used * s.n_ff_exp) + 64 * MIB
+    """Compute buffers + runtime: the runtime's own estimate (llama_vis_moe_estimate_reserve)."""
+    from . import native
+    return native.estimate_reserve(n_ubatch, s.n_vocab, s.n_embd, s.n_expert_used, s.n_ff_exp)
 
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
@@ -108,6 +150,8 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
     None = whether this build has one."""
     from . import native as _native
+    check_args(budget_mib=budget_mib, n_ctx=n_ctx, n_ubatch=n_ubatch, pinned=pinned, slots=slots, host_mib=host_mib,
+               device_mib=device_mib)
     if gpu is None:
         import llama_cpp
         gpu = device_mib is not None or bool(llama_cpp.llama_supports_gpu_offload())
@@ -145,7 +189,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    budget = None if args.budget == "auto" else int(args.budget)
+    budget = None if args.budget == "auto" else args.budget
     mem = _native.mem_probe()
     try:
         p = make_plan(shape, budget_mib=budget, n_ctx=args.ctx_size, n_ubatch=args.ubatch_size, pinned=args.pinned,
@@ -205,13 +249,17 @@ def register(sub) -> None:
                        "limit or MemAvailable with --budget auto), resident weights, KV cache, compute, tier-1 "
                        "slabs, tier-2 host cache and what stays on the file. Same planner as `--moe-mem`.")
     s.add_argument("model", help="GGUF model")
-    s.add_argument("--budget", default="auto", help="memory budget in MiB, or auto (default: auto)")
-    s.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
-    s.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default: 512)")
-    s.add_argument("--pinned", type=int, default=0, help="MoE layers kept fully resident (-1 = all; default: 0)")
-    s.add_argument("--slots", type=int, default=0, help="fixed slots per managed layer (default: planned)")
-    s.add_argument("--host-mib", type=int, default=-1, help="fixed host-cache size in MiB (default: planned)")
-    s.add_argument("--device-mib", type=int, default=None,
+    s.add_argument("--budget", default="auto", type=_option("budget_mib", ("auto",)),
+                   help="memory budget in MiB, or auto (default: auto)")
+    s.add_argument("-c", "--ctx-size", type=_option("n_ctx"), default=4096, help="context size in tokens (default: 4096)")
+    s.add_argument("-ub", "--ubatch-size", type=_option("n_ubatch"), default=512,
+                   help="physical batch size (default: 512)")
+    s.add_argument("--pinned", type=_option("pinned"), default=0,
+                   help="MoE layers kept fully resident (-1 = all; default: 0)")
+    s.add_argument("--slots", type=_option("slots"), default=0, help="fixed slots per managed layer (default: planned)")
+    s.add_argument("--host-mib", type=_option("host_mib"), default=-1,
+                   help="fixed host-cache size in MiB (default: planned)")
+    s.add_argument("--device-mib", type=_option("device_mib"), default=None,
                    help="discrete GPU: device memory for slabs in MiB (default: unified memory, CPU or Jetson)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)
