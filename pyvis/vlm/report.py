@@ -150,7 +150,7 @@ def write_heatmaps(panels: dict[str, np.ndarray], path: str | Path, title: str =
 def _split_trace(p, path):
     """Decode trace (without the prefix probe) -> (text ids [L, Nt, k], image ids [L, Ni, k], layers),
     full layers only."""
-    from .session import read_decode_trace
+    from .probe import read_decode_trace
     t = read_decode_trace(p, path)
     ids, layers = t.routes()
     modality = t.for_layer(int(layers[0])).modality       # the same rows, in the same order, in every full layer

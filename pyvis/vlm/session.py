@@ -47,27 +47,24 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from . import prune
 from ..runtime import native as _native
 from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
-from ..runtime.settings import MoeParams, applied
+from ..runtime.settings import MoeParams
+from .context import Ctx, VLMError, check_file, ms
+from .image import ImageOptions, ImageReport, eval_image, next_position
+from .probe import Shadow
 
 from llama_cpp import llama_cpp as L  # noqa: E402
 from llama_cpp import mtmd_cpp as M  # noqa: E402
 from llama_cpp import _internals as I  # noqa: E402
 
 SALIENCY_SOURCES = ("auto", "attention", "entropy")
-
-
-class VLMError(RuntimeError):
-    """A user-facing error of the multimodal path (bad image, no vision support, decode failure)."""
 
 
 # --------------------------------------------------------------------------
@@ -91,27 +88,6 @@ def _set_quiet(quiet: bool) -> None:
 # --------------------------------------------------------------------------
 # results
 # --------------------------------------------------------------------------
-@dataclass
-class ImageReport:
-    """What happened to one image chunk."""
-    index: int                       # image number in the prompt (0-based)
-    n_tokens: int                    # N, image tokens before pruning
-    n_kept: int
-    nx: int
-    ny: int
-    n_pos: int                       # positions the image spans (M-RoPE: max(nx, ny))
-    pos_0: int                       # n_past at the image
-    kept: np.ndarray                 # kept token indices (sorted)
-    positions: np.ndarray            # [n_pos_per_embd, n_kept] positions they were decoded at
-    saliency_source: str = ""        # "attention", "entropy" or "" (not needed)
-    scores: dict = field(default_factory=dict)   # name -> [N] in [0, 1]
-    prefix_ids: np.ndarray | None = None         # [L, N, k] prefix routing (affinity)
-    timings_ms: dict = field(default_factory=dict)
-    probe: str = ""                              # "native", "shadow" or "" (no probe)
-    probe_trace_bytes: tuple | None = None       # (start, end) of the native probe's records in the --moe-trace file
-    core_coverage: float | None = None           # affinity: |E_target| / (prefix layers x n_expert)
-
-
 @dataclass
 class Prepared:
     """A context holding the evaluated prompt, ready to generate."""
@@ -159,47 +135,6 @@ class Prepared:
 # --------------------------------------------------------------------------
 # the session
 # --------------------------------------------------------------------------
-def _check_file(path, what: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise VLMError(f"{what} not found: {p}")
-    if p.stat().st_size == 0:
-        raise VLMError(f"{what} is empty (0 bytes): {p}")
-    return str(p)
-
-
-class _Ctx:
-    """A llama context (with its own llama_batch_ext) on the session's model."""
-
-    def __init__(self, model, params, moe: MoeParams | None, verbose: bool, borrowed=None):
-        if borrowed is not None:          # a context owned by someone else (a llama_cpp.Llama)
-            self.ctx, self.owned = borrowed, False
-            self.ptr = borrowed.ctx
-            self.batch = L.llama_batch_ext_init(self.ptr)
-            return
-        self.owned = True
-        with applied(moe or MoeParams()):     # this context only; the caller's settings stay
-            try:
-                self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
-            except ValueError as e:
-                err = _native.last_error()     # cleared by applied(): this creation's own error
-                raise VLMError(err or f"failed to create a llama context: {e}") from e
-        self.ptr = self.ctx.ctx
-        self.batch = L.llama_batch_ext_init(self.ptr)
-
-    def close(self):
-        if self.batch:
-            L.llama_batch_ext_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            if self.owned:
-                self.ctx.close()
-            self.ctx = None
-
-    def memory_clear(self):
-        L.llama_memory_clear(L.llama_get_memory(self.ptr), True)
-
-
 class Session:
     """A model, its mmproj (libmtmd) and a llama context, for pruned multimodal prompts.
 
@@ -217,8 +152,8 @@ class Session:
                  verbose: bool = False):
         llm = model_path if isinstance(model_path, llama_cpp.Llama) else None
         if llm is None:
-            model_path = _check_file(model_path, "model")
-        mmproj_path = _check_file(mmproj_path, "mmproj")
+            model_path = check_file(model_path, "model")
+        mmproj_path = check_file(mmproj_path, "mmproj")
         from llama_cpp import _logger
         if llm is None:
             _logger.set_verbose(verbose)
@@ -244,16 +179,15 @@ class Session:
         self.n_batch = int(n_batch)
         self.n_ubatch = int(n_ubatch or n_batch)
         self.n_ctx = int(n_ctx)
-        self._cparams = self._context_params()
+        self.n_embd_inp = int(L.llama_model_n_embd_inp(self.model.model))
         if llm is None:
             self.moe = moe
-            self.main = _Ctx(self.model, self._cparams, moe, verbose)
+            self.main = Ctx(self.model, self._context_params(), moe, verbose, self.n_batch, self.n_embd_inp)
         else:
-            self.main = _Ctx(None, None, None, verbose, borrowed=llm._ctx)
+            self.main = Ctx(None, None, None, verbose, self.n_batch, self.n_embd_inp, borrowed=llm._ctx)
             self.moe = moe if moe is not None else (MoeParams() if _native.moe_n_managed(self.main.ptr) else None)
         self.n_ctx = int(L.llama_n_ctx(self.main.ptr))     # llama.cpp may round the requested size up
-        self._shadow: _Ctx | None = None
-        self._shadow_trace: str | None = None
+        self._shadow: Shadow | None = None
         mcp = M.mtmd_context_params_default()
         mcp.use_gpu = use_gpu
         mcp.n_threads = nt
@@ -271,7 +205,6 @@ class Session:
             raise VLMError(f"{mmproj_path} has no vision encoder: image prompts are not supported")
         self.mrope = bool(M.mtmd_decode_use_mrope(self.mctx))
         self.n_pos_per_embd = 4 if self.mrope else 1
-        self.n_embd_inp = int(L.llama_model_n_embd_inp(self.model.model))
         self.n_embd = int(L.llama_model_n_embd(self.model.model))   # the main part of a row (entropy score)
         self.n_vocab = int(self.model.n_vocab())
         self.vocab = L.llama_model_get_vocab(self.model.model)
@@ -298,9 +231,6 @@ class Session:
             if x is not None:
                 x.close()
                 setattr(self, c, None)
-        if getattr(self, "_shadow_trace", None):
-            Path(self._shadow_trace).unlink(missing_ok=True)
-            self._shadow_trace = None
         if getattr(self, "model", None) is not None:
             if self._owns_model:
                 self.model.close()
@@ -316,7 +246,7 @@ class Session:
         """Drop the KV cache (the expert cache and its stats stay)."""
         self.main.memory_clear()
         if self._shadow is not None:
-            self._shadow.memory_clear()
+            self._shadow.ctx.memory_clear()
 
     # ---- input
     def format_prompt(self, prompt: str, n_images: int, chat_template: bool = True) -> str:
@@ -343,7 +273,7 @@ class Session:
     def load_bitmaps(self, images) -> list:
         out = []
         for img in images:
-            path = _check_file(img, "image")
+            path = check_file(img, "image")
             bm = M.mtmd_helper_bitmap_init_from_file(self.mctx, path.encode(), False)
             if not bm:
                 for b in out:
@@ -365,156 +295,30 @@ class Session:
                             2: "image preprocessing failed"}.get(r, f"mtmd_tokenize failed ({r})"))
         return chunks
 
-    # ---- batches
-    def _process(self, c: _Ctx, what: str) -> None:
-        r = L.llama_process(c.ptr, L.LLAMA_PROCESS_TYPE_DECODE, c.batch)
-        if r != 0:
-            err = _native.moe_failures(c.ptr)[1]     # this decode's failure in the expert cache, if it was one
-            raise VLMError(f"decoding {what} failed (llama_process returned {r})" + (f": {err}" if err else ""))
-
-    def _decode_text(self, c: _Ctx, tokens, n_past: int, logits_last: bool) -> int:
-        """Text tokens at explicit positions, in n_batch slices (mtmd_helper_eval_chunk_single)."""
-        n = len(tokens)
-        i = 0
-        pos = L.llama_pos(0)
-        while i < n:
-            L.llama_batch_ext_clear(c.batch)
-            idx = -1
-            n_added = 0
-            while i < n and n_added < self.n_batch:
-                idx = L.llama_batch_ext_add_token(c.batch, 0, int(tokens[i]))
-                if idx < 0:
-                    raise VLMError(f"llama_batch_ext_add_token failed ({idx})")
-                pos.value = n_past
-                L.llama_batch_ext_set_pos(c.batch, idx, ctypes.byref(pos))
-                n_past += 1
-                n_added += 1
-                i += 1
-            if logits_last and i == n:
-                L.llama_batch_ext_set_output_logits(c.batch, idx, True)
-            self._process(c, "text")
-        return n_past
-
-    def _decode_embd(self, c: _Ctx, rows: np.ndarray, pos: np.ndarray, non_causal: bool = False) -> None:
-        """Embedding rows [n, n_embd_inp] at positions [n_pos_per_embd, n], in n_batch slices
-        (mtmd_helper_decode_image_chunk's decode_embd_batch::render)."""
-        n = rows.shape[0]
-        if n == 0:
-            return
-        rows = np.ascontiguousarray(rows, np.float32)
-        base = rows.ctypes.data
-        stride = rows.strides[0]
-        p4 = (L.llama_pos * 4)()
-        fptr = ctypes.POINTER(ctypes.c_float)
-        if non_causal:
-            L.llama_set_causal_attn(c.ptr, False)
+    def prompt_chunks(self, prompt: str, images, chat_template: bool = True):
+        """``prompt`` with ``images`` (paths), formatted and tokenized: mtmd input chunks (free them)."""
+        bms = self.load_bitmaps(images)
         try:
-            for off in range(0, n, self.n_batch):
-                L.llama_batch_ext_clear(c.batch)
-                for i in range(off, min(n, off + self.n_batch)):
-                    e = L.llama_embd(ctypes.cast(base + i * stride, fptr), 1, self.n_embd_inp)
-                    idx = L.llama_batch_ext_add_embd(c.batch, 0, e)
-                    if idx < 0:
-                        raise VLMError(f"llama_batch_ext_add_embd failed ({idx})")
-                    for j in range(4):
-                        p4[j] = int(pos[j, i]) if j < pos.shape[0] else 0
-                    L.llama_batch_ext_set_pos(c.batch, idx, p4)
-                self._process(c, "image")
+            return self.tokenize(self.format_prompt(prompt, len(bms), chat_template), bms)
         finally:
-            if non_causal:
-                L.llama_set_causal_attn(c.ptr, True)
+            for b in bms:
+                M.mtmd_bitmap_free(b)
 
-    # ---- image helpers
-    def _image_positions(self, chunk, n_past: int, n: int) -> np.ndarray:
-        """[n_pos_per_embd, N] decoder positions of all N tokens of an image chunk, section-major."""
-        if not self.mrope:
-            return (n_past + np.arange(n, dtype=np.int64))[None, :]
-        it = M.mtmd_input_chunk_get_tokens_image(chunk)
-        if not it:
-            raise VLMError("image chunk without image tokens")
-        buf = (M.mtmd_decoder_pos * n)()
-        M.mtmd_helper_image_get_decoder_pos(it, n_past, buf)
-        a = np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint32)), shape=(n, 4)).astype(np.int64)
-        # struct order is (t, x, y, z); llama's section order is (t, y, x, z)
-        return np.stack([a[:, 0], a[:, 2], a[:, 1], a[:, 3]])
-
-    def _shadow_ctx(self) -> _Ctx:
+    def shadow(self) -> Shadow:
+        """The shadow context of the affinity probe (:mod:`pyvis.vlm.probe`), created on first use."""
         if self._shadow is None:
-            fd, path = tempfile.mkstemp(prefix="vis-probe-", suffix=".trace")
-            os.close(fd)
-            self._shadow_trace = path
-            self._shadow = _Ctx(self.model, self._context_params(), MoeParams(trace=path), self.verbose)
+            self._shadow = Shadow(self.model, self._context_params(), self.verbose, self.n_batch, self.n_embd_inp)
         return self._shadow
-
-    def _probe_prefix(self, rows: np.ndarray, pos: np.ndarray, n_past: int, n_layers: int, non_causal: bool,
-                      use_shadow: bool) -> np.ndarray:
-        """Routing ids [n_layers, N, k] of all N image rows in the first n_layers MoE layers."""
-        if not use_shadow:
-            return self._probe_native(rows, pos, n_past, n_layers, non_causal)
-        from ..runtime import trace as vtrace
-        sh = self._shadow_ctx()
-        off = Path(self._shadow_trace).stat().st_size
-        self._decode_embd(sh, rows, pos, non_causal)
-        data = Path(self._shadow_trace).read_bytes()
-        tr = vtrace.parse(data[:vtrace.HEADER_BYTES] + data[off:], self._shadow_trace)   # this probe's records
-        # drop the probe's KV: every image token shares section-0 position n_past (M-RoPE), or
-        # occupies n_past .. n_past+N-1
-        L.llama_memory_seq_rm(L.llama_get_memory(sh.ptr), 0, n_past, -1)
-        moe_layers = [int(x) for x in tr.layers()][:n_layers]
-        if len(moe_layers) < n_layers:
-            raise VLMError(f"the probe saw {len(moe_layers)} MoE layers, {n_layers} requested")
-        ids = []
-        for il in moe_layers:
-            t = tr.for_layer(il)
-            if len(t) != rows.shape[0]:
-                raise VLMError(f"probe: layer {il} routed {len(t)} rows for {rows.shape[0]} image tokens")
-            ids.append(t.ids)
-        return np.stack(ids)
 
     def moe_layers(self) -> list[int]:
         """Model layer indices of the MoE layers (first_moe_layer onwards)."""
         i = self.info
         return list(range(i.first_moe_layer, i.n_layer)) if i.first_moe_layer >= 0 else []
 
-    def _trace_size(self) -> int | None:
-        tr = self.moe.trace if self.moe is not None else None
-        return os.path.getsize(tr) if tr and os.path.exists(tr) else None
-
-    def _probe_native(self, rows, pos, n_past, n_layers, non_causal) -> np.ndarray:
-        """Run all image rows through only the layers up to the n_layers-th MoE layer of the main context,
-        capture their routing in memory, then drop the probe's KV (llama_memory_seq_rm)."""
-        c = self.main
-        self._last_probe_bytes = None
-        t_start = self._trace_size()
-        moe = self.moe_layers()[:n_layers]
-        limit = moe[-1] + 1
-        _native.moe_capture(c.ptr, True)
-        try:
-            _native.set_layer_limit(c.ptr, limit)
-            try:
-                self._decode_embd(c, rows, pos, non_causal)
-            finally:
-                _native.set_layer_limit(c.ptr, 0)
-            ids = [np.asarray(_native.moe_routes(c.ptr, il)) for il in moe]
-        finally:
-            _native.moe_capture(c.ptr, False)
-            L.llama_memory_seq_rm(L.llama_get_memory(c.ptr), 0, n_past, -1)
-            if t_start is not None:     # the trace is flushed after every ubatch
-                self._last_probe_bytes = (t_start, self._trace_size())
-        for il, x in zip(moe, ids):
-            if x.shape[0] != rows.shape[0]:
-                raise VLMError(f"probe: layer {il} routed {x.shape[0]} rows for {rows.shape[0]} image tokens")
-        return np.stack(ids).astype(np.int32)
-
     # ---- evaluation
     def eval_reference(self, prompt: str, images, chat_template: bool = True) -> tuple[np.ndarray, int]:
         """Upstream's path: ``mtmd_helper_eval_chunks`` on a cleared context. Returns (logits, n_past)."""
-        bms = self.load_bitmaps(images)
-        try:
-            chunks = self.tokenize(self.format_prompt(prompt, len(bms), chat_template), bms)
-        finally:
-            for b in bms:
-                M.mtmd_bitmap_free(b)
+        chunks = self.prompt_chunks(prompt, images, chat_template)
         try:
             self.reset()
             new_n_past = L.llama_pos(0)
@@ -563,25 +367,21 @@ class Session:
             if not (1 <= prefix_layers <= self.info.n_moe_layers):
                 raise VLMError(f"prefix_layers must be in 1..{self.info.n_moe_layers}, got {prefix_layers}")
             use_shadow = probe == "shadow"
+        opts = ImageOptions(method if pruning else "none", keep_ratio if pruning else 1.0, alpha, lam, prefix_layers,
+                            saliency, seed, min_keep, use_shadow, keep_scores)
         T: dict[str, float] = {k: 0.0 for k in ("tokenize", "encode", "score", "probe", "select",
                                                  "decode_image", "decode_text")}
         t_all = time.perf_counter()
         t0 = time.perf_counter()
-        bms = self.load_bitmaps(images)
-        try:
-            chunks = self.tokenize(self.format_prompt(prompt, len(bms), chat_template), bms)
-        finally:
-            for b in bms:
-                M.mtmd_bitmap_free(b)
-        T["tokenize"] = _ms(t0)
+        chunks = self.prompt_chunks(prompt, images, chat_template)
+        T["tokenize"] = ms(t0)
         n_need = int(M.mtmd_helper_get_n_tokens(chunks))
         if n_need + 1 > self.n_ctx:      # the probe holds a whole image in the KV cache, so count all tokens
             M.mtmd_input_chunks_free(chunks)
             raise VLMError(f"the prompt has {n_need} tokens (text + unpruned images) but the context holds "
                            f"{self.n_ctx}: raise the context size (-c)")
         self.reset()
-        if use_shadow:
-            self._shadow_ctx()
+        shadow = self.shadow().ctx if use_shadow else None
         if self.moe is not None:
             _native.moe_reset_stats(self.main.ptr)
         reports: list[ImageReport] = []
@@ -599,15 +399,13 @@ class Session:
                     toks = [ptr[i] for i in range(n_tok.value)]
                     t0 = time.perf_counter()
                     start = n_past
-                    n_past = self._decode_text(self.main, toks, start, last)
-                    T["decode_text"] += _ms(t0)
-                    if use_shadow:
-                        self._decode_text(self._shadow, toks, start, False)
+                    n_past = self.main.decode_text(toks, start, last)
+                    T["decode_text"] += ms(t0)
+                    if shadow:
+                        shadow.decode_text(toks, start, False)
                     n_text += len(toks)
                 elif ctype == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                    rep = self._eval_image(chunk, len(reports), n_past, keep_ratio if pruning else 1.0,
-                                           method if pruning else "none", alpha, lam, prefix_layers, saliency,
-                                           seed + len(reports), min_keep, use_shadow, keep_scores, T)
+                    rep = eval_image(self, chunk, len(reports), n_past, opts, T)
                     reports.append(rep)
                     n_past = next_position(rep.pos_0, rep.n_pos, rep.n_kept, self.mrope)
                     if progress:
@@ -618,9 +416,9 @@ class Session:
                                                         last, ctypes.byref(new))
                     if r != 0:
                         raise VLMError(f"audio chunk failed ({r})")
-                    if use_shadow:
+                    if shadow:
                         sh_past = L.llama_pos(n_past)
-                        M.mtmd_helper_eval_chunk_single(self.mctx, self._shadow.ptr, chunk, n_past, 0, self.n_batch,
+                        M.mtmd_helper_eval_chunk_single(self.mctx, shadow.ptr, chunk, n_past, 0, self.n_batch,
                                                         False, ctypes.byref(sh_past))
                     n_past = int(new.value)
             if n_chunks == 0:
@@ -628,86 +426,9 @@ class Session:
             logits = self._last_logits()
         finally:
             M.mtmd_input_chunks_free(chunks)
-        T["prefill"] = _ms(t_all)
+        T["prefill"] = ms(t_all)
         st = _native.moe_stats(self.main.ptr) if self.moe is not None else None
         return Prepared(self, n_past, logits, reports, n_text, method, keep_ratio, T, st)
-
-    def _eval_image(self, chunk, index, n_past, keep_ratio, method, alpha, lam, prefix_layers, saliency, seed,
-                    min_keep, use_shadow, keep_scores, T) -> ImageReport:
-        it = M.mtmd_input_chunk_get_tokens_image(chunk)
-        n = int(M.mtmd_input_chunk_get_n_tokens(chunk))
-        n_pos = int(M.mtmd_input_chunk_get_n_pos(chunk))
-        nx, ny = int(M.mtmd_image_tokens_get_nx(it)), int(M.mtmd_image_tokens_get_ny(it))
-        tm: dict[str, float] = {}
-        t0 = time.perf_counter()
-        want_attn = method in ("saliency", "affinity") and saliency != "entropy"
-        attn = None
-        if want_attn:      # saliency only for this encode: other encodes stay upstream's graph
-            _native.saliency_enable(self.mctx, self.saliency_layers)
-        try:
-            if M.mtmd_encode_chunk(self.mctx, chunk) != 0:
-                raise VLMError(f"encoding image {index} failed")
-            if want_attn:
-                try:
-                    attn = np.asarray(_native.mtmd_saliency(self.mctx), np.float64)
-                except _native.VisError as e:      # e.g. a projector without saliency support
-                    if saliency == "attention":
-                        raise VLMError(f"encoder saliency: {e}") from e
-                    attn = None
-                if attn is not None and attn.size != n:
-                    raise VLMError(f"encoder saliency has {attn.size} scores for {n} image tokens")
-        finally:
-            if want_attn:
-                _native.saliency_enable(self.mctx, 0)
-        ptr = M.mtmd_get_output_embd(self.mctx)
-        if not ptr:
-            raise VLMError(f"image {index}: the encoder returned no embeddings")
-        rows = np.ctypeslib.as_array(ptr, shape=(n, self.n_embd_inp)).copy()
-        tm["encode"] = _ms(t0)
-        pos = self._image_positions(chunk, n_past, n)
-        scores: dict[str, np.ndarray] = {}
-        src = ""
-        t0 = time.perf_counter()
-        if method in ("saliency", "affinity"):
-            if attn is not None:
-                scores["saliency"], src = prune.normalize(attn), "attention"
-            else:
-                scores["saliency"], src = prune.entropy_scores(rows[:, :self.n_embd]), "entropy"
-        if method == "entropy":
-            scores["entropy"] = prune.entropy_scores(rows[:, :self.n_embd])
-        tm["score"] = _ms(t0)
-        prefix = None
-        masks = None
-        tm["probe"] = 0.0
-        self._last_probe_bytes = None
-        if method == "affinity":
-            t0 = time.perf_counter()
-            non_causal = bool(M.mtmd_decode_use_non_causal(self.mctx, chunk))
-            prefix = self._probe_prefix(rows, pos, n_past, prefix_layers, non_causal, use_shadow)
-            masks = prune.expert_masks(prefix, self.info.n_expert)
-            tm["probe"] = _ms(t0)
-        t0 = time.perf_counter()
-        coverage = None
-        if method == "affinity":
-            kept, d = prune.affinity_select(scores["saliency"], masks, keep_ratio, alpha, lam, min_keep, details=True)
-            coverage = float(d["target"].mean()) if d["target"].size else 0.0
-        else:
-            kept = prune.select(method, n, keep_ratio, saliency=scores.get("saliency"), entropy=scores.get("entropy"),
-                                masks=masks, alpha=alpha, lam=lam, seed=seed, min_keep=min_keep)
-        tm["select"] = _ms(t0)
-        kpos = kept_positions(pos, kept, n_past, self.mrope)
-        t0 = time.perf_counter()
-        non_causal = bool(M.mtmd_decode_use_non_causal(self.mctx, chunk))
-        self._decode_embd(self.main, rows[kept], kpos, non_causal)
-        tm["decode_image"] = _ms(t0)
-        if use_shadow:   # keep the shadow's left context identical to the main context
-            self._decode_embd(self._shadow, rows[kept], kpos, non_causal)
-        for k, v in tm.items():
-            T[k] = T.get(k, 0.0) + v
-        return ImageReport(index, n, len(kept), nx, ny, n_pos, n_past, kept, kpos, src,
-                           scores if keep_scores else {}, prefix, tm,
-                           ("shadow" if use_shadow else "native") if method == "affinity" else "",
-                           self._last_probe_bytes, coverage)
 
     # ---- generation
     def generate(self, p: Prepared, n_predict: int = 32, temp: float = 0.0, seed: int = 0, top_k: int = 40,
@@ -737,49 +458,10 @@ class Session:
             out += piece
             if on_text:
                 on_text(piece.decode("utf-8", errors="replace"))
-            p.n_past = self._decode_text(self.main, [tok], p.n_past, True)
+            p.n_past = self.main.decode_text([tok], p.n_past, True)
             logits = self._last_logits()
-        p.timings_ms["generate"] = _ms(t0)
+        p.timings_ms["generate"] = ms(t0)
         return out.decode("utf-8", errors="replace")
-
-
-def mrope_positions(pos_0: int, nx: int, n: int) -> np.ndarray:
-    """[4, n] (t, y, x, z) M-RoPE positions of an image's n tokens on an nx-wide merged grid, as
-    ``mtmd_image_tokens_get_decoder_pos`` gives them (section-major, llama's section order)."""
-    i = np.arange(n, dtype=np.int64)
-    return np.stack([np.full(n, pos_0, np.int64), pos_0 + i // nx, pos_0 + i % nx, np.zeros(n, np.int64)])
-
-
-def kept_positions(pos: np.ndarray, kept: np.ndarray, pos_0: int, mrope: bool) -> np.ndarray:
-    """Positions the kept tokens are decoded at: for M-RoPE their original (t, y, x, z) columns of
-    ``pos [4, N]``; otherwise renumbered ``pos_0 .. pos_0 + |K| - 1`` (llama.cpp requires contiguous
-    positions without M-RoPE)."""
-    kept = np.asarray(kept, np.int64)
-    if mrope:
-        return np.asarray(pos)[:, kept]
-    return (pos_0 + np.arange(kept.size, dtype=np.int64))[None, :]
-
-
-def next_position(pos_0: int, n_pos: int, n_kept: int, mrope: bool) -> int:
-    """n_past after an image: the unpruned extent (n_pos = max(nx, ny)) for M-RoPE, else the kept count."""
-    return pos_0 + (n_pos if mrope else n_kept)
-
-
-def read_decode_trace(p: Prepared, path):
-    """The --moe-trace file of a prepared prompt without the native prefix probe's records (the probe runs in
-    the same context, so its routing lands in the same trace)."""
-    from ..runtime import trace as vtrace
-    data = Path(path).read_bytes()
-    keep, at = [], 0
-    for a, b in sorted(im.probe_trace_bytes for im in p.images if im.probe_trace_bytes):
-        keep.append(data[at:a])
-        at = b
-    keep.append(data[at:])
-    return vtrace.parse(b"".join(keep), str(path))
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000.0
 
 
 def prepare(model, prompt: str, images=(), *, mmproj=None, keep_ratio: float = 0.5, method: str = "affinity",
