@@ -5,7 +5,8 @@
     pyvis generate  [-m MODEL] [-p PROMPT] [-n N] ...
     pyvis chat      -m MODEL --mmproj F --image IMG [--image IMG2] -p PROMPT --keep-ratio 0.5 ...
 
-Later features add their subcommands here.
+and the commands each part registers: plan (pyvis.runtime.plan), chat, prune-report, prune-sim, prune-eval
+(pyvis.vlm), moefy, report, quality (pyvis.testbed).
 """
 from __future__ import annotations
 
@@ -111,55 +112,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_chat(args: argparse.Namespace) -> int:
-    from . import vlm
-    from .vlm import prune
-    from .runtime.native import VisError
-    from .runtime.settings import MoeParams
-    moe = None
-    if args.moe_slots or args.moe_cache_mib or args.moe_pinned_layers or args.moe_stats or args.moe_trace:
-        moe = MoeParams(args.moe_slots, args.moe_cache_mib, args.moe_pinned_layers, args.moe_stats, args.moe_trace)
-    if not args.image:
-        print("error: give at least one --image (for text-only prompts use `pyvis generate`)", file=sys.stderr)
-        return 1
-    try:
-        t0 = time.monotonic()
-        s = vlm.Session(args.model, args.mmproj, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                        n_ubatch=args.ubatch_size, n_threads=args.threads, moe=moe, verbose=args.verbose)
-        t_load = time.monotonic() - t0
-    except (vlm.VLMError, VisError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    with s:
-        info = s.info
-        print(f"[vis-moe] {Path(args.model).name} + {Path(args.mmproj).name}: {info.n_moe_layers} MoE layers x "
-              f"{info.n_expert} experts, top-{info.n_expert_used}, {'M-RoPE' if s.mrope else 'RoPE'}, "
-              f"loaded in {t_load:.2f} s", file=sys.stderr)
-
-        def on_image(im):
-            print(f"[image {im.index}] {im.nx}x{im.ny} grid: kept {im.n_kept}/{im.n_tokens} tokens "
-                  f"(encode {im.timings_ms['encode']:.1f} ms, score {im.timings_ms['score']:.2f} ms, "
-                  f"probe {im.timings_ms['probe']:.1f} ms, decode {im.timings_ms['decode_image']:.1f} ms)",
-                  file=sys.stderr)
-        try:
-            p = s.prepare(args.prompt, args.image, keep_ratio=args.keep_ratio, method=args.prune_method,
-                          alpha=args.alpha, lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
-                          seed=args.seed, chat_template=not args.no_chat_template, progress=on_image)
-        except (vlm.VLMError, prune.PruneError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(p.summary(), file=sys.stderr)
-        t0 = time.monotonic()
-        p.generate(args.n_predict, temp=args.temp, seed=args.seed,
-                   on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        dt = time.monotonic() - t0
-        print()
-        n = len(p.generated)
-        print(f"[prefill {p.timings_ms['prefill']:.1f} ms; {n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s]",
-              file=sys.stderr)
-    return 0   # --moe-stats: the fork prints the table when the context is freed
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     p = argparse.ArgumentParser(prog="pyvis", description="vis-moe: MoE and MoE-VLM inference on edge devices "
@@ -195,36 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
     s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     s.set_defaults(fn=_cmd_generate)
-    from .vlm import prune
-    from .vlm import report as prune_report
-    s = sub.add_parser("chat", help="multimodal prompt with visual-token pruning (libmtmd), then generate",
-                       description="Evaluate a prompt with one or more images through libmtmd, keeping only "
-                       "part of each image's tokens (at their original M-RoPE positions), then generate. "
-                       "Prints how many image tokens were kept and per-stage timings (stderr). "
-                       "Methods: none, random, saliency (VisionZip-style), entropy (MACS), affinity (VisMMOE "
-                       "Algorithm 1). See docs/pruning.md. Example: pyvis chat -m models/fixtures/qwen3vlmoe.gguf "
-                       "--mmproj models/fixtures/qwen3vlmoe-mmproj.gguf --image models/fixtures/test-image.png "
-                       "-p 'Describe the image.' --keep-ratio 0.5 --prune-method affinity")
-    s.add_argument("-m", "--model", required=True, help="language model GGUF")
-    s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
-    s.add_argument("--image", action="append", default=[], help="image file (repeatable, in prompt order)")
-    s.add_argument("-p", "--prompt", default="Describe the image.", help="prompt; put the media marker "
-                   "<__media__> where each image goes (default: images first)")
-    s.add_argument("--keep-ratio", type=float, default=1.0, help="fraction of each image's tokens kept, "
-                   "in (0, 1] (default: 1.0 = no pruning)")
-    s.add_argument("--prune-method", default="affinity", choices=list(prune.METHODS),
-                   help="token selection (default: affinity; ignored at --keep-ratio 1)")
-    s.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
-    s.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
-    prune_report._common_prune_args(s, moe_trace=True)
-    s.set_defaults(fn=_cmd_chat)
 
     from .runtime import plan
     from .testbed import moefy, quality, routing_report
-    from .vlm import evaluate as prune_eval
-    for m in (moefy, routing_report, quality, prune_report, prune_eval, plan):
+    from .vlm import chat, evaluate, report
+    chat.register(sub)
+    for m in (moefy, routing_report, quality, report, evaluate, plan):
         m.register(sub)
-    prune_report.register_sim(sub)
+    report.register_sim(sub)
     return p
 
 

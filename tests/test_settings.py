@@ -172,3 +172,20 @@ def test_missing_symbol_is_an_error_when_called_not_at_import():
         """A function a newer header might declare."""
     with pytest.raises(capi.MissingSymbol, match="llama_vis_no_such_function is missing from .*Rebuild"):
         llama_vis_no_such_function()
+
+
+def test_cli_options_mirror_the_c_flag_table():
+    """pyvis chat / prune-report / prune-eval take the C tools' --moe-* flags with the C table's help text."""
+    from pyvis.cli import build_parser
+    rows = {f.name: f for f in native.flags()}
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices
+    for cmd, names in [("chat", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace"]),
+                       ("prune-report", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"]),
+                       ("prune-eval", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"])]:
+        opts = {o: a for a in sub[cmd]._actions for o in a.option_strings if o.startswith("--moe-")}
+        assert sorted(opts) == sorted(names), cmd
+        for n in names:
+            assert opts[n].help.replace("%%", "%") == rows[n].help.replace("\n", " "), (cmd, n)
+            assert (opts[n].metavar or None) == rows[n].value_hint, (cmd, n)
+    args = sub["chat"].parse_args(["-m", "m", "--mmproj", "p", "--moe-slots", "8", "--moe-stats", "--moe-trace", "t"])
+    assert settings.from_args(MoeParams, args) == MoeParams(slots=8, stats=True, trace="t")

@@ -10,6 +10,7 @@
     probe      the affinity probe (native prefix probe, shadow context); read_decode_trace
     context    a llama context with its batch: text and embedding decodes at explicit positions; VLMError
     prune      token selection: Algorithm 1 (affinity) and the baselines (pure numpy)
+    chat       `pyvis chat`, and the options chat, prune-report and prune-eval share
     report     `pyvis prune-report` and `pyvis prune-sim`
     evaluate   `pyvis prune-eval`: accuracy and latency over image/question/answer items
 """

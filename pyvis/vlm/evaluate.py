@@ -132,15 +132,13 @@ def format_table(results: list[dict]) -> str:
 
 def _cmd(args) -> int:
     from .. import vlm
-    from ..runtime.settings import MoeParams
+    from .chat import moe_params
     try:
         items = load_items(args.items)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    moe = None
-    if args.moe_slots or args.moe_cache_mib or args.moe_pinned_layers:
-        moe = MoeParams(args.moe_slots, args.moe_cache_mib, args.moe_pinned_layers)
+    moe = moe_params(args)
     session_kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                       n_threads=args.threads, moe=moe, verbose=args.verbose)
     prep = dict(alpha=args.alpha, lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
@@ -175,7 +173,7 @@ def _cmd(args) -> int:
 
 
 def register(sub) -> None:
-    from .report import _common_prune_args
+    from .chat import add_common_args
     s = sub.add_parser("prune-eval", help="accuracy and latency of each pruning method on image/question/answer items",
                        description="Answer every item of a dataset folder (items.jsonl or items.tsv: image, question, "
                        "answer) with each pruning method at each keep ratio, and report exact-match accuracy and "
@@ -192,5 +190,5 @@ def register(sub) -> None:
                    "(default: %(default)r)")
     s.add_argument("--match", default="exact", choices=["exact", "prefix"], help="answer matching (default: exact)")
     s.add_argument("--json", help="write every prediction and number here")
-    _common_prune_args(s)
+    add_common_args(s)
     s.set_defaults(fn=_cmd)

@@ -245,9 +245,10 @@ def _progress(msg: str) -> None:
 def _cmd(args) -> int:
     from .. import vlm
     from ..runtime.settings import MoeParams
+    from .chat import moe_params
     methods = args.methods
     ratios = sorted(set(args.keep_ratio), reverse=True)
-    moe = MoeParams(args.moe_slots or 0, args.moe_cache_mib or 0, args.moe_pinned_layers or 0)
+    moe = moe_params(args) or MoeParams()
     session_kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                       n_threads=args.threads, verbose=args.verbose)
     prep = dict(lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
@@ -316,6 +317,7 @@ def _cmd(args) -> int:
 
 
 def register(sub) -> None:
+    from .chat import add_common_args
     s = sub.add_parser("prune-report", help="visual-token pruning vs expert demand: prefill time, cache hit rate, "
                        "expert concentration and heatmaps per method and keep ratio",
                        description="Prefill a multimodal prompt with every pruning method at every keep ratio "
@@ -332,46 +334,12 @@ def register(sub) -> None:
                    choices=list(prune.METHODS), help="methods to compare with none (default: all)")
     s.add_argument("--keep-ratio", type=float, nargs="+", default=[0.7, 0.5], help="keep ratios (default: 0.7 0.5;"
                    " 1.0 = the unpruned run, always included)")
-    _common_prune_args(s, many_alphas=True)
+    add_common_args(s, many_alphas=True)
     s.add_argument("--repeat", type=int, default=1, help="prefills per configuration; the median time is "
                    "reported (default: 1)")
     s.add_argument("-o", "--out-dir", help="write NAME-METHOD-KEEP.png heatmaps and NAME.json here")
     s.add_argument("--name", help="file stem for -o outputs (default: model stem)")
     s.set_defaults(fn=_cmd)
-
-
-def _common_prune_args(s, moe_trace: bool = False, many_alphas: bool = False) -> None:
-    """Options shared by `pyvis chat` and `pyvis prune-report`."""
-    g = s.add_argument_group("pruning")
-    if many_alphas:
-        g.add_argument("--alpha", type=float, nargs="+", default=[prune.DEFAULT_ALPHA],
-                       help=f"affinity: salient core ratio(s) alpha; several values = one affinity run each "
-                       f"(default: {prune.DEFAULT_ALPHA})")
-    else:
-        g.add_argument("--alpha", type=float, default=prune.DEFAULT_ALPHA,
-                       help=f"affinity: salient core ratio alpha (default: {prune.DEFAULT_ALPHA})")
-    g.add_argument("--lambda", dest="lam", type=float, default=prune.DEFAULT_LAMBDA,
-                   help=f"affinity: trade-off weight lambda (default: {prune.DEFAULT_LAMBDA:g})")
-    g.add_argument("--prefix-layers", type=int, default=1,
-                   help="affinity: MoE layers whose routing defines a token's expert set (default: 1)")
-    g.add_argument("--saliency", default="auto", choices=["auto", "attention", "entropy"],
-                   help="saliency source: auto = encoder attention when the projector supports it, else entropy")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random method and of sampling (default: 0)")
-    g.add_argument("--no-chat-template", action="store_true", help="use the prompt as is (default: apply the "
-                   "model's chat template, as llama-mtmd-cli does)")
-    g = s.add_argument_group("context")
-    g.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (default: 4096)")
-    g.add_argument("-b", "--batch-size", type=int, default=512, help="decode slice size (default: 512)")
-    g.add_argument("-ub", "--ubatch-size", type=int, default=None, help="physical batch size (default: -b)")
-    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: auto)")
-    g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's and libmtmd's log")
-    g = s.add_argument_group("expert cache (docs/residency.md)")
-    g.add_argument("--moe-slots", type=int, default=0, help="slots per managed MoE layer (0 = off)")
-    g.add_argument("--moe-cache-mib", type=int, default=0, help="alternative: total slab budget in MiB")
-    g.add_argument("--moe-pinned-layers", type=int, default=0, help="first N MoE layers fully resident")
-    if moe_trace:
-        g.add_argument("--moe-stats", action="store_true", help="print per-layer cache stats at exit")
-        g.add_argument("--moe-trace", help="write the routing trace of the whole run to this file")
 
 
 # --------------------------------------------------------------------------
