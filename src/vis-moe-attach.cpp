@@ -408,11 +408,13 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     const auto & hp = model.hparams;
     attach_plan ap;
     find_moe_layers(model, ap);
-    if (vis_moe_settings_mem_only(s) && !ap.any_deferred && hp.n_expert > 0 && !hp.no_alloc) {
+    if (vis_moe_settings_mem_only(s) && !ap.any_deferred && hp.n_expert > 0) {
         // the loader found that the whole model fits the budget (vis_moe_settings_model_fits), or the model was
         // loaded without the cache: every expert is in memory already, so upstream's path is the fastest exact one
-        LLAMA_LOG_INFO("vis-moe: --moe-mem: the whole model fits the memory budget; running upstream's path "
-                       "(no expert cache, weights loaded and repacked as upstream does)\n");
+        if (!hp.no_alloc) {  // not for the --fit probe: one line per run
+            LLAMA_LOG_INFO("vis-moe: --moe-mem: the whole model fits the memory budget; running upstream's path "
+                           "(no expert cache, weights loaded and repacked as upstream does)\n");
+        }
         s.tier.mem_mib = 0;
     }
     // the fit probe (--fit) creates contexts on a model without data: it never writes a trace
