@@ -16,6 +16,8 @@ from . import prune
 
 def add_common_args(s, moe_trace: bool = False, many_alphas: bool = False) -> None:
     """Options shared by `pyvis chat`, `pyvis prune-report` and `pyvis prune-eval`."""
+    s.add_argument("-m", "--model", required=True, help="language model GGUF")
+    s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     g = s.add_argument_group("pruning")
     if many_alphas:
         g.add_argument("--alpha", type=float, nargs="+", default=[prune.DEFAULT_ALPHA],
@@ -103,8 +105,6 @@ def register(sub) -> None:
                        "Algorithm 1). See docs/pruning.md. Example: pyvis chat -m models/fixtures/qwen3vlmoe.gguf "
                        "--mmproj models/fixtures/qwen3vlmoe-mmproj.gguf --image models/fixtures/test-image.png "
                        "-p 'Describe the image.' --keep-ratio 0.5 --prune-method affinity")
-    s.add_argument("-m", "--model", required=True, help="language model GGUF")
-    s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     s.add_argument("--image", action="append", default=[], help="image file (repeatable, in prompt order)")
     s.add_argument("-p", "--prompt", default="Describe the image.", help="prompt; put the media marker "
                    "<__media__> where each image goes (default: images first)")

@@ -178,8 +178,6 @@ def register(sub) -> None:
                        description="Answer every item of a dataset folder (items.jsonl or items.tsv: image, question, "
                        "answer) with each pruning method at each keep ratio, and report exact-match accuracy and "
                        "latency. Format and matching rules: pyvis/vlm/evaluate.py, docs/pruning.md.")
-    s.add_argument("-m", "--model", required=True, help="language model GGUF")
-    s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     s.add_argument("--items", required=True, help="dataset folder with items.jsonl or items.tsv")
     s.add_argument("--methods", nargs="+", default=["random", "saliency", "entropy", "affinity"],
                    choices=list(prune.METHODS), help="methods compared with none (default: all)")

@@ -326,8 +326,6 @@ def register(sub) -> None:
                        "tokens' expert concentration (distinct experts per layer, usage entropy, top-k coverage, "
                        "inter-layer recall). -o writes expert-usage heatmaps (text vs raw image vs pruned "
                        "image) and a JSON. Definitions: pyvis/vlm/report.py, docs/pruning.md.")
-    s.add_argument("-m", "--model", required=True, help="language model GGUF")
-    s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     s.add_argument("--image", action="append", required=True, help="image file (repeatable)")
     s.add_argument("-p", "--prompt", default="Describe the image.", help="prompt text")
     s.add_argument("--methods", nargs="+", default=["random", "saliency", "entropy", "affinity"],
