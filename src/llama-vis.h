@@ -252,6 +252,11 @@ LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_voc
                                                  int64_t n_expert_used, int64_t n_ff_exp);
 // The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan.
 LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
+
+// 1 if a model of model_bytes (all its tensors) fits a budget of budget_bytes whole (<= 0: the machine's,
+// llama_vis_mem_probe().available), with the runtime floor of the reserve estimate and 10 % left for KV cache
+// and compute.  With --moe-mem alone such a model is loaded and run by upstream's path: nothing deferred or paged.
+LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget_bytes);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)
 // ---------------------------------------------------------------------------
 struct mtmd_context;

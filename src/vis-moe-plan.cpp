@@ -214,6 +214,15 @@ int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_
     return act + (64ll << 20);  // + runtime (binary, libraries, heap: ~45 MiB measured for llama-cli)
 }
 
+int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget) {
+    if (budget <= 0) {
+        llama_vis_mem_info mi;
+        llama_vis_mem_probe(&mi);
+        budget = mi.available;
+    }
+    return model_bytes + llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0) <= budget / 10 * 9 ? 1 : 0;
+}
+
 static std::string mib(int64_t b) {
     char buf[32];
     if (b < (10ll << 20) && b % (1 << 20) != 0) {

@@ -76,7 +76,7 @@ const flag_row ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.params.print_stats = v.empty() ? 1 : parse_switch(w, v, false); } },
     { "--moe-trace", "VIS_MOE_TRACE", "FILE",
-      "vis-moe: record every routing decision to FILE (binary; read with pyvis.trace). An existing GGUF or\n"
+      "vis-moe: record every routing decision to FILE (binary; read with pyvis.runtime.trace). An existing GGUF or\n"
       "model file is never overwritten",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if (v.empty()) {
@@ -325,17 +325,7 @@ bool vis_moe_settings_mem_only(const vis_moe_settings & s) {
 
 bool vis_moe_settings_model_fits(int64_t model_bytes) {
     const vis_moe_settings s = vis_moe_settings_current();
-    if (!vis_moe_settings_mem_only(s)) {
-        return false;
-    }
-    int64_t budget = s.tier.mem_mib << 20;
-    if (s.tier.mem_mib < 0) {
-        llama_vis_mem_info mi;
-        llama_vis_mem_probe(&mi);
-        budget = mi.available;
-    }
-    const int64_t floor = llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);
-    return model_bytes + floor <= budget / 10 * 9;
+    return vis_moe_settings_mem_only(s) && llama_vis_moe_whole_model_fits(model_bytes, s.tier.mem_mib << 20) != 0;
 }
 
 // ---- C API ---------------------------------------------------------------------
@@ -384,6 +374,12 @@ int32_t llama_vis_moe_set_thread_params(const llama_vis_moe_params * params, con
     if (!params && !tier) {
         t_override.reset();
         return 0;
+    }
+    // an override is built on the environment: a bad variable there is an error here too, never skipped
+    const env_values ev = read_env();
+    if (!ev.error.empty()) {
+        vis_set_last_error(ev.error);
+        return -1;
     }
     vis_moe_settings s = process_settings();
     if (params) {

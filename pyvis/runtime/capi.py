@@ -485,6 +485,12 @@ def llama_vis_moe_context_reserve(ctx) -> int:
     """The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan."""
 
 
+# LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget_bytes);
+@ctypes_function("llama_vis_moe_whole_model_fits", [ctypes.c_int64, ctypes.c_int64], ctypes.c_int32)
+def llama_vis_moe_whole_model_fits(model_bytes: int, budget_bytes: int) -> int:
+    """1 if the whole model fits the budget (<= 0: the machine's): --moe-mem alone then runs upstream's path."""
+
+
 # ---------------------------------------------------------------------------
 # Visual-token pruning support: encoder saliency
 # ---------------------------------------------------------------------------

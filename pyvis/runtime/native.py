@@ -216,6 +216,12 @@ def estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: in
     return int(capi.llama_vis_moe_estimate_reserve(*(c_int(k, v, ctypes.c_int64) for k, v in args.items())))
 
 
+def whole_model_fits(model_bytes: int, budget_bytes: int = 0) -> bool:
+    """Does a model of model_bytes fit the budget whole (0: the machine's)?  Then --moe-mem alone runs upstream's path."""
+    return capi.llama_vis_moe_whole_model_fits(c_int("model_bytes", model_bytes, ctypes.c_int64),
+                                               c_int("budget_bytes", budget_bytes, ctypes.c_int64)) == 1
+
+
 def context_reserve(ctx) -> int | None:
     """The reserve a context's --moe-mem plan used, in bytes; None if it has no such plan."""
     r = int(capi.llama_vis_moe_context_reserve(_ctx_ptr(ctx)))

@@ -156,6 +156,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         import llama_cpp
         gpu = device_mib is not None or bool(llama_cpp.llama_supports_gpu_offload())
     moe = shape.moe_layers
+    all_pinned = pinned < 0
     if pinned < 0:
         pinned = len(moe)
     if pinned > len(moe):
@@ -175,6 +176,9 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     p["managed_layers"] = len(managed)
     p["pinned_layers"] = pinned
     p["managed_bytes"] = managed_bytes
+    # with --moe-mem alone (no --slots) and store = file, a model that fits whole runs upstream's path
+    p["whole_model_fits"] = (not slots and not all_pinned and device_mib is None
+                             and _native.whole_model_fits(shape.total_bytes, p["budget"]))
     return p
 
 
@@ -238,6 +242,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"exact, but each decode step runs "
               f"{-(-shape.n_expert_used // p['n_slots'])} passes per layer and reads most experts again. "
               f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots.")
+    if p["whole_model_fits"]:
+        print(f"whole model fits: {shape.total_bytes / MIB:.0f} MiB of weights in a {p['budget'] / MIB:.0f} MiB budget, "
+              "so --moe-mem alone runs upstream's path (nothing deferred or paged; the tiers above are what "
+              "explicit --moe-slots would give)")
     print(f"fits: run with --moe-mem {args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
           + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
     return 0
