@@ -38,3 +38,17 @@ def run(cmd: list, timeout: float = 120, extra_env: dict | None = None, **kw) ->
     env.update(extra_env or {})
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, env=env, **kw)
+
+
+MEDIUM = fx.ModelSpec(name="paging-medium", arch="qwen3moe", n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,
+                      n_ff=1024, n_ff_exp=512, n_expert=128, n_expert_used=4, expert_type="Q8_0", weight_type="Q8_0",
+                      embd_type="Q8_0")
+
+
+@pytest.fixture(scope="session")
+def medium_model(fixture_dir) -> Path:
+    """qwen3moe with 4 x 128 experts of 0.8 MiB: ~430 MiB, almost all of it routed experts."""
+    path = fixture_dir / f"paging-medium-{MEDIUM.key()}.gguf"
+    if not path.exists():
+        fx.write_model(MEDIUM, path, fast_quant=True)
+    return path

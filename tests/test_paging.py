@@ -22,7 +22,7 @@ from pyvis.runtime import moe
 from pyvis.runtime import native as _native
 from pyvis.runtime.settings import MoeParams, applied
 from pyvis import fixtures as fx
-from conftest import run
+from conftest import MEDIUM, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"]
 PROMPT = "Paging experts from the file must not change a single bit of the output."
@@ -249,20 +249,6 @@ def test_pyvis_plan_cli(fixture_dir):
 # ---------------------------------------------------------------------------
 # memory: a model larger than its budget
 # ---------------------------------------------------------------------------
-MEDIUM = fx.ModelSpec(name="paging-medium", arch="qwen3moe", n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,
-                      n_ff=1024, n_ff_exp=512, n_expert=128, n_expert_used=4, expert_type="Q8_0", weight_type="Q8_0",
-                      embd_type="Q8_0")
-
-
-@pytest.fixture(scope="module")
-def medium_model(fixture_dir) -> Path:
-    """qwen3moe with 4 x 128 experts of 0.8 MiB: ~430 MiB, almost all of it routed experts."""
-    path = fixture_dir / f"paging-medium-{MEDIUM.key()}.gguf"
-    if not path.exists():
-        fx.write_model(MEDIUM, path, fast_quant=True)
-    return path
-
-
 def test_deferred_experts_are_never_loaded(medium_model):
     """store=file keeps the managed experts out of memory; store=model (no mmap) holds them all."""
     slots = 8
@@ -470,7 +456,7 @@ def test_token_embeddings_of_an_untied_model_are_not_resident(bindir, fixture_di
     p = vplan.make_plan(shape, budget_mib=4096, n_ctx=256, gpu=False)
     resident = p["request"]["resident_bytes"]
     # explicit slots: the planner still splits the budget (with --moe-mem alone a model this small runs upstream's path)
-    r = run([bindir / "llama-cli", "-m", path, "--moe-mem", "4096", "--moe-slots", "8", "-p", "hi", "-n", "2", "-st",
+    r = run([bindir / "llama-cli", "-m", path, "--moe-mem", "4096", "--moe-slots", "4", "-p", "hi", "-n", "2", "-st",
              "-c", "256", "-v"],
             timeout=120)
     out = r.stdout + r.stderr
