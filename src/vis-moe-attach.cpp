@@ -461,6 +461,17 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         vm->trace = std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used);
     }
     log_summary(s, ap, *vm, (int) hp.n_expert);
+    if (vm->n_managed > 0 && !hp.no_alloc) {
+        for (const auto & [name, t] : model.tensors_by_name) {
+            if (t->buffer && std::strstr(ggml_backend_buffer_name(t->buffer), "REPACK")) {
+                // docs/paging.md#weight-layouts: the repacked kernels round differently from the plain ones
+                LLAMA_LOG_INFO("vis-moe: resident weights are repacked for this CPU (%s), managed layers compute on "
+                               "the file's plain layout: their output matches upstream with --no-repack\n",
+                               ggml_backend_buffer_name(t->buffer));
+                break;
+            }
+        }
+    }
     if (vm->n_managed == 0 && !vm->trace) {
         return nullptr;
     }

@@ -1,0 +1,84 @@
+"""Weight layouts and the trust contract (issue #12 item 3).
+
+On CPUs where upstream repacks expert weights (Q4_0 here: CPU_REPACK), the repacked kernels round differently
+from the plain ones, so upstream's own output depends on the layout.  Managed layers compute on the plain layout
+(slabs hold the file's bytes; repacking each miss costs ~1.7 ms per expert against ~0.05 ms saved per use,
+docs/paging.md), while everything resident - the backbone and the pinned prefix - keeps upstream's repacking.
+The contract is therefore stated and tested against upstream with the *same* layout: with no pinned layer that
+is upstream with `--no-repack`; with a pinned prefix the layout is mixed and the reference is the same layout at
+another cache size (upstream's `-ot ...=CPU` still maps to CPU_REPACK in this version).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import pyvis  # noqa: F401
+from pyvis import fixtures as fx
+from pyvis.runtime.settings import MoeParams, applied
+
+SPEC = fx.ModelSpec(name="repack", arch="qwen3moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                    n_ff=256, n_ff_exp=256, n_expert=16, n_expert_used=4, expert_type="Q4_0", weight_type="F32",
+                    embd_type="F16")
+PROMPT = b"Repacked experts and slabs of memory in a longer prompt to route more"
+
+
+@pytest.fixture(scope="module")
+def repack_model(fixture_dir):
+    path = fixture_dir / f"repack-{SPEC.key()}.gguf"
+    if not path.exists():
+        fx.write_model(SPEC, path, fast_quant=True)
+    return path
+
+
+def _logits(path, extra_bufts=True, **moe_kw):
+    """Logits of every prompt token through the low-level API (llama_cpp.Llama takes no use_extra_bufts)."""
+    import llama_cpp as L
+    cm = applied(MoeParams(**moe_kw)) if moe_kw else contextlib.nullcontext()
+    with cm:
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
+        model = L.llama_model_load_from_file(str(path).encode(), mp)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_threads, cp.n_threads_batch = 128, 2, 2
+        ctx = L.llama_init_from_model(model, cp)
+    assert model and ctx
+    vocab = L.llama_model_get_vocab(model)
+    toks = (L.llama_token * 64)()
+    n = L.llama_tokenize(vocab, PROMPT, len(PROMPT), toks, 64, True, False)
+    b = L.llama_batch_init(n, 0, 1)
+    for i in range(n):
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = toks[i], i, 1, 1
+        b.seq_id[i][0] = 0
+    b.n_tokens = n
+    try:
+        assert L.llama_decode(ctx, b) == 0
+        nv = L.llama_vocab_n_tokens(vocab)
+        return np.array([np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (nv,)).copy() for i in range(n)])
+    finally:
+        L.llama_batch_free(b)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def _same(a, b):
+    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_layouts_differ_upstream_and_managed_layers_match_the_plain_one(repack_model):
+    repacked, plain = _logits(repack_model), _logits(repack_model, extra_bufts=False)
+    # the layout changes upstream's own output on this model: the comparison below is not vacuous
+    assert not _same(repacked, plain)
+    for slots in (4, 1):
+        assert _same(_logits(repack_model, slots=slots), plain), slots
+
+
+def test_pinned_prefix_stays_repacked_and_the_cache_size_changes_nothing(repack_model):
+    """With a pinned prefix the layout is mixed (prefix repacked, managed layers plain).  This upstream cannot
+    express (its `-ot ...=CPU` maps to CPU_REPACK), so the reference is the same mixed layout at another cache size."""
+    ours = _logits(repack_model, slots=4, pinned_layers=1)
+    assert _same(ours, _logits(repack_model, slots=1, pinned_layers=1))
+    assert _same(ours, _logits(repack_model, slots=15, pinned_layers=1))
+    assert not _same(ours, _logits(repack_model, extra_bufts=False))  # layer 0 really is repacked
