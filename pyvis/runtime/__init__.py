@@ -8,4 +8,5 @@ routing traces and cache simulation.
     plan       `pyvis plan`: how a model splits over slabs, host cache and file
     trace      the routing trace (--moe-trace files, .npz), one model for every tool
     cachesim   offline LRU / Belady simulation of the expert cache on a trace
+    devices    Jetson Orin SKUs: the budget and systemd unit of each (pyvis plan --device, jetson/install.sh)
 """

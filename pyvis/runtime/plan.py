@@ -195,9 +195,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     budget = None if args.budget == "auto" else args.budget
     mem = _native.mem_probe()
+    sku = None
     try:
+        if args.device is not None:
+            from .devices import get
+            sku = get(args.device)
+            if args.budget != "auto" or args.device_mib is not None:
+                raise ValueError("--device sets the budget (the unit's --moe-mem): drop --budget / --device-mib")
+            budget = sku.moe_mem_mib
         p = make_plan(shape, budget_mib=budget, n_ctx=args.ctx_size, n_ubatch=args.ubatch_size, pinned=args.pinned,
-                      slots=args.slots, host_mib=args.host_mib, device_mib=args.device_mib)
+                      slots=args.slots, host_mib=args.host_mib, device_mib=args.device_mib,
+                      gpu=True if sku else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -212,7 +220,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"model:   {shape.path}: {shape.arch}, {shape.n_layer} layers, {len(shape.moe_layers)} MoE layers x "
           f"{shape.n_expert} experts (top-{shape.n_expert_used}), {shape.file_bytes / MIB:.0f} MiB file, "
           f"{max(shape.expert_bytes.values(), default=0) / MIB:.2f} MiB per expert")
-    src = "the machine's limit (auto)" if budget is None else "--budget"
+    src = ("the machine's limit (auto)" if budget is None else
+           f"{sku.name}: {sku.memory_gb} GB board, MemoryMax={sku.memory_max_mib}M, --moe-mem {sku.moe_mem_mib}"
+           if sku else "--budget")
     print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens\n")
     rq = p["request"]
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
@@ -246,7 +256,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"whole model fits: {shape.total_bytes / MIB:.0f} MiB of weights in a {p['budget'] / MIB:.0f} MiB budget, "
               "so --moe-mem alone runs upstream's path (nothing deferred or paged; the tiers above are what "
               "explicit --moe-slots would give)")
-    print(f"fits: run with --moe-mem {args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
+    print(f"fits: run with --moe-mem {budget if sku else args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
           + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
     return 0
 
@@ -269,5 +279,8 @@ def register(sub) -> None:
                    help="fixed host-cache size in MiB (default: planned)")
     s.add_argument("--device-mib", type=_option("device_mib"), default=None,
                    help="discrete GPU: device memory for slabs in MiB (default: unified memory, CPU or Jetson)")
+    s.add_argument("--device", default=None, metavar="SKU",
+                   help="plan for a Jetson Orin instead of this machine: the budget the installed service gets "
+                        "(orin-nano-8g, orin-nx-8g, orin-nx-16g, agx-orin-32g, agx-orin-64g; jetson/install.sh)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)
