@@ -47,4 +47,4 @@ cmake --build "$BUILD" -j "$JOBS" --target vis_all
 t1=$(date +%s)
 grep -q "^GGML_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" || die "$BUILD is not a CUDA build"
 [ "$PRESET" != jetson ] || grep -q "^GGML_CUDA_NO_VMM:BOOL=ON" "$BUILD/CMakeCache.txt" || die "jetson build without GGML_CUDA_NO_VMM"
-echo "$PRESET (CUDA $CUDA_MAJOR, architectures $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:STRING=//p' "$BUILD/CMakeCache.txt")): built in $((t1 - t0)) s"
+echo "$PRESET (CUDA $CUDA_MAJOR, architectures $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")): built in $((t1 - t0)) s"
