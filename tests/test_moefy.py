@@ -11,7 +11,7 @@ import pytest
 
 import pyvis  # noqa: F401
 from pyvis.assets import sha256_file
-from pyvis.testbed import corpus, moefy
+from pyvis.testbed import corpus, moefy, partition
 from pyvis import fixtures as fx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,8 +144,8 @@ def test_balanced_kmeans_equal_sizes_and_seeded():
     P = rng.standard_normal((96, 40)).astype(np.float32)
     P[:48] += 3.0                                        # two clear groups
     P /= np.linalg.norm(P, axis=1, keepdims=True)
-    a = moefy.balanced_kmeans(P, 4, np.random.default_rng(1))
-    b = moefy.balanced_kmeans(P, 4, np.random.default_rng(1))
+    a = partition.balanced_kmeans(P, 4, np.random.default_rng(1))
+    b = partition.balanced_kmeans(P, 4, np.random.default_rng(1))
     assert np.array_equal(a, b)
     assert np.bincount(a, minlength=4).tolist() == [24, 24, 24, 24]
     # the clusters respect the two groups
@@ -157,7 +157,7 @@ def test_shared_neurons_are_the_most_frequent_top_contributors():
     H[:, 3] = 5.0                                        # always large
     H[:40, 7] = 4.0                                      # usually large
     H[:, :] += np.linspace(0.01, 0.1, 20)[None, :]
-    got = moefy.pick_shared(H, np.ones(20, np.float32), 2, top_frac=0.1)
+    got = partition.pick_shared(H, np.ones(20, np.float32), 2, top_frac=0.1)
     assert got.tolist() == [3, 7]
 
 
