@@ -136,6 +136,52 @@ LLAMA_API const char * llama_vis_moe_last_failure(const struct llama_context * c
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 
 // ---------------------------------------------------------------------------
+// Substitution on a miss (lossy, off by default; src/vis-moe-substitute.cpp, docs/substitution.md)
+//
+// With --moe-substitute router|buddy|auto, a (token, expert) pair of a managed layer whose expert is not
+// resident may run a resident stand-in instead, with the missing expert's gate weight.  Gates: TAE (token
+// routing entropy), margin, batch residency (beta), a per-token budget and a gate-weight share.  The
+// missing expert is read in the background so later tokens hit.  Settings: the --moe-sub-* flags.
+// ---------------------------------------------------------------------------
+
+// what happened to one missing (token, expert) pair; also the outcome byte of the trace's SUB1 records
+enum llama_vis_sub_outcome {
+    LLAMA_VIS_SUB_RESIDENT       = 0, // the routed expert ran (it was resident, or was loaded)
+    LLAMA_VIS_SUB_SUBSTITUTED    = 1, // a resident stand-in ran in its place
+    LLAMA_VIS_SUB_BLOCKED_TAE    = 2, // the token's routing entropy is at or below tau (sensitive token)
+    LLAMA_VIS_SUB_BLOCKED_MARGIN = 3, // its top-1 / top-2 weight margin is at or above gamma
+    LLAMA_VIS_SUB_BLOCKED_BETA   = 4, // too many of the ubatch's experts in this layer are missing (> beta)
+    LLAMA_VIS_SUB_BLOCKED_BUDGET = 5, // the token already had its budget of substitutions in this layer
+    LLAMA_VIS_SUB_BLOCKED_WEIGHT = 6, // the expert's share of the token's gate weight is not below the threshold
+    LLAMA_VIS_SUB_NO_CANDIDATE   = 7, // no resident expert qualifies (buddy list exhausted, all already chosen)
+    LLAMA_VIS_SUB_NEEDED_ANYWAY  = 8, // another token of the ubatch loads this expert: no reason to substitute
+    LLAMA_VIS_SUB_NOT_ELIGIBLE   = 9, // prefill ubatch without --moe-sub-prefill
+    LLAMA_VIS_SUB_N_OUTCOMES     = 10,
+};
+
+struct llama_vis_moe_sub_stats {
+    int64_t n_tokens;              // (token, managed layer) evaluations the substitution step saw
+    int64_t n_tokens_substituted;  // ... with at least one substitution
+    int64_t n_missing;             // (token, expert) pairs whose expert was not resident
+    int64_t outcomes[LLAMA_VIS_SUB_N_OUTCOMES]; // of the missing pairs, by outcome (sum == n_missing)
+    int64_t bytes_saved;           // expert bytes not read before the layer could run
+    int64_t stall_saved_us;        // estimate: bytes_saved at this context's measured file read rate
+    int64_t bg_fetches;            // substituted-away experts read in the background
+    int64_t bg_wait_us;            // time compute waited for a background read still in flight (late)
+};
+// Layer il, or totals with il = -1.  0, or -1 if ctx has no expert cache or il is out of range.
+LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, int32_t il,
+                                              struct llama_vis_moe_sub_stats * out);
+
+// The fingerprint a profile (buddy lists, ...) must match: the routers' bytes, hashed as
+//   h = 0xcbf29ce484222325; for each layer il in order with a router blk.<il>.ffn_gate_inp.weight:
+//     t = nbytes + sum_i (w_i + 1) * (2 i + 1)   over its bytes as little-endian u32 words w_i
+//                                                 (zero-padded to a multiple of 4), mod 2^64
+//     h = h * 0x100000001b3 + t                   mod 2^64
+// 0, or -1 with llama_vis_last_error() (no routers, or routers the host cannot read as stored).
+LLAMA_API int32_t llama_vis_moe_router_hash(const struct llama_model * model, uint64_t * out);
+
+// ---------------------------------------------------------------------------
 // Paging tiers (src/vis-moe-store.cpp, src/vis-moe-plan.cpp, docs/paging.md)
 //
 //   tier 1  the slabs above (device memory; host memory on CPU / Jetson)

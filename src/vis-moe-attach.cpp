@@ -3,7 +3,9 @@
 // the slabs, the paging tiers and what gets locked in memory.
 #include "vis-moe.h"
 #include "vis-moe-context.h"
+#include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-settings.h"
+#include "vis-moe-substitute.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
@@ -423,6 +425,10 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         LLAMA_LOG_WARN("vis-moe: --moe-host-mib %lld ignored: the host cache sits below the expert slots, which are off; "
                        "add --moe-mem, --moe-slots or --moe-cache-mib\n", (long long) s.tier.host_mib);
     }
+    if (!s.cache_on() && !ap.any_deferred && s.sub.on() && !hp.no_alloc) {
+        LLAMA_LOG_WARN("vis-moe: --moe-substitute ignored: it serves misses of the expert cache, which is off; add "
+                       "--moe-mem, --moe-slots or --moe-cache-mib\n");
+    }
     if (!s.cache_on() && !ap.any_deferred && !tracing) {
         return nullptr;  // feature off: no object, no graph change
     }
@@ -461,6 +467,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         vm->trace = std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used);
     }
     log_summary(s, ap, *vm, (int) hp.n_expert);
+    if (s.sub.on() && !hp.no_alloc) {
+        vis_moe_substitute_attach(*vm, model, s, ap.any_deferred);  // throws on a bad profile or combination
+    }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {
             if (t->buffer && std::strstr(ggml_backend_buffer_name(t->buffer), "REPACK")) {

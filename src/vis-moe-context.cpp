@@ -2,6 +2,8 @@
 // llama_context (vis-owner.h), per-ubatch bookkeeping, failures.
 #include "vis-moe.h"
 #include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
+#include "vis-moe-substitute.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
@@ -18,6 +20,7 @@ void vis_deleter::operator()(vis_moe_context * p) const {
 }
 
 vis_moe_context::~vis_moe_context() {
+    fetch.reset();  // first: background reads in flight write into the slabs freed below
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }
@@ -63,7 +66,11 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
 }
 
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
-    if (vm && vm->trace) {
+    if (!vm) {
+        return;
+    }
+    vm->ub_decode = ub.n_tokens <= ub.n_seqs_unq;  // one token per sequence
+    if (vm->trace) {
         vm->trace->begin_ubatch(ub);
     }
 }

@@ -29,6 +29,8 @@
 
 struct llama_model;
 struct llama_context;
+class vis_moe_substitute;
+class vis_moe_fetcher;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -71,6 +73,14 @@ struct vis_moe_layer {
     std::vector<std::vector<int32_t>> passes;
 
     llama_vis_moe_stats stats = {};
+
+    // substitution (vis-moe-substitute.h) for the ubatch being computed: the expert each pair runs, and why
+    bool sub_active = false;          // some pair runs a stand-in: the ops read exec, not the routed ids
+    std::vector<int32_t> exec;
+    std::vector<uint8_t> outcome;
+    llama_vis_moe_sub_stats sub_stats = {};
+    // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
+    const int32_t * run_ids(const int32_t * routed) const { return sub_active ? exec.data() : routed; }
 
     // the first slab tensor (every managed layer has one)
     ggml_tensor * any_slab() const {
@@ -122,6 +132,11 @@ struct vis_moe_context {
     int64_t n_streamed = 0, bytes_streamed = 0;
     int     stream_passes = 8;      // a ubatch that would need more passes than this in a layer streams it
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
+    bool    ub_decode     = false;  // every sequence of the current ubatch has one token
+
+    // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced
+    std::unique_ptr<vis_moe_substitute> sub;
+    std::unique_ptr<vis_moe_fetcher>    fetch;
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
@@ -151,3 +166,4 @@ vis_moe_context * vis_moe_of(const llama_context * lctx);
 // stats (vis-moe-stats.cpp): totals over all layers; the --moe-stats table on stderr
 void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & out);
 void vis_moe_print_stats(const vis_moe_context & vm);
+void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);

@@ -4,6 +4,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
+#include "vis-moe-substitute.h"
 
 #include <algorithm>
 
@@ -24,7 +25,8 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 }
 
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
-                                         ggml_tensor * selected_experts, ggml_tensor * weights_, int64_t n_tokens)
+                                         ggml_tensor * selected_experts, ggml_tensor * weights_, ggml_tensor * scores_,
+                                         int64_t n_tokens)
     : ctx(ctx_), gf(gf_), il(il_) {
     vm = const_cast<vis_moe_context *>(vm_);
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
@@ -47,6 +49,9 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         return;
     }
     managed = true;
+    if (vm->sub && vm->sub->rule(il).mode == VIS_SUB_ROUTER) {
+        scores = scores_;
+    }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);
     if (L.deferred && L.cpu_passes && vm->stream_passes > 0 && n_pass > vm->stream_passes) {
@@ -68,8 +73,13 @@ ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts)
     if (!managed) {
         return selected_experts;
     }
-    ggml_tensor * dep = p == 0 ? weights : last;
-    ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, dep, vis_moe_pass_op, 1, vm->ud(il, p, VIS_OP_PASS));
+    ggml_tensor * t = nullptr;
+    if (p == 0 && scores) {
+        t = ggml_map_custom3(ctx, ids_cont, weights, scores, vis_moe_pass0_scored_op, 1, vm->ud(il, p, VIS_OP_PASS));
+    } else {
+        ggml_tensor * dep = p == 0 ? weights : last;
+        t = ggml_map_custom2(ctx, ids_cont, dep, vis_moe_pass_op, 1, vm->ud(il, p, VIS_OP_PASS));
+    }
     ggml_format_name(t, "vis_moe_slots-%d.%d", il, p);
     return t;
 }

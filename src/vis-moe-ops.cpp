@@ -2,6 +2,7 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-context.h"
 #include "vis-moe-passes.h"
+#include "vis-moe-substitute.h"
 
 #include <cstring>
 #include <exception>
@@ -38,21 +39,38 @@ static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body b
     }
 }
 
-void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
+// pass p of a managed layer; pass 0 (dep = the gate weights) also plans the ubatch
+static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, const ggml_tensor * scores,
+                    void * userdata) {
     ids_op a(dst, ids_t, userdata);
     guarded(a.vm, a.out, a.n_pairs, [&]() {
         if (a.ud.pass == 0) {
             if (a.vm.trace) {
                 a.vm.trace->record(a.ud.il, ids_t, dep);  // pass 0 depends on the router weights
             }
-            vis_moe_plan_passes(a.L, a.ids, a.n_pairs);
+            const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
+            vis_moe_plan_passes(a.L, a.L.run_ids(a.ids), a.n_pairs);
+            vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, a.L.run_ids(a.ids), a.n_pairs, a.out);
+            vis_moe_substitute_fetch(a.vm, a.L, a.ud.il, background);
+            return;
         }
-        vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.ids, a.n_pairs, a.out);
+        vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
     }, [&](int64_t) { return a.L.foreign_id(); });
+}
+
+void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith == 0) {
+        pass_op(dst, ids_t, dep, nullptr, userdata);
+    }
+}
+
+void vis_moe_pass0_scored_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * weights,
+                             const ggml_tensor * scores, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith == 0) {
+        pass_op(dst, ids_t, weights, scores, userdata);
+    }
 }
 
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
@@ -62,8 +80,9 @@ void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         return;
     }
     ids_op a(dst, ids_t, userdata);
+    const int32_t * ids = a.L.run_ids(a.ids);
     for (int64_t j = 0; j < a.n_pairs; ++j) {
-        a.out[j] = (int32_t) (a.L.pass_of[a.ids[j]] * a.n_pairs + j);
+        a.out[j] = (int32_t) (a.L.pass_of[ids[j]] * a.n_pairs + j);
     }
 }
 
@@ -144,7 +163,7 @@ void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tenso
     auto * ud = (vis_moe_op_ud *) userdata;
     const vis_moe_layer & L = ud->vm->layers[ud->il];
     const int64_t n_pairs = ggml_nelements(ids_t);
-    const auto * ids = (const int32_t *) ids_t->data;
+    const int32_t * ids = L.run_ids((const int32_t *) ids_t->data);
     const size_t row = b->nb[1];
     GGML_ASSERT(dst->data == a->data && ggml_is_contiguous(a) && ggml_is_contiguous(b) && a->nb[1] == row);
     for (int64_t j = ith; j < n_pairs; j += nth) {

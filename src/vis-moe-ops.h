@@ -6,8 +6,12 @@
 
 #include "ggml.h"
 
-// ids -> slot ids of pass ud->pass; the first pass plans the ubatch (and records the trace)
+// ids -> slot ids of pass ud->pass; the first pass (dep = the gate weights) plans the ubatch, with substitution
+// when it is on (and records the trace)
 void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * dep, int ith, int nth, void * ud);
+// the first pass with router substitution: scores = the router's scores [n_expert, n_tokens]
+void vis_moe_pass0_scored_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * weights,
+                             const ggml_tensor * scores, int ith, int nth, void * ud);
 // for each pair, the row of the concatenated pass outputs that holds it (GPU passes)
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * dep, int ith, int nth, void * ud);
 // an unmanaged layer with the trace on: record, pass the ids through

@@ -36,8 +36,7 @@ void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs
     L.stats.n_calls++;
 }
 
-// evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
-static void evict(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
+void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
     const int old = L.expert_of[s];
     if (old < 0) {
         return;
@@ -79,7 +78,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         }
         const int s = L.policy->victim();
         GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
-        evict(vm, L, il, s);
+        vis_moe_evict_slot(vm, L, il, s);
         L.expert_of[s] = e;
         L.slot_of[e]   = s;
         L.policy->touch(s);

@@ -24,6 +24,9 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 // split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first)
 void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs);
 
+// evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
+void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);
+
 // make the experts of pass p resident (evicting through the layer's policy, filling through the tiers)
 // and write the slot id of every pair (foreign pairs: L.foreign_id()).  Throws on a load failure, with
 // the slot table left consistent.

@@ -5,7 +5,7 @@ namespace {
 
 class lru_policy final : public vis_moe_policy {
 public:
-    explicit lru_policy(int n_slots) : last_use(n_slots, 0), spec_left(n_slots, 0), filled(n_slots, false) {}
+    explicit lru_policy(int n_slots) : last_use(n_slots, 0), spec_left(n_slots, 0), filled(n_slots, false), held(n_slots, false) {}
 
     const char * name() const override { return "lru"; }
 
@@ -34,7 +34,12 @@ public:
         spec_left[s] = 0;
     }
 
+    void hold(int s, bool on) override { held[s] = on; }
+
     vis_slot_class slot_class(int s) const override {
+        if (held[s]) {
+            return vis_slot_class::REQUIRED;
+        }
         if (!filled[s]) {
             return vis_slot_class::EMPTY;
         }
@@ -71,6 +76,7 @@ private:
     std::vector<uint64_t> last_use;   // tick of the last touch
     std::vector<int>      spec_left;  // steps of protection left (Speculative)
     std::vector<bool>     filled;
+    std::vector<bool>     held;       // filled in the background: never a victim
     uint64_t tick       = 0;
     uint64_t pass_start = 1;          // touches from this tick on belong to the running pass
 };

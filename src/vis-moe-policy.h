@@ -6,6 +6,7 @@
 //   Required     used by the running pass: never evicted by it
 //   Speculative  filled ahead of need (prefetch), protected for a horizon of steps
 //   Expired      everything else: evicted first
+// A slot being filled in the background is held: Required until released.
 // Prefetch and substitution change *who is evicted* through this interface, not by
 // editing the planner.
 #pragma once
@@ -31,6 +32,8 @@ public:
     virtual void end_step() = 0;
     // slot s no longer holds an expert
     virtual void forget(int s) = 0;
+    // slot s is being filled in the background (vis-moe-fetch.h): while held it is never a victim
+    virtual void hold(int s, bool on) = 0;
 
     virtual vis_slot_class slot_class(int s) const = 0;
     // the slot a miss of the running pass goes to: an empty one, else an Expired one, else a Speculative one

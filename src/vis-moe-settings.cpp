@@ -5,6 +5,7 @@
 #include "vis-error.h"
 
 #include <cctype>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@ constexpr long long MAX_LAYERS = 1 << 16;
 constexpr long long MAX_MIB    = 1ll << 30; // 1 PiB
 constexpr long long MAX_IO     = 64;
 constexpr long long MAX_STREAM = 1 << 16;
+constexpr long long MAX_SUB_BUDGET = 64;    // substitutions per token per layer: at most the top-k
 
 using vis_error = std::invalid_argument;
 
@@ -45,6 +47,19 @@ int32_t parse_switch(const std::string & what, const std::string & v, bool allow
     if (v == "on"  || v == "1" || v == "true")  return 1;
     if (v == "off" || v == "0" || v == "false") return 0;
     throw vis_error(what + ": expected " + (allow_auto ? "auto, on or off" : "on or off") + ", got '" + v + "'");
+}
+
+// a finite decimal number and nothing else, within [lo, hi]
+double parse_real(const std::string & what, const std::string & v, double lo, double hi, const char * note = "") {
+    char * end = nullptr;
+    errno = 0;
+    const double r = v.empty() || std::isspace((unsigned char) v[0]) ? NAN : std::strtod(v.c_str(), &end);
+    if (v.empty() || !end || *end != '\0' || errno == ERANGE || !std::isfinite(r) || r < lo || r > hi) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "a number in %g..%g", lo, hi);
+        throw vis_error(what + ": expected " + buf + note + ", got '" + v + "'");
+    }
+    return r;
 }
 
 using apply_fn = void (*)(vis_moe_settings & s, const std::string & what, const std::string & value);
@@ -124,6 +139,60 @@ const flag_row ROWS[] = {
       "through the mapping instead (prefill streaming; 0 = never; default: 8)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_passes = (int32_t) parse_int(w, v, 0, MAX_STREAM, " (0 = never)"); } },
+    { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|auto",
+      "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
+      "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
+      "token's router ranks highest; buddy = the first resident buddy of --moe-sub-profile; auto = the\n"
+      "measured default (docs/substitution.md). Decode only unless --moe-sub-prefill (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if      (v == "off")    s.sub.mode = VIS_SUB_OFF;
+          else if (v == "router") s.sub.mode = VIS_SUB_ROUTER;
+          else if (v == "buddy")  s.sub.mode = VIS_SUB_BUDDY;
+          else if (v == "auto")   s.sub.mode = VIS_SUB_AUTO;
+          else throw vis_error(w + ": expected off, router, buddy or auto, got '" + v + "'"); } },
+    { "--moe-sub-profile", "VIS_MOE_SUB_PROFILE", "FILE",
+      "vis-moe: buddy lists and routing-entropy percentiles of this model, from\n"
+      "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if (v.empty()) {
+              throw vis_error(w + ": expected a file path, got ''");
+          }
+          s.sub.profile = v; } },
+    { "--moe-sub-tae", "VIS_MOE_SUB_TAE", "off|TAU|pN",
+      "vis-moe: never substitute for a token whose normalised top-k routing entropy is <= TAU (0..1), or <= the\n"
+      "N-th percentile (0..100) of its layer in --moe-sub-profile with pN (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if (v == "off") {
+              s.sub.tae_kind = VIS_TAE_OFF;
+          } else if (!v.empty() && v[0] == 'p') {
+              s.sub.tae_kind = VIS_TAE_PERCENTILE;
+              s.sub.tae = parse_real(w, v.substr(1), 0, 100, " after 'p' (a percentile; or off, or TAU in 0..1)");
+          } else {
+              s.sub.tae_kind = VIS_TAE_ABSOLUTE;
+              s.sub.tae = parse_real(w, v, 0, 1, " (or off, or pN with N in 0..100)");
+          } } },
+    { "--moe-sub-margin", "VIS_MOE_SUB_MARGIN", "off|G",
+      "vis-moe: never substitute for a token whose top-1 minus top-2 share of its gate weight is >= G (0..1)\n"
+      "(default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.margin = v == "off" ? -1 : parse_real(w, v, 0, 1, " (or off)"); } },
+    { "--moe-sub-beta", "VIS_MOE_SUB_BETA", "B",
+      "vis-moe: substitute nothing in a layer whose ubatch misses more than the share B (0..1) of the experts it\n"
+      "routes (default: 1 = no limit)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.beta = parse_real(w, v, 0, 1); } },
+    { "--moe-sub-budget", "VIS_MOE_SUB_BUDGET", "N",
+      "vis-moe: substitutions per token per layer, lowest gate weight first (default: 1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.budget = (int32_t) parse_int(w, v, 1, MAX_SUB_BUDGET); } },
+    { "--moe-sub-weight", "VIS_MOE_SUB_WEIGHT", "W",
+      "vis-moe: substitute only experts whose share of the token's gate weight is below W (0..1; default: 1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.weight = parse_real(w, v, 0, 1); } },
+    { "--moe-sub-prefill", "VIS_MOE_SUB_PREFILL", "on|off",
+      "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.prefill = parse_switch(w, v, false) == 1; } },
 };
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
@@ -160,6 +229,21 @@ void validate(const vis_moe_settings & s) {
     range("--moe-direct-io",     t.direct_io,  -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-unified",       t.unified,    -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-mlock",         t.mlock,       0, 1, "");
+    const auto & u = s.sub;
+    range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");
+    range("--moe-sub-budget",    u.budget, 1, MAX_SUB_BUDGET, "");
+    auto real = [](const char * flag, double v, double lo, double hi) {
+        if (!(v >= lo && v <= hi)) {
+            throw vis_error(std::string(flag) + " must be in " + std::to_string(lo) + ".." + std::to_string(hi) +
+                            ", got " + std::to_string(v));
+        }
+    };
+    real("--moe-sub-tae", u.tae, 0, u.tae_kind == VIS_TAE_PERCENTILE ? 100 : 1);
+    real("--moe-sub-beta", u.beta, 0, 1);
+    real("--moe-sub-weight", u.weight, 0, 1);
+    if (u.margin >= 0) {
+        real("--moe-sub-margin", u.margin, 0, 1);
+    }
     if (p.n_slots > 0 && p.cache_mib > 0) {
         throw vis_error("--moe-slots and --moe-cache-mib are alternatives: give one of them");
     }
@@ -169,11 +253,12 @@ void validate(const vis_moe_settings & s) {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4 };
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
     if (n == "--moe-stream-passes") return G_STREAM;
+    if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     if (n == "--moe-slots" || n == "--moe-cache-mib" || n == "--moe-pinned-layers" || n == "--moe-stats" ||
         n == "--moe-trace") return G_PARAMS;
     return G_TIER;
@@ -226,6 +311,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_STREAM) {
         s.stream_passes = o.stream_passes;
+    }
+    if (groups & G_SUB) {
+        s.sub = o.sub;
     }
 }
 

@@ -15,11 +15,31 @@
 #include <cstdint>
 #include <string>
 
+// --moe-substitute: the rule (docs/substitution.md); auto = the shipped setting
+enum vis_sub_mode : int32_t { VIS_SUB_OFF = 0, VIS_SUB_ROUTER, VIS_SUB_BUDDY, VIS_SUB_AUTO };
+enum vis_sub_tae_kind : int32_t { VIS_TAE_OFF = 0, VIS_TAE_ABSOLUTE, VIS_TAE_PERCENTILE };
+
+// substitution on a miss and its gates (lossy; every field off by default)
+struct vis_moe_sub_settings {
+    int32_t     mode     = VIS_SUB_OFF;
+    std::string profile;               // buddy lists and TAE quantiles (pyvis calibrate buddies), "" = none
+    int32_t     tae_kind = VIS_TAE_OFF;
+    double      tae      = 0;          // tau (absolute), or the percentile 0..100 of the profile's layer quantiles
+    double      margin   = -1;         // gamma; < 0 = off
+    double      beta     = 1;          // batch gate: bypass when the missing share of a layer's experts is > beta
+    int32_t     budget   = 1;          // rho: substitutions per token per layer
+    double      weight   = 1;          // substitute only experts whose share of the token's gate weight is < weight
+    bool        prefill  = false;      // also in prefill ubatches
+
+    bool on() const { return mode != VIS_SUB_OFF; }
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
     std::string trace_path;                 // routing trace file, "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
+    vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

@@ -1,6 +1,7 @@
 // vis-moe-stats.cpp - per-layer and per-tier stats of the expert cache, and the
 // --moe-stats table (stderr), behind the stats half of the C API (llama-vis.h).
 #include "vis-moe-context.h"
+#include "vis-moe-substitute.h"
 #include "vis-error.h"
 
 #include <algorithm>
@@ -74,6 +75,61 @@ static llama_vis_moe_io_stats io_stats(const vis_moe_context & vm) {
     return st;
 }
 
+void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & tot) {
+    tot = {};
+    for (const auto & L : vm.layers) {
+        const auto & s = L.sub_stats;
+        tot.n_tokens += s.n_tokens;
+        tot.n_tokens_substituted += s.n_tokens_substituted;
+        tot.n_missing += s.n_missing;
+        for (int i = 0; i < LLAMA_VIS_SUB_N_OUTCOMES; ++i) {
+            tot.outcomes[i] += s.outcomes[i];
+        }
+        tot.bytes_saved += s.bytes_saved;
+        tot.bg_fetches += s.bg_fetches;
+        tot.bg_wait_us += s.bg_wait_us;
+    }
+}
+
+// bytes not read before a layer could run, at the file read rate this context measured (0 before any read)
+static int64_t stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) {
+    if (!vm.io || vm.io->counters().bytes_read <= 0) {
+        return 0;
+    }
+    const auto & c = vm.io->counters();
+    return (int64_t) ((double) bytes_saved * (double) c.wait_us / (double) c.bytes_read);
+}
+
+static void print_sub_row(const std::string & label, const llama_vis_moe_sub_stats & s) {
+    const int64_t * o = s.outcomes;
+    std::fprintf(stderr, "vis-moe: %5s %9" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64
+                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
+                 label.c_str(), s.n_tokens, s.n_missing, o[LLAMA_VIS_SUB_SUBSTITUTED], o[LLAMA_VIS_SUB_BLOCKED_TAE],
+                 o[LLAMA_VIS_SUB_BLOCKED_MARGIN], o[LLAMA_VIS_SUB_BLOCKED_BETA], o[LLAMA_VIS_SUB_BLOCKED_BUDGET],
+                 o[LLAMA_VIS_SUB_BLOCKED_WEIGHT], o[LLAMA_VIS_SUB_NO_CANDIDATE], o[LLAMA_VIS_SUB_NEEDED_ANYWAY],
+                 o[LLAMA_VIS_SUB_NOT_ELIGIBLE], s.bytes_saved / 1048576.0, s.bg_fetches, s.bg_wait_us / 1000.0);
+}
+
+static void print_sub_stats(const vis_moe_context & vm) {
+    std::fprintf(stderr, "vis-moe: substitution (--moe-substitute %s): missing (token, expert) pairs by outcome\n",
+                 vm.sub->mode_name());
+    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer", "tokens",
+                 "missing", "subst", "tae", "margin", "beta", "budget", "weight", "nocand", "anyway", "prefil",
+                 "MiB saved", "bg read", "bg wait");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].stats.managed) {
+            print_sub_row(std::to_string(il), vm.layers[il].sub_stats);
+        }
+    }
+    llama_vis_moe_sub_stats t;
+    vis_moe_total_sub_stats(vm, t);
+    print_sub_row("total", t);
+    std::fprintf(stderr, "vis-moe: substitution: %" PRId64 " of %" PRId64 " token-layers ran a stand-in (%.2f per token "
+                         "and layer); %.2f MiB not read before their layer, ~%.1f ms of reads at this run's rate\n",
+                 t.n_tokens_substituted, t.n_tokens, t.n_tokens ? (double) t.outcomes[LLAMA_VIS_SUB_SUBSTITUTED] / t.n_tokens : 0.0,
+                 t.bytes_saved / 1048576.0, stall_saved_us(vm, t.bytes_saved) / 1000.0);
+}
+
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
                  label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
@@ -92,6 +148,9 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     llama_vis_moe_stats t;
     vis_moe_total_stats(vm, t);
     print_row("total", "", t);
+    if (vm.sub) {
+        print_sub_stats(vm);
+    }
     const llama_vis_moe_io_stats io = io_stats(vm);
     if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {
         return;
@@ -127,8 +186,8 @@ int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis
         vis_set_last_error(!out ? "llama_vis_moe_get_stats: NULL output" : "llama_vis_moe_get_stats: the context has no expert cache");
         return -1;
     }
-    if (il >= 0) {
-        if (il >= (int32_t) vm->layers.size()) {
+    if (il >= 0 || il < -1) {
+        if (il >= (int32_t) vm->layers.size() || il < -1) {
             vis_set_last_error("llama_vis_moe_get_stats: layer " + std::to_string(il) + " out of range -1.." +
                                std::to_string(vm->layers.size() - 1));
             return -1;
@@ -137,6 +196,27 @@ int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis
         return 0;
     }
     vis_moe_total_stats(*vm, *out);
+    return 0;
+}
+
+int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama_vis_moe_sub_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_sub_stats: NULL output" : "llama_vis_moe_get_sub_stats: the context has no expert cache");
+        return -1;
+    }
+    if (il >= (int32_t) vm->layers.size() || il < -1) {
+        vis_set_last_error("llama_vis_moe_get_sub_stats: layer " + std::to_string(il) + " out of range -1.." +
+                           std::to_string(vm->layers.size() - 1));
+        return -1;
+    }
+    if (il >= 0) {
+        *out = vm->layers[il].sub_stats;
+    } else {
+        vis_moe_total_sub_stats(*vm, *out);
+    }
+    out->stall_saved_us = stall_saved_us(*vm, out->bytes_saved);
     return 0;
 }
 
@@ -167,6 +247,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     for (auto & L : vm->layers) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
         L.stats = {};
+        L.sub_stats = {};
         L.stats.n_slots = n_slots;
         L.stats.managed = managed;
     }

@@ -14,6 +14,7 @@
 static const char     TRACE_MAGIC[8]  = { 'V', 'I', 'S', 'T', 'R', 'A', 'C', 'E' };
 static const uint32_t TRACE_VERSION   = 1;
 static const uint32_t TRACE_REC_TAG   = 0x31434552; // "REC1"
+static const uint32_t TRACE_SUB_TAG   = 0x31425553; // "SUB1": substitution, after the REC1 of its layer
 
 // what `path` holds now: "" (nothing, empty, or an earlier trace) or why it must not be overwritten
 static std::string refuse_reason(const std::string & path) {
@@ -120,6 +121,13 @@ void vis_moe_trace::record(int il, const ggml_tensor * ids, const ggml_tensor * 
         }
     }
     write(w.data(), sizeof(float), w.size());
+}
+
+void vis_moe_trace::record_sub(int il, int64_t n_tokens, int k, const int32_t * exec, const uint8_t * outcome) {
+    const int32_t rec[5] = { (int32_t) TRACE_SUB_TAG, ubatch_index, il, (int32_t) n_tokens, k };
+    write(rec, sizeof(int32_t), 5);
+    write(exec, sizeof(int32_t), (size_t) n_tokens * k);
+    write(outcome, 1, (size_t) n_tokens * k);
 }
 
 std::string vis_moe_trace::end_ubatch() {

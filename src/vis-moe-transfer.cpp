@@ -1,6 +1,7 @@
 // vis-moe-transfer.cpp - filling slots from the tiers (vis-moe-transfer.h).
 #include "vis-moe-transfer.h"
 #include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
 
 #include <algorithm>
 #include <cstring>
@@ -122,5 +123,46 @@ void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const s
                 std::memcpy(h, buf, (size_t) L.expert_bytes);
             }
         }
+    }
+}
+
+std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_layer & L, int il, int e, int s) {
+    if (vm.host) {
+        if (const uint8_t * h = vm.host->find(il, e)) {
+            slab_write(L, s, h);
+            if (vm.host_exclusive) {
+                vm.host->erase(il, e);
+            }
+            vm.n_host_hits++;
+            return nullptr;
+        }
+    }
+    if (!L.deferred) {
+        model_copy(vm, L, e, s);  // the model's own copy is in memory: as cheap as a host hit
+        vm.n_model_copies++;
+        return nullptr;
+    }
+    auto job = std::make_unique<vis_fetch_job>();
+    job->il     = il;
+    job->expert = e;
+    job->slot   = s;
+    job->bytes  = L.expert_bytes;
+    job->staged = !L.direct_write;
+    if (job->staged) {
+        job->staging.resize((size_t) L.expert_bytes);
+    }
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (L.file[ti]) {
+            void * dst = job->staged ? (void *) (job->staging.data() + L.part_off[ti])
+                                     : (void *) ((char *) L.slab[ti]->data + (size_t) s * L.slab[ti]->nb[2]);
+            job->reqs.push_back({ L.file[ti], il, e, dst });
+        }
+    }
+    return job;
+}
+
+void vis_moe_fetch_finish(vis_moe_layer & L, const vis_fetch_job & job) {
+    if (job.staged) {
+        slab_write(L, job.slot, job.staging.data());
     }
 }

@@ -39,8 +39,9 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
 // pass whose ids and weights are upstream's: the graph is unchanged.
 class vis_moe_layer_graph {
 public:
+    // scores: what the router ranked the experts by [n_expert, n_tokens] (router substitution reads it)
     vis_moe_layer_graph(const vis_moe_context * vm, ggml_context * ctx, ggml_cgraph * gf, int il,
-                        ggml_tensor * selected_experts, ggml_tensor * weights, int64_t n_tokens);
+                        ggml_tensor * selected_experts, ggml_tensor * weights, ggml_tensor * scores, int64_t n_tokens);
 
     int n_passes() const { return n_pass; }
 
@@ -65,6 +66,7 @@ private:
     bool              stream  = false;  // this ubatch reads the layer's experts through the mapping (upstream graph)
     ggml_tensor     * ids_cont = nullptr;  // contiguous copy of the routed ids
     ggml_tensor     * weights  = nullptr;
+    ggml_tensor     * scores   = nullptr;  // router substitution only, else null
     ggml_tensor     * last     = nullptr;  // ordering dependency between passes
     std::vector<ggml_tensor *> outs;
     size_t            n_merged = 0;  // passes merged in place (CPU layers)

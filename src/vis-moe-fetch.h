@@ -1,0 +1,62 @@
+// vis-moe-fetch.h - reading experts into slots in the background.
+//
+// Substitution (vis-moe-substitute.h) lets a token run a resident stand-in instead of a missing expert; the
+// missing expert is still read, here, off the critical path, so the next tokens hit.  The planner picks the
+// slot (a victim no pair of the running ubatch uses), holds it in the policy, and submits a job; the layer's
+// next ubatch collects the layer's jobs (waiting for any still in flight) before it plans.
+//
+// Memory safety: a job writes only its own slot (CPU-writable slabs) or its own staging buffer (device slabs,
+// copied into the slab by the compute thread when collected); a held slot is never a victim and no id points
+// at it until it is collected, so no kernel reads it while it is written.
+#pragma once
+
+#include "vis-moe-store.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct vis_fetch_job {
+    int il     = -1;
+    int expert = -1;
+    int slot   = -1;
+    std::vector<vis_read_req> reqs;     // into the slot, or into `staging`
+    std::vector<uint8_t>      staging;  // device slabs: the packed expert, written to the slot when collected
+    bool        staged = false;
+    std::string error;                  // "" = read
+    int64_t     bytes  = 0;
+};
+
+class vis_moe_fetcher {
+public:
+    explicit vis_moe_fetcher(int direct_io);
+    ~vis_moe_fetcher();  // finishes the jobs in flight (they write memory the context owns)
+    vis_moe_fetcher(const vis_moe_fetcher &) = delete;
+    vis_moe_fetcher & operator=(const vis_moe_fetcher &) = delete;
+
+    void submit(std::unique_ptr<vis_fetch_job> job);
+    // the jobs of layer il, all finished (waits for those in flight); waited_us: how long it waited
+    std::vector<std::unique_ptr<vis_fetch_job>> collect(int il, int64_t & waited_us);
+    // jobs of layer il submitted and not collected
+    int pending(int il);
+
+    int64_t n_done     = 0;  // jobs finished
+    int64_t bytes_read = 0;
+
+private:
+    void worker_main();
+
+    vis_io_pool io;  // one thread: the worker's own reads
+    std::mutex mtx;
+    std::condition_variable cv_work, cv_done;
+    std::deque<std::unique_ptr<vis_fetch_job>>  queue;
+    std::vector<std::unique_ptr<vis_fetch_job>> finished;
+    std::vector<int> in_flight;  // per layer: submitted, not finished
+    bool stop = false;
+    std::thread worker;
+};

@@ -1,0 +1,87 @@
+// vis-moe-substitute.h - substitution on a miss (lossy; --moe-substitute, docs/substitution.md).
+//
+// Runs in the first pass op of a managed layer, after routing and before the pass plan: a (token, expert)
+// pair whose expert has no slot may run a resident stand-in instead, with the missing expert's gate weight
+// (only the ids of the three mul_mat_id change).  The gates of BuddyMoE decide who may: the token's routing
+// entropy (TAE, tau), its top-1/top-2 margin (gamma), the share of the ubatch's experts that are missing
+// (beta), a per-token budget (rho) and the expert's share of the token's weight.  Experts all of whose
+// pairs got a stand-in are read in the background (vis-moe-fetch.h) so later tokens hit.
+#pragma once
+
+#include "llama-vis.h"
+#include "vis-moe-profile.h"
+#include "vis-moe-settings.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+struct ggml_tensor;
+
+// the rule of one layer, settings resolved (auto, percentiles)
+struct vis_sub_rule {
+    int     mode    = VIS_SUB_ROUTER;  // VIS_SUB_ROUTER or VIS_SUB_BUDDY
+    double  tau     = -1;              // < 0: no TAE gate
+    double  margin  = -1;              // < 0: no margin gate
+    double  beta    = 1;
+    int     budget  = 1;
+    double  weight  = 1;
+    const int32_t * buddies = nullptr; // buddy mode: [n_expert][k_max], best first, -1 padded
+    int     k_max   = 0;
+};
+
+// one layer's routing of one ubatch, as the pass op sees it
+struct vis_sub_input {
+    const int32_t * ids     = nullptr;  // [n_tokens][k] routed experts
+    const float *   weights = nullptr;  // gate weight of (token t, rank r) at weights[t * w_tok + r * w_rank]
+    int64_t w_tok = 0, w_rank = 0;
+    const float *   scores  = nullptr;  // router score of expert e for token t at scores[t * s_tok + e]; router mode
+    int64_t s_tok = 0;
+    int64_t n_tokens = 0;
+    int     k        = 0;
+    bool    decode   = true;            // every sequence of the ubatch has one token
+    bool    prefill_allowed = false;
+};
+
+// TAE of one token: -sum p ln p / ln k over its k gate weights renormalised to sum 1 (k = 1: 0); -1 if the
+// weights do not sum to a positive finite value.  Also the margin p(1st) - p(2nd) (k = 1: 1).
+double vis_sub_tae(const float * w, int64_t stride, int k, double * margin);
+
+// The decision for one layer and ubatch (pure: no slot table, testable by hand): exec [n_tokens*k] = the
+// expert each pair runs, outcome [n_tokens*k] = llama_vis_sub_outcome, background = missing experts all of
+// whose pairs got a stand-in (to read off the critical path).  Adds to st.  Returns true if any pair runs a
+// stand-in.
+bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
+                    const vis_sub_input & in, int32_t * exec, uint8_t * outcome, std::vector<int32_t> & background,
+                    llama_vis_moe_sub_stats & st);
+
+// the substitution state of a context: its settings, per-layer rules, the profile
+class vis_moe_substitute {
+public:
+    // throws std::runtime_error naming the flag on a bad combination (buddy without a profile, ...)
+    vis_moe_substitute(const vis_moe_sub_settings & s, const llama_model & model, const std::vector<int> & managed);
+
+    const vis_moe_sub_settings & settings() const { return cfg; }
+    const vis_sub_rule & rule(int il) const { return rules[il]; }
+    const char * mode_name() const;
+
+private:
+    vis_moe_sub_settings cfg;
+    std::unique_ptr<vis_buddy_profile> profile;
+    std::vector<vis_sub_rule> rules;  // per layer
+};
+
+// context creation (vis-moe-attach.cpp): the substitution state of vm's managed layers, and the background
+// reader when experts come from the file.  Throws std::runtime_error naming the flag (bad profile, buddy
+// without a profile, ...).
+void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store);
+
+// pass 0 of a managed layer: collect the layer's background reads of the previous ubatch, then decide this
+// ubatch's stand-ins (L.exec, L.outcome, L.sub_active).  ids: [k, n_tokens]; weights [1, k, n_tokens];
+// scores [n_expert, n_tokens] or null.  Returns the experts to read in the background.
+std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
+                                             const ggml_tensor * weights, const ggml_tensor * scores);
+// after pass 0 loaded what it needs: start the background reads of `experts` into slots no pair uses
+void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts);
