@@ -21,19 +21,24 @@ KW = dict(n_ctx=64, n_threads=2, verbose=False)
 
 def _header():
     text = re.sub(r"//[^\n]*", "", HEADER.read_text())
-    structs = {m.group(1): re.findall(r"(int32_t|int64_t|const char \*)\s*(\w+);", m.group(2))
+    enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
+             for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
+    structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
+                            re.findall(r"(int32_t|int64_t|const char \*)\s*(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
                for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
     funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
-    return structs, funcs
+    return structs, funcs, enums
 
 
 def test_the_mirror_is_the_header():
     """Every struct of llama-vis.h with its fields in order and their C types, every function, nothing more."""
-    structs, funcs = _header()
-    assert len(structs) >= 9 and len(funcs) >= 40
+    structs, funcs, enums = _header()
+    assert len(structs) >= 10 and len(funcs) >= 42 and len(enums) >= 11
     for name, cfields in structs.items():
         cls = getattr(capi, f"struct_{name}", None) or getattr(capi, name)   # struct_: named like a function
-        assert [(n, CTYPES[t]) for t, n in cfields] == list(cls._fields_), name
+        assert [(n, CTYPES[t] if a is None else CTYPES[t] * a) for t, n, a in cfields] == list(cls._fields_), name
+    assert {n: getattr(capi, n, None) for n in enums} == enums                # enum constants, same values
+    assert {n for n in dir(capi) if n.startswith("LLAMA_VIS_")} == set(enums)
     bound = {n for n in dir(capi) if n.startswith("llama_vis_") and callable(getattr(capi, n))
              and not isinstance(getattr(capi, n), type)}
     assert bound == set(funcs)

@@ -255,6 +255,64 @@ def llama_vis_moe_print_stats(ctx) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Substitution on a miss (lossy, off by default; docs/substitution.md)
+# ---------------------------------------------------------------------------
+# enum llama_vis_sub_outcome { ... };  what happened to one missing (token, expert) pair; also the outcome
+# byte of the trace's SUB1 records (pyvis.runtime.trace.SUB_OUTCOMES names them)
+LLAMA_VIS_SUB_RESIDENT = 0        # the routed expert ran (it was resident, or was loaded)
+LLAMA_VIS_SUB_SUBSTITUTED = 1     # a resident stand-in ran in its place
+LLAMA_VIS_SUB_BLOCKED_TAE = 2     # the token's routing entropy is at or below tau (sensitive token)
+LLAMA_VIS_SUB_BLOCKED_MARGIN = 3  # its top-1 / top-2 weight margin is at or above gamma
+LLAMA_VIS_SUB_BLOCKED_BETA = 4    # too many of the ubatch's experts in this layer are missing (> beta)
+LLAMA_VIS_SUB_BLOCKED_BUDGET = 5  # the token already had its budget of substitutions in this layer
+LLAMA_VIS_SUB_BLOCKED_WEIGHT = 6  # the expert's share of the token's gate weight is not below the threshold
+LLAMA_VIS_SUB_NO_CANDIDATE = 7    # no resident expert qualifies (buddy list exhausted, all already chosen)
+LLAMA_VIS_SUB_NEEDED_ANYWAY = 8   # another token of the ubatch loads this expert: no reason to substitute
+LLAMA_VIS_SUB_NOT_ELIGIBLE = 9    # prefill ubatch without --moe-sub-prefill
+LLAMA_VIS_SUB_N_OUTCOMES = 10
+
+
+# struct llama_vis_moe_sub_stats {
+#     int64_t n_tokens;              // (token, managed layer) evaluations the substitution step saw
+#     int64_t n_tokens_substituted;  // ... with at least one substitution
+#     int64_t n_missing;             // (token, expert) pairs whose expert was not resident
+#     int64_t outcomes[LLAMA_VIS_SUB_N_OUTCOMES]; // of the missing pairs, by outcome (sum == n_missing)
+#     int64_t bytes_saved;           // expert bytes not read before the layer could run
+#     int64_t stall_saved_us;        // estimate: bytes_saved at this context's measured file read rate
+#     int64_t bg_fetches;            // substituted-away experts read in the background
+#     int64_t bg_wait_us;            // time compute waited for a background read still in flight (late)
+# };
+class llama_vis_moe_sub_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_tokens", ctypes.c_int64),
+        ("n_tokens_substituted", ctypes.c_int64),
+        ("n_missing", ctypes.c_int64),
+        ("outcomes", ctypes.c_int64 * LLAMA_VIS_SUB_N_OUTCOMES),
+        ("bytes_saved", ctypes.c_int64),
+        ("stall_saved_us", ctypes.c_int64),
+        ("bg_fetches", ctypes.c_int64),
+        ("bg_wait_us", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, int32_t il,
+#                                               struct llama_vis_moe_sub_stats * out);
+@ctypes_function("llama_vis_moe_get_sub_stats",
+                 [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_sub_stats)], ctypes.c_int32)
+def llama_vis_moe_get_sub_stats(ctx, il: int, out) -> int:
+    """Substitution stats of layer il, or totals with il = -1. 0, or -1 if ctx has no expert cache or il is out
+    of range."""
+
+
+# LLAMA_API int32_t llama_vis_moe_router_hash(const struct llama_model * model, uint64_t * out);
+@ctypes_function("llama_vis_moe_router_hash", [llama_model_p, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int32)
+def llama_vis_moe_router_hash(model, out) -> int:
+    """The fingerprint a profile must match: the routers' stored bytes hashed as in docs/substitution.md
+    (pyvis.runtime.profile.router_hash computes the same from the GGUF). 0, or -1 with llama_vis_last_error()
+    (no routers, or routers the host cannot read as stored)."""
+
+
+# ---------------------------------------------------------------------------
 # Paging tiers
 # ---------------------------------------------------------------------------
 # struct llama_vis_moe_tier_params {

@@ -20,7 +20,13 @@ and :mod:`pyvis.testbed.routing_report` work on a Trace.
              i32 seq[n_tokens], i32 pos[n_tokens], u8 modality[n_tokens] (0 text, 1 embeddings/image),
              i32 ids[n_tokens*k], f32 weights[n_tokens*k]
 
-One record per MoE layer per ubatch, in compute order.
+One record per MoE layer per ubatch, in compute order.  With substitution on (``--moe-substitute``,
+docs/substitution.md), every REC1 of a managed layer is followed by the SUB1 record of the same (ubatch, layer):
+
+    SUB1     i32 tag 0x31425553 ("SUB1"), i32 ubatch, i32 layer, i32 n_tokens, i32 k,
+             i32 exec[n_tokens*k] (the expert that ran), u8 outcome[n_tokens*k] (SUB_OUTCOMES)
+
+:attr:`Trace.exec_ids` and :attr:`Trace.outcome` hold them; rows without a SUB1 record: exec = ids, outcome = 0.
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ import numpy as np
 MAGIC = b"VISTRACE"
 HEADER_BYTES = 24
 REC_TAG = 0x31434552
+SUB_TAG = 0x31425553
+# enum llama_vis_sub_outcome of src/llama-vis.h, by value: what happened to one (token, expert) pair
+SUB_OUTCOMES = ("resident", "substituted", "blocked_tae", "blocked_margin", "blocked_beta", "blocked_budget",
+                "blocked_weight", "no_candidate", "needed_anyway", "not_eligible")
 _ROW_COLUMNS = ("ubatch", "layer", "seq", "pos", "modality")
 
 
@@ -54,6 +64,8 @@ class Trace:
     ids: np.ndarray       # [N, k] int32, routed experts in top-k order
     weights: np.ndarray   # [N, k] float32, their gating weights (NaN when the source does not have them)
     meta: dict = field(default_factory=dict)
+    exec_ids: np.ndarray | None = None   # [N, k] int32, the expert that ran for each pair (None: = ids)
+    outcome: np.ndarray | None = None    # [N, k] uint8, index into SUB_OUTCOMES (None: all 0)
     _routes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -74,6 +86,16 @@ class Trace:
             srt = np.sort(self.ids, axis=1)
             if (srt[:, 1:] == srt[:, :-1]).any():
                 raise TraceError("a token selects the same expert twice in one layer")
+        self.exec_ids = self.ids.astype(np.int32) if self.exec_ids is None else np.asarray(self.exec_ids, np.int32)
+        self.outcome = (np.zeros(self.ids.shape, np.uint8) if self.outcome is None
+                        else np.asarray(self.outcome, np.uint8))
+        if self.exec_ids.shape != self.ids.shape or self.outcome.shape != self.ids.shape:
+            raise TraceError(f"exec_ids {self.exec_ids.shape} / outcome {self.outcome.shape} do not match ids "
+                             f"{self.ids.shape}")
+        if self.exec_ids.size and (self.exec_ids.min() < 0 or self.exec_ids.max() >= self.n_expert):
+            raise TraceError(f"executed expert ids must be in [0, {self.n_expert})")
+        if self.outcome.size and self.outcome.max() >= len(SUB_OUTCOMES):
+            raise TraceError(f"substitution outcome {int(self.outcome.max())} is not one of 0..{len(SUB_OUTCOMES) - 1}")
 
     def __len__(self) -> int:
         return len(self.layer)
@@ -89,7 +111,8 @@ class Trace:
 
     def for_mask(self, m: np.ndarray) -> "Trace":
         return Trace(self.n_layer, self.n_expert, self.n_expert_used, self.ubatch[m], self.layer[m], self.seq[m],
-                     self.pos[m], self.modality[m], self.ids[m], self.weights[m], dict(self.meta))
+                     self.pos[m], self.modality[m], self.ids[m], self.weights[m], dict(self.meta),
+                     self.exec_ids[m], self.outcome[m])
 
     def for_layer(self, il: int) -> "Trace":
         return self.for_mask(self.layer == il)
@@ -128,7 +151,8 @@ class Trace:
         p.parent.mkdir(parents=True, exist_ok=True)
         dt = np.int16 if self.n_expert < 32768 else np.int32
         with open(p, "wb") as f:
-            np.savez_compressed(f, ids=self.ids.astype(dt), weights=self.weights,
+            np.savez_compressed(f, ids=self.ids.astype(dt), weights=self.weights, exec_ids=self.exec_ids.astype(dt),
+                                outcome=self.outcome,
                                 **{c: getattr(self, c) for c in _ROW_COLUMNS},
                                 shape=np.array([self.n_layer, self.n_expert, self.n_expert_used], np.int64),
                                 meta=np.array(json.dumps(self.meta)))
@@ -143,14 +167,29 @@ def parse(data: bytes, name: str = "<bytes>") -> Trace:
     if version != 1:
         raise TraceError(f"{name}: trace version {version} is not supported (expected 1)")
     off = HEADER_BYTES
-    cols: dict[str, list] = {c: [] for c in (*_ROW_COLUMNS, "ids", "weights")}
+    cols: dict[str, list] = {c: [] for c in (*_ROW_COLUMNS, "ids", "weights", "exec_ids", "outcome")}
     k = int(k_model)
+    prev = None   # (ubatch, layer, n_tokens, k) of the last REC1 that has no SUB1 yet
     while off < len(data):
         if off + 20 > len(data):
             raise TraceError(f"{name}: truncated record header at byte {off}")
         tag, ub, il, n, k = (int(x) for x in np.frombuffer(data, np.int32, 5, off))
+        if tag == SUB_TAG:
+            if prev != (ub, il, n, k):
+                raise TraceError(f"{name}: SUB1 record at byte {off} (ubatch {ub}, layer {il}, {n} x {k}) does not "
+                                 f"follow the REC1 of the same ubatch and layer")
+            if off + 20 + n * k * 5 > len(data):
+                raise TraceError(f"{name}: truncated SUB1 record at byte {off} (the writer may still be running)")
+            off += 20
+            cols["exec_ids"][-1] = np.frombuffer(data, np.int32, n * k, off).reshape(n, k); off += 4 * n * k
+            cols["outcome"][-1] = np.frombuffer(data, np.uint8, n * k, off).reshape(n, k); off += n * k
+            prev = None
+            continue
         if tag != REC_TAG:
             raise TraceError(f"{name}: bad record tag at byte {off}")
+        if n < 0 or k < 0:
+            raise TraceError(f"{name}: bad record header at byte {off} ({n} tokens, k = {k})")
+        prev = (ub, il, n, k)
         off += 20
         need = n * 4 * 2 + n + n * k * 8
         if off + need > len(data):
@@ -162,6 +201,8 @@ def parse(data: bytes, name: str = "<bytes>") -> Trace:
         cols["modality"].append(np.frombuffer(data, np.uint8, n, off)); off += n
         cols["ids"].append(np.frombuffer(data, np.int32, n * k, off).reshape(n, k)); off += 4 * n * k
         cols["weights"].append(np.frombuffer(data, np.float32, n * k, off).reshape(n, k)); off += 4 * n * k
+        cols["exec_ids"].append(cols["ids"][-1])
+        cols["outcome"].append(np.zeros((n, k), np.uint8))
     if not cols["ids"]:
         empty = {c: np.zeros(0, np.uint8 if c == "modality" else np.int32) for c in _ROW_COLUMNS}
         return Trace(int(n_layer), int(n_expert), int(k_model), **empty, ids=np.zeros((0, k), np.int32),
@@ -192,7 +233,8 @@ def load(path: str | os.PathLike) -> Trace:
             return Trace.from_routes(z["ids"], int(z["n_expert"]), z["layers"], meta)
         n_layer, n_expert, k = (int(x) for x in z["shape"])
         return Trace(n_layer, n_expert, k, **{c: z[c] for c in _ROW_COLUMNS}, ids=z["ids"].astype(np.int32),
-                     weights=z["weights"], meta=meta)
+                     weights=z["weights"], meta=meta, exec_ids=z["exec_ids"] if "exec_ids" in z else None,
+                     outcome=z["outcome"] if "outcome" in z else None)
     except TraceError:
         raise
     except (KeyError, ValueError, OSError) as e:
