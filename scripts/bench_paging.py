@@ -153,9 +153,13 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         mm = re.findall(pat, out)
         if mm:
             r[key] = int(mm[-1])
-    mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)", out)
+    mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+%", out)  # the cache table's total row
     if mm:
         r["routed"], r["hits"], r["misses"] = map(int, mm[-1])
+    mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){14})\s*$", out, re.M)        # the substitution table's
+    if mm:
+        c = mm[-1].split()
+        r["sub_missing"], r["substituted"], r["bg_reads"] = int(c[1]), int(c[2]), int(c[12])
     slots = re.findall(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
     if slots:
         r["slots"] = int(slots[-1])
@@ -209,6 +213,24 @@ def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
     return line
 
 
+def flags_env(flags: list[str]) -> dict:
+    """--moe-* flags as the VIS_MOE_* variables of the settings table (llama-bench reads only those)"""
+    from pyvis.runtime import native
+    table = {f.name: f for f in native.flags()}
+    env, i = {}, 0
+    while i < len(flags):
+        f = table.get(flags[i])
+        if f is None:
+            raise SystemExit(f"--variant: {flags[i]} is not a --moe-* flag of the settings table")
+        if f.value_hint is None:
+            env[f.env], i = "on", i + 1
+        else:
+            if i + 1 >= len(flags):
+                raise SystemExit(f"--variant: {flags[i]} needs a value ({f.value_hint})")
+            env[f.env], i = flags[i + 1], i + 2
+    return env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -229,8 +251,18 @@ def main() -> int:
                     help="cli: llama-cli, a prompt then -n sampled tokens (default); bench: llama-bench pp + tg, whose "
                          "decode feeds random tokens (varied routing: on random-weight models sampled text repeats one "
                          "token and keeps the expert cache hot)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="another configuration of ours, run after 'ours' with these --moe-* flags added, e.g. "
+                         "--variant 'router=--moe-substitute router' (repeatable; llama-bench gets them as variables)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra args for ours")
     a = ap.parse_args()
+    variants = {}
+    for v in a.variant:
+        name, eq, flags = v.partition("=")
+        if not eq or not name or name in ("upstream", "upstream-nr", "ours") or not flags.split():
+            ap.error(f"--variant {v!r}: expected NAME=FLAGS with a new name and at least one flag")
+        variants[name] = flags.split()
+    names = list(a.only) + [n for n in variants if n not in a.only]
     model = Path(a.model).resolve()
     size = model.stat().st_size
     out = Path(a.out)
@@ -249,8 +281,9 @@ def main() -> int:
         limit = int(size * frac)
         print(f"== budget {frac:.3f} x {size / 2**30:.2f} GiB = {limit / 2**20:.0f} MiB", flush=True)
         for rep in range(a.repeat):
-            for name in a.only:
-                trace = out / f"ours-{frac}-{rep}.trace"
+            for name in names:
+                vflags = variants.get(name, [])
+                trace = out / f"{'ours' if name == 'ours' else name}-{frac}-{rep}.trace"
                 env = None
                 if a.tool == "bench":
                     bb = ["-m", model, "-p", str(a.prompt_tokens), "-n", str(a.n_predict), "-r", "1", "-t", "2", "-o", "json"]
@@ -260,14 +293,14 @@ def main() -> int:
                         cmd = [up / "llama-bench", *bb, "--repack", "0"]
                     else:   # llama-bench has its own flags: the fork's settings come from the environment
                         cmd = [Path(a.bin) / "llama-bench", *bb, "--repack", "0", *a.extra]
-                        env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace))
+                        env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace), **flags_env(vflags))
                 elif name == "upstream":
                     cmd = [up / "llama-cli", *base]
                 elif name == "upstream-nr":
                     cmd = [up / "llama-cli", *base, "-nr"]
                 else:
                     cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
-                           *a.extra]
+                           *vflags, *a.extra]
                 r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}-{rep}.log", env)
                 r["tool"] = a.tool
                 r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size, rep=rep)

@@ -90,6 +90,11 @@ LLAMA_API int32_t llama_vis_moe_set_params(const struct llama_vis_moe_params * p
 // (patch 0003).  Returns 0, or -1 with llama_vis_last_error() naming the flag and the valid range.
 LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value);
 
+// Apply one flag of the table to the calling thread's override (created from the process-wide settings
+// if the thread has none; dropped by llama_vis_moe_set_thread_params(NULL, NULL)).  For settings without
+// a struct (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error().
+LLAMA_API int32_t llama_vis_moe_thread_apply(const char * flag, const char * value);
+
 // One row of the settings table: every --moe-* flag.
 struct llama_vis_moe_flag {
     const char * name;        // "--moe-slots"

@@ -508,6 +508,36 @@ int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
     return set_process(s, group_of(*r));
 }
 
+int32_t llama_vis_moe_thread_apply(const char * flag, const char * value) {
+    vis_clear_last_error();
+    const std::string name = flag ? flag : "";
+    const flag_row * r = find_row(name);
+    if (!r) {
+        vis_set_last_error("unknown vis-moe flag '" + name + "'");
+        return -1;
+    }
+    vis_moe_settings s;
+    if (t_override) {
+        s = *t_override;
+    } else {
+        const env_values ev = read_env();  // as for set_thread_params: a bad variable is an error here too
+        if (!ev.error.empty()) {
+            vis_set_last_error(ev.error);
+            return -1;
+        }
+        s = process_settings();
+    }
+    try {
+        r->apply(s, name, r->hint ? (value ? value : "") : "");
+        validate(s);
+    } catch (const std::exception & e) {
+        vis_set_last_error(e.what());
+        return -1;
+    }
+    t_override = std::make_unique<vis_moe_settings>(s);
+    return 0;
+}
+
 int32_t llama_vis_moe_n_flags(void) {
     return N_ROWS;
 }

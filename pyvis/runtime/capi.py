@@ -159,6 +159,14 @@ def llama_vis_moe_cli_apply(flag: bytes, value: bytes | None) -> int:
     0, or -1 with llama_vis_last_error() naming the flag and the valid range."""
 
 
+# LLAMA_API int32_t llama_vis_moe_thread_apply(const char * flag, const char * value);
+@ctypes_function("llama_vis_moe_thread_apply", [ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int32)
+def llama_vis_moe_thread_apply(flag: bytes, value: bytes | None) -> int:
+    """Apply one flag of the table to the calling thread's override (created from the process-wide settings if the
+    thread has none; dropped by llama_vis_moe_set_thread_params(NULL, NULL)).  For settings without a struct
+    (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error()."""
+
+
 # struct llama_vis_moe_flag {
 #     const char * name;        // "--moe-slots"
 #     const char * env;         // "VIS_MOE_SLOTS"

@@ -13,24 +13,29 @@ from __future__ import annotations
 
 from . import native
 from .native import MoeStats, VisError, llama_cpp
-from .settings import MoeParams, TierParams, applied
+from .settings import MoeParams, SubParams, TierParams, applied
 
-__all__ = ["load", "stats", "layer_stats", "io_stats", "reset_stats", "MoeParams", "MoeStats", "TierParams", "VisError"]
+__all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "reset_stats", "MoeParams", "MoeStats", "SubParams",
+           "TierParams", "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
          trace: str | None = None, store: str = "file", host_mib: int = -1, mem: int | str = 0, io_threads: int = 4,
-         direct_io: str = "auto", unified: str = "auto", mlock: bool = True, **llama_kwargs) -> "llama_cpp.Llama":
+         direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str = "off",
+         sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
+         sub_budget: int = 1, sub_weight: float = 1.0, sub_prefill: bool = False, **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
     direct_io, unified, mlock: the paging tiers (docs/paging.md); with store="file" (default) the managed
-    experts are not loaded at start but read from the GGUF file on demand.  A bad value raises VisError
+    experts are not loaded at start but read from the GGUF file on demand.  substitute and sub_*: substitution
+    on a miss (lossy, off by default; docs/substitution.md), as the --moe-substitute / --moe-sub-* flags.  A bad value raises VisError
     naming the option and its range.
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
-    with applied(params, tier):
+    sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_prefill)
+    with applied(params, tier, sub):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         except ValueError as e:
@@ -51,6 +56,12 @@ def layer_stats(llm, layer: int) -> MoeStats | None:
 def io_stats(llm) -> dict | None:
     """Per-tier stats: slab/host hits, file reads, bytes read, I/O wait, peak RSS (docs/paging.md)."""
     return native.io_stats(llm)
+
+
+def sub_stats(llm, layer: int = -1) -> dict | None:
+    """Substitution on a miss: missing (token, expert) pairs by outcome, bytes and stall saved, background reads
+    (docs/substitution.md); totals, or one layer."""
+    return native.sub_stats(llm, layer)
 
 
 def reset_stats(llm) -> None:

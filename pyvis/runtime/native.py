@@ -184,6 +184,18 @@ def io_stats(ctx) -> dict | None:
     return _struct_dict(s)
 
 
+def sub_stats(ctx, layer: int = -1) -> dict | None:
+    """Substitution stats of one layer, or totals (layer=-1): missing pairs by outcome (names of
+    pyvis.runtime.trace.SUB_OUTCOMES), bytes and stall saved, background reads; None without a cache."""
+    from .trace import SUB_OUTCOMES
+    s = capi.llama_vis_moe_sub_stats()
+    if capi.llama_vis_moe_get_sub_stats(_ctx_ptr(ctx), c_int("layer", layer), ctypes.byref(s)) != 0:
+        return None
+    d = {f: getattr(s, f) for f, _ in s._fields_ if f != "outcomes"}
+    d["outcomes"] = {name: int(s.outcomes[i]) for i, name in enumerate(SUB_OUTCOMES)}
+    return d
+
+
 # ---------------------------------------------------------------------------
 # memory probe and planner
 # ---------------------------------------------------------------------------

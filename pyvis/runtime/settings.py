@@ -1,7 +1,9 @@
 """The --moe-* settings from Python: typed, checked, and applied per call and per thread.
 
 Two dataclasses mirror the two C settings structs: :class:`MoeParams` (expert residency, docs/residency.md)
-and :class:`TierParams` (paging tiers, docs/paging.md).  Each field is one --moe-* flag of the C settings
+and :class:`TierParams` (paging tiers, docs/paging.md).  A third, :class:`SubParams` (substitution on a miss,
+docs/substitution.md), has no C struct: its fields are handed to the C table as flag strings
+(``llama_vis_moe_thread_apply``), so the C parser checks them and names the flag.  Each field is one --moe-* flag of the C settings
 table (``llama_vis_moe_get_flag``; src/vis-moe-settings.cpp): the field ``pinned_layers`` is
 ``--moe-pinned-layers``, ``mem`` is ``--moe-mem``, and so on (:func:`flag_of`).  Python checks that each
 integer fits its C field (no silent wrap-around); the C side checks the ranges of the flags and names them.
@@ -21,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import threading
 import typing
 from dataclasses import dataclass
 
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["MoeParams", "TierParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["MoeParams", "TierParams", "SubParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -107,6 +110,35 @@ class TierParams:
                    c.io_threads, _SWITCH[c.direct_io], _SWITCH[c.unified], bool(c.mlock))
 
 
+@dataclass(frozen=True)
+class SubParams:
+    """Substitution on a miss (lossy; docs/substitution.md).  Values as the flags take them."""
+    substitute: str = "off"          # off | router | buddy | auto
+    sub_profile: str | None = None   # buddy lists (pyvis calibrate buddies)
+    sub_tae: str = "off"             # off | TAU in 0..1 | pN
+    sub_margin: str = "off"          # off | G in 0..1
+    sub_beta: float = 1.0
+    sub_budget: int = 1
+    sub_weight: float = 1.0
+    sub_prefill: bool = False
+
+    def flags(self) -> list[tuple[str, str]]:
+        """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "sub_profile":
+                if v is None:
+                    continue
+                v = str(v)
+            elif isinstance(v, bool):
+                v = "on" if v else "off"
+            elif isinstance(v, (int, float)):
+                v = repr(v)
+            out.append((flag_of(f.name), str(v)))
+        return out
+
+
 # ---------------------------------------------------------------------------
 # getters and process-wide setters
 # ---------------------------------------------------------------------------
@@ -152,20 +184,35 @@ def _set_thread(moe: MoeParams | None, tier: TierParams | None) -> None:
     _check(capi.llama_vis_moe_set_thread_params(_ref(m), _ref(t)), "llama_vis_moe_set_thread_params")
 
 
+_thread_sub = threading.local()   # the SubParams of this thread's innermost applied() block (C has no getter)
+
+
+def _apply_sub(sub: "SubParams | None") -> None:
+    for flag, value in (sub or SubParams()).flags():
+        _check(capi.llama_vis_moe_thread_apply(flag.encode(), value.encode()), "llama_vis_moe_thread_apply")
+
+
 @contextlib.contextmanager
-def applied(moe: MoeParams | None = None, tier: TierParams | None = None):
+def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None):
     """Within the block, models loaded and contexts created on this thread use ``moe`` and ``tier`` (None: the
     settings in force on the thread now).  After it the thread has exactly what it had before: its own override
     if it had one, else none (it follows the process-wide settings again, including changes made meanwhile).
     The settings are checked on entry (VisError); on success the thread's last error is clear, so an error
     read after a failed load or context creation inside the block belongs to it."""
     previous = (get_params(), get_tier_params()) if capi.llama_vis_moe_thread_params_active() else None
+    prev_sub = getattr(_thread_sub, "value", None)
     _set_thread(moe or get_params(), tier or get_tier_params())
     try:
+        if sub is not None or prev_sub is not None:
+            _apply_sub(sub or prev_sub)   # None inside a block that set one: the outer block's
+        _thread_sub.value = sub or prev_sub
         yield
     finally:
+        _thread_sub.value = prev_sub
         if previous is not None:
             _set_thread(*previous)
+            if prev_sub is not None:
+                _apply_sub(prev_sub)
         else:
             _set_thread(None, None)
 
