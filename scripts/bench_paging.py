@@ -156,10 +156,10 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+%", out)  # the cache table's total row
     if mm:
         r["routed"], r["hits"], r["misses"] = map(int, mm[-1])
-    mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){14})\s*$", out, re.M)        # the substitution table's
+    mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){15})\s*$", out, re.M)        # the substitution table's
     if mm:
         c = mm[-1].split()
-        r["sub_missing"], r["substituted"], r["bg_reads"] = int(c[1]), int(c[2]), int(c[12])
+        r["sub_missing"], r["substituted"], r["bg_reads"] = int(c[1]), int(c[2]), int(c[13])
     slots = re.findall(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
     if slots:
         r["slots"] = int(slots[-1])

@@ -134,6 +134,11 @@ const flag_row ROWS[] = {
       "vis-moe: lock the slabs and the host cache in memory so they are never swapped (default: on)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.tier.mlock = parse_switch(w, v, false); } },
+    { "--moe-pin-mib", "VIS_MOE_PIN_MIB", "auto|off|MIB",
+      "vis-moe: discrete GPU: most pinned (page-locked) host memory for the host cache and the staging buffers,\n"
+      "in MiB; the rest is ordinary memory. auto = 25 % of MemTotal, off = never pin (default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.pin_mib = v == "auto" ? -1 : v == "off" ? 0 : parse_int(w, v, 1, MAX_MIB, " MiB (or auto, off)"); } },
     { "--moe-stream-passes", "VIS_MOE_STREAM_PASSES", "N",
       "vis-moe: a ubatch that would need more than N passes in a managed layer reads that layer's experts\n"
       "through the mapping instead (prefill streaming; 0 = never; default: 8)",
@@ -189,6 +194,10 @@ const flag_row ROWS[] = {
       "vis-moe: substitute only experts whose share of the token's gate weight is below W (0..1; default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.weight = parse_real(w, v, 0, 1); } },
+    { "--moe-sub-rank", "VIS_MOE_SUB_RANK", "N",
+      "vis-moe: substitute only a token's N lowest-ranked experts (N = 1: only its k-th; 0 = any; default: 0)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.rank = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = any)"); } },
     { "--moe-sub-prefill", "VIS_MOE_SUB_PREFILL", "on|off",
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -229,9 +238,11 @@ void validate(const vis_moe_settings & s) {
     range("--moe-direct-io",     t.direct_io,  -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-unified",       t.unified,    -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-mlock",         t.mlock,       0, 1, "");
+    range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");
     range("--moe-sub-budget",    u.budget, 1, MAX_SUB_BUDGET, "");
+    range("--moe-sub-rank",      u.rank, 0, MAX_SUB_BUDGET, " (0 = any)");
     auto real = [](const char * flag, double v, double lo, double hi) {
         if (!(v >= lo && v <= hi)) {
             throw vis_error(std::string(flag) + " must be in " + std::to_string(lo) + ".." + std::to_string(hi) +
@@ -253,11 +264,12 @@ void validate(const vis_moe_settings & s) {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8 };
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
     if (n == "--moe-stream-passes") return G_STREAM;
+    if (n == "--moe-pin-mib") return G_PIN;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     if (n == "--moe-slots" || n == "--moe-cache-mib" || n == "--moe-pinned-layers" || n == "--moe-stats" ||
         n == "--moe-trace") return G_PARAMS;
@@ -314,6 +326,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_SUB) {
         s.sub = o.sub;
+    }
+    if (groups & G_PIN) {
+        s.pin_mib = o.pin_mib;
     }
 }
 

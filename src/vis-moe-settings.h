@@ -29,6 +29,7 @@ struct vis_moe_sub_settings {
     double      beta     = 1;          // batch gate: bypass when the missing share of a layer's experts is > beta
     int32_t     budget   = 1;          // rho: substitutions per token per layer
     double      weight   = 1;          // substitute only experts whose share of the token's gate weight is < weight
+    int32_t     rank     = 0;          // substitute only the token's `rank` lowest-ranked experts (0 = any)
     bool        prefill  = false;      // also in prefill ubatches
 
     bool on() const { return mode != VIS_SUB_OFF; }
@@ -39,6 +40,7 @@ struct vis_moe_settings {
     llama_vis_moe_tier_params tier   = {};
     std::string trace_path;                 // routing trace file, "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
+    int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?

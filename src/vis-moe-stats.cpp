@@ -103,18 +103,18 @@ static int64_t stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) {
 static void print_sub_row(const std::string & label, const llama_vis_moe_sub_stats & s) {
     const int64_t * o = s.outcomes;
     std::fprintf(stderr, "vis-moe: %5s %9" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64
-                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
+                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
                  label.c_str(), s.n_tokens, s.n_missing, o[LLAMA_VIS_SUB_SUBSTITUTED], o[LLAMA_VIS_SUB_BLOCKED_TAE],
                  o[LLAMA_VIS_SUB_BLOCKED_MARGIN], o[LLAMA_VIS_SUB_BLOCKED_BETA], o[LLAMA_VIS_SUB_BLOCKED_BUDGET],
-                 o[LLAMA_VIS_SUB_BLOCKED_WEIGHT], o[LLAMA_VIS_SUB_NO_CANDIDATE], o[LLAMA_VIS_SUB_NEEDED_ANYWAY],
+                 o[LLAMA_VIS_SUB_BLOCKED_WEIGHT], o[LLAMA_VIS_SUB_BLOCKED_RANK], o[LLAMA_VIS_SUB_NO_CANDIDATE], o[LLAMA_VIS_SUB_NEEDED_ANYWAY],
                  o[LLAMA_VIS_SUB_NOT_ELIGIBLE], s.bytes_saved / 1048576.0, s.bg_fetches, s.bg_wait_us / 1000.0);
 }
 
 static void print_sub_stats(const vis_moe_context & vm) {
     std::fprintf(stderr, "vis-moe: substitution (--moe-substitute %s): missing (token, expert) pairs by outcome\n",
                  vm.sub->mode_name());
-    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer", "tokens",
-                 "missing", "subst", "tae", "margin", "beta", "budget", "weight", "nocand", "anyway", "prefil",
+    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer",
+                 "tokens", "missing", "subst", "tae", "margin", "beta", "budget", "weight", "rank", "nocand", "anyway", "prefil",
                  "MiB saved", "bg read", "bg wait");
     for (size_t il = 0; il < vm.layers.size(); ++il) {
         if (vm.layers[il].stats.managed) {
@@ -170,6 +170,16 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                          "peak RSS %.2f MiB, major faults %" PRId64 "\n",
                  io.slab_bytes / 1048576.0, io.host_used / 1048576.0, io.host_bytes / 1048576.0, io.host_evictions,
                  io.locked ? "locked" : "not locked", io.rss_peak / 1048576.0, io.major_faults);
+    for (const auto & up : vm.uploads) {  // discrete GPU only (vis-moe-upload.h)
+        const auto c = up->get_counters();
+        std::fprintf(stderr, "vis-moe: uploads to %s: %s, %" PRId64 " copies (%.2f MiB) in %" PRId64 " batches, %.2f ms "
+                             "waited for them; pinned %.2f MiB (cap %.0f MiB: tier 2 %.2f, staging %.2f), staging in "
+                             "ordinary memory %.2f MiB\n", ggml_backend_dev_name(up->device()),
+                     up->async() ? "asynchronous (upload stream, events)" : "synchronous", c.n_copies,
+                     c.bytes / 1048576.0, c.n_issued, c.wait_us / 1000.0, vm.pin.used / 1048576.0, vm.pin.cap / 1048576.0,
+                     vm.host ? vm.host->pinned_bytes() / 1048576.0 : 0.0, vm.staging->pinned_bytes() / 1048576.0,
+                     vm.staging->plain_bytes() / 1048576.0);
+    }
     if (vm.plan_budget > 0) {
         std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm.plan_budget / 1048576.0, vm.plan_source.c_str());
     }
@@ -243,6 +253,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     }
     if (vm->host) {
         vm->host->n_evictions = 0;
+    }
+    for (auto & up : vm->uploads) {
+        up->reset_counters();
     }
     for (auto & L : vm->layers) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;

@@ -157,7 +157,9 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
         int n_sub = 0;
         for (const auto & [share, r] : order) {
             const int64_t j = t * k + r;
-            if (!(share < rule.weight)) {
+            if (rule.rank > 0 && r < k - rule.rank) {
+                outcome[j] = LLAMA_VIS_SUB_BLOCKED_RANK;  // the routing order is the router's ranking
+            } else if (!(share < rule.weight)) {
                 outcome[j] = LLAMA_VIS_SUB_BLOCKED_WEIGHT;
             } else if (n_sub >= rule.budget) {
                 outcome[j] = LLAMA_VIS_SUB_BLOCKED_BUDGET;
@@ -240,6 +242,7 @@ vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const lla
     base.beta   = s.beta;
     base.budget = s.budget;
     base.weight = s.weight;
+    base.rank   = s.rank;
     rules.assign(n_layer, base);
     for (int il : managed) {
         vis_sub_rule & r = rules[il];
@@ -290,8 +293,8 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
         std::snprintf(tae, sizeof(tae), u.tae_kind == VIS_TAE_PERCENTILE ? "p%g" : "%g", u.tae);
     }
     LLAMA_LOG_INFO("vis-moe: substitution on a miss (lossy): --moe-substitute %s, tae %s, margin %s, beta %g, budget %d, "
-                   "weight < %g, prefill %s%s%s\n", vm.sub->mode_name(), tae,
-                   u.margin < 0 ? "off" : std::to_string(u.margin).c_str(), u.beta, u.budget, u.weight,
+                   "weight < %g, rank %d, prefill %s%s%s\n", vm.sub->mode_name(), tae,
+                   u.margin < 0 ? "off" : std::to_string(u.margin).c_str(), u.beta, u.budget, u.weight, u.rank,
                    u.prefill ? "on" : "off", u.profile.empty() ? "" : ", profile ", u.profile.c_str());
 }
 
@@ -304,16 +307,21 @@ static void collect(vis_moe_context & vm, vis_moe_layer & L, int il) {
     auto jobs = vm.fetch->collect(il, waited);
     L.sub_stats.bg_wait_us += waited;
     L.stats.load_us += waited;  // a late background read is a (partial) stall
+    std::string error;  // the first failure, thrown once every job has released its slot
     for (const auto & job : jobs) {
         L.policy->hold(job->slot, false);
         if (!job->error.empty()) {
             L.expert_of[job->slot] = -1;
             L.policy->forget(job->slot);
-            throw vis_io_error("background read of a substituted expert failed: " + job->error);
+            error = error.empty() ? job->error : error;
+            continue;
         }
-        vis_moe_fetch_finish(L, *job);
+        vis_moe_fetch_finish(L, *job);  // waits for this job's upload only (discrete GPU)
         L.slot_of[job->expert] = job->slot;
         L.policy->touch(job->slot);
+    }
+    if (!error.empty()) {
+        throw vis_io_error("background read of a substituted expert failed: " + error);
     }
 }
 

@@ -28,6 +28,7 @@ struct vis_sub_rule {
     double  beta    = 1;
     int     budget  = 1;
     double  weight  = 1;
+    int     rank    = 0;               // only the `rank` lowest-ranked of a token's k experts (0 = any)
     const int32_t * buddies = nullptr; // buddy mode: [n_expert][k_max], best first, -1 padded
     int     k_max   = 0;
 };

@@ -148,6 +148,17 @@ static void test_gates() {
     r.weight = 0.26;
     d = run(r, 6, { 0, 1, 2 }, { 0, 3 }, { 0.75f, 0.25f }, 2, sc);
     CHECK(d.outcome[1] == LLAMA_VIS_SUB_SUBSTITUTED);
+    // rank: only the token's lowest-ranked expert may be substituted; (3, 0) routes 3 first (rank 0)
+    r.weight = 1;
+    r.rank = 1;
+    d = run(r, 6, { 0, 1, 2 }, { 3, 0 }, { 0.6f, 0.4f }, 2, sc);
+    CHECK(d.outcome[0] == LLAMA_VIS_SUB_BLOCKED_RANK && d.exec[0] == 3);
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3 }, { 0.6f, 0.4f }, 2, sc);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_SUBSTITUTED && d.exec[1] == 2);
+    r.rank = 2;
+    d = run(r, 6, { 0, 1, 2 }, { 3, 0 }, { 0.6f, 0.4f }, 2, sc);
+    CHECK(d.outcome[0] == LLAMA_VIS_SUB_SUBSTITUTED);
+    r.rank = 0;
     // beta: two tokens route {0, 3, 4, 1}: 2 of 4 distinct experts missing (0.5); beta 0.49 blocks all, 0.5 not
     r.weight = 1;
     r.beta = 0.49;
@@ -238,6 +249,8 @@ static void test_settings() {
     CHECK(llama_vis_moe_cli_apply("--moe-sub-weight", "") == -1);
     CHECK(llama_vis_moe_cli_apply("--moe-sub-prefill", "maybe") == -1);
     CHECK(llama_vis_moe_cli_apply("--moe-sub-profile", "") == -1);
+    CHECK(llama_vis_moe_cli_apply("--moe-sub-rank", "-1") == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-sub-rank: expected an integer in 0..64 (0 = any)") != nullptr);
 }
 
 int main() {

@@ -128,6 +128,15 @@ def test_gates_hold_row_by_row(bindir, tmp_path):
     assert (margin[(t.outcome == blocked["blocked_margin"]).any(axis=1)] >= 0.3).all()
     assert (share[t.outcome == blocked["blocked_weight"]] >= 0.05).all()
 
+    # rank 2: only the two lowest-ranked of the token's k routed experts (ids are in the router's order)
+    spec, t, _ = _traced(bindir, tmp_path, name, "--moe-substitute", "router", "--moe-sub-rank", "2",
+                         "--moe-sub-budget", "8", n=24)
+    k = spec.n_expert_used
+    rows, ranks = np.nonzero(t.outcome == SUB)
+    assert len(ranks) and (ranks >= k - 2).all()
+    rows, ranks = np.nonzero(t.outcome == vtrace.SUB_OUTCOMES.index("blocked_rank"))
+    assert len(ranks) and (ranks < k - 2).all()
+
     # beta 0: any missing expert in a ubatch's layer blocks the whole layer
     spec, t, _ = _traced(bindir, tmp_path, name, "--moe-substitute", "router", "--moe-sub-beta", "0")
     assert not (t.outcome == SUB).any()

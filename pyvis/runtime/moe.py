@@ -23,7 +23,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
          trace: str | None = None, store: str = "file", host_mib: int = -1, mem: int | str = 0, io_threads: int = 4,
          direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str = "off",
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
-         sub_budget: int = 1, sub_weight: float = 1.0, sub_prefill: bool = False, **llama_kwargs) -> "llama_cpp.Llama":
+         sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False, **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
@@ -34,7 +34,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
-    sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_prefill)
+    sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
     with applied(params, tier, sub):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)

@@ -120,6 +120,7 @@ class SubParams:
     sub_beta: float = 1.0
     sub_budget: int = 1
     sub_weight: float = 1.0
+    sub_rank: int = 0                # only the token's N lowest-ranked experts (0 = any)
     sub_prefill: bool = False
 
     def flags(self) -> list[tuple[str, str]]:
