@@ -6,11 +6,17 @@
 #      the batched mul_mat_id kernels may differ in the last bits with a different number of experts (n_as), so
 #      this bounds the difference (max KLD, same-top-1 share) instead of asserting zero;
 #   3. residency/paging benchmark: llama-bench on a Qwen3-30B-A3B-sized random model, upstream's --n-cpu-moe
-#      (experts of the last N layers on the CPU) against ours (--moe-slots on the GPU) at about equal VRAM.
+#      (experts of the last N layers on the CPU) against ours (--moe-slots on the GPU) at about equal VRAM;
+#   4. asynchronous uploads (docs/paging.md#discrete-gpus-pinned-tier-2-and-the-upload-stream): a substitution
+#      decode (--moe-substitute router, half the experts in slots, file store, a small host cache) whose
+#      background reads upload on the second stream; it must finish, read in the background, say "asynchronous"
+#      in its uploads line, and give the same text with tier 2 pinned, --moe-pin-mib off and pinning refused
+#      (GGML_CUDA_NO_PINNED=1).
 # Everything goes to one report: $OUT/gpu-report.md (the device tool brings $OUT back), else ./gpu-report.md.
 #
 #   bash scripts/gpu-check.sh            # ~15-25 min on an H100 machine (16 cores)
 #
+# VIS_GPU_CHECK_STEPS="2 4" runs only those of steps 2-4 (default: all; the build always runs on a GPU).
 # Written without a GPU to test it on.  VIS_GPU_CHECK_CPU=1 runs steps 2 and 3 on the CPU build instead (no
 # nvidia-smi, no CUDA build, step 3 on a 2-layer model): that is how its logic was checked.  Each step logs and
 # continues, so one failure still leaves a report.
@@ -25,6 +31,8 @@ logrun() { echo "+ $*" >> "$LOG"; "$@" >> "$LOG" 2>&1; }
 printf '# vis-moe GPU check\n\n' > "$REPORT"
 say "- date: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 CPU_MODE="${VIS_GPU_CHECK_CPU:-0}"
+STEPS=" ${VIS_GPU_CHECK_STEPS:-2 3 4} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 NGL=(-ngl 99)
 LAYERS=16
 if [ "$CPU_MODE" = 1 ]; then
@@ -45,6 +53,7 @@ else
 fi
 logrun .venv/bin/python -m pyvis.cli fixtures
 
+if want 2; then
 say ""; say "## 2. byte identity on the GPU (KL divergence against the plain -ngl 99 run)"
 say ""; say "| fixture | config | mean KLD | max KLD | same top-1 |"; say "|---|---|---|---|---|"
 TEXT="$(mktemp)"; .venv/bin/python -c "print(' '.join(f'word{i % 97} experts route tokens to slabs' for i in range(400)))" > "$TEXT"
@@ -64,7 +73,9 @@ for m in qwen3moe deepseek2 gptoss mixtral qwen3vlmoe; do
     done
     rm -f "$base"
 done
+fi
 
+if want 3; then
 say ""; say "## 3. residency benchmark: upstream --n-cpu-moe vs our slabs (llama-bench -p 512 -n 128 -r 3)"
 LARGE="models/bench/qwen3moe-30b-a3b-${LAYERS}L-q4_0.gguf"
 [ -f "$LARGE" ] || logrun .venv/bin/pyvis fixtures --large --layers "$LAYERS" --out models/bench
@@ -89,4 +100,42 @@ for s in 32 16; do
     bench "ours --moe-slots $s (all layers managed)" "VIS_MOE_SLOTS=$s"
 done
 say ""; say "VRAM is sampled 20 s into each run; match rows by it when comparing upstream and ours."
+fi
+
+if want 4; then
+say ""; say "## 4. asynchronous uploads: background reads of substituted experts (--moe-substitute router --moe-stats)"
+say ""; say "| fixture | config | exit | bg reads | uploads | tier 2 pinning | same text | check |"
+say "|---|---|---|---|---|---|---|---|"
+PROMPT="Mixture-of-experts layers route every token to a few experts; a cache keeps the hot ones resident."
+gen_text() { awk -v p="> ${PROMPT:0:20}" 'index($0, p) == 1 {on = 1} /^\[ Prompt:/ {on = 0} on' "$1"; }
+for m in qwen3moe deepseek2; do  # fixtures with room for background reads beside a pass
+    M="models/fixtures/$m.gguf"
+    read -r E K <<<"$(.venv/bin/python -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
+    ref=""
+    for row in "tier 2 pinned;;" "--moe-pin-mib off;;--moe-pin-mib off" "pinning refused;GGML_CUDA_NO_PINNED=1;"; do
+        IFS=';' read -r label envs flags <<<"$row"
+        so="$(mktemp)"; se="$(mktemp)"
+        env $envs "$BIN/llama-cli" -m "$M" -p "$PROMPT" -n 48 -st --temp 0 -c 256 --no-warmup -v "${NGL[@]}" \
+            --moe-slots $((E / 2)) --moe-host-mib 4 --moe-substitute router --moe-stats $flags > "$so" 2> "$se"
+        rc=$?
+        cat "$so" "$se" >> "$LOG"
+        bg="$(awk '/^vis-moe: total/ && NF > 12 {v = $(NF-1)} END {print v}' "$se")"
+        up="$(sed -n 's/^vis-moe: uploads to \([^:]*\): \([a-z]*\).*, \([0-9]*\) copies.*/\1 \2, \3 copies/p' "$se" | head -1)"
+        pin="$(grep -o 'host cache: [^;:]*\(pinned\|ordinary memory\|refused\)' "$se" | head -1 | sed 's/^host cache: //')"
+        text="$(gen_text "$so")"
+        [ -n "$ref" ] || ref="$text"
+        same=no; [ -n "$text" ] && [ "$text" = "$ref" ] && same=yes
+        ok=FAIL
+        if [ "$rc" = 0 ] && [ "${bg:-0}" -gt 0 ] 2>/dev/null && [ "$same" = yes ] &&
+           { [ "$CPU_MODE" = 1 ] || [[ "$up" == *" asynchronous, "* ]]; }; then
+            ok=pass
+        fi
+        say "| $m | $label | $rc | ${bg:-none} | ${up:-none} | ${pin:-none} | $same | $ok |"
+        rm -f "$so" "$se"
+    done
+done
+say ""; say "Pass: exit 0, background reads > 0, the same text in the three configurations, and (GPU) an uploads line"
+say "saying asynchronous. 'none' in uploads/pinning on a GPU means the cache chose synchronous uploads or no host"
+say "cache: see gpu-check.log for the vis-moe lines of that run."
+fi
 echo "report: $REPORT"

@@ -6,6 +6,7 @@
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-upload.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
@@ -42,19 +43,6 @@ int64_t layer_expert_bytes(const llama_layer & l) {
 bool row_gathered(const llama_model & model, const ggml_tensor * t) {
     return t == model.tok_embd && model.output != nullptr &&
            std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;  // tied: same name
-}
-
-// Jetson: an integrated GPU whose buffers are CUDA managed memory (GGML_CUDA_ENABLE_UNIFIED_MEMORY=1)
-bool igpu_unified(ggml_backend_dev_t dev) {
-    ggml_backend_dev_props props;
-    ggml_backend_dev_get_props(dev, &props);
-    const char * um = std::getenv("GGML_CUDA_ENABLE_UNIFIED_MEMORY");
-    return props.type == GGML_BACKEND_DEVICE_TYPE_IGPU && um && *um && std::strcmp(um, "0") != 0;
-}
-
-// is the memory behind buffer `buf` (on device `dev`) writable by the CPU?
-bool cpu_writable(ggml_backend_buffer_t buf, ggml_backend_dev_t dev) {
-    return ggml_backend_buffer_is_host(buf) || igpu_unified(dev);
 }
 
 // what attach decides, step by step
@@ -114,7 +102,7 @@ void choose_managed(const llama_model & model, const vis_moe_settings & s, attac
         ap.exp_max   = std::max(ap.exp_max, b);
         ggml_backend_dev_t dev = model.dev_layer(il);
         if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            ap.all_host_devices = ap.all_host_devices && igpu_unified(dev);
+            ap.all_host_devices = ap.all_host_devices && vis_igpu_unified(dev);
         }
     }
     if (s.tier.unified == 1 && !ap.all_host_devices) {
@@ -343,12 +331,20 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
         }
         vm.bufs.push_back(buf);
     }
+    std::vector<ggml_backend_dev_t> device_slabs(vm.layers.size(), nullptr);  // per layer: a device the CPU cannot write
     for (int il : ap.managed) {
         vis_moe_layer & L = vm.layers[il];
-        if (L.managed && L.deferred) {
-            L.direct_write = vm.unified && cpu_writable(L.any_slab()->buffer, model.dev_layer(il));
+        if (!L.managed) {
+            continue;
         }
+        const bool writable = vis_cpu_writable(L.any_slab()->buffer, model.dev_layer(il));
+        L.direct_write = L.deferred && vm.unified && writable;
+        // background reads stage unless the slabs are plain host memory: device memory, or managed memory that
+        // the CPU may write only between kernels (no concurrent managed access, jetson/README.md)
+        L.bg_staged = !L.direct_write || !ggml_backend_buffer_is_host(L.any_slab()->buffer);
+        device_slabs[il] = writable ? nullptr : model.dev_layer(il);
     }
+    vis_moe_attach_uploads(vm, device_slabs, s.pin_mib, (size_t) ap.exp_max, model.hparams.no_alloc);
     return locked;
 }
 
@@ -454,8 +450,12 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
             lock_resident_weights(model, ap, *vm);
         }
     }
+    if (vm->n_managed > 0 && ap.any_deferred && !hp.no_alloc) {
+        vis_moe_log_unified(model, ap.managed, s.tier.unified, ap.all_host_devices, *vm);
+    }
     if (vm->n_managed > 0 && ap.host_bytes > 0 && ap.n_slots < (int) hp.n_expert) {
-        vm->host = std::make_unique<vis_host_cache>((size_t) ap.host_bytes, (size_t) ap.exp_max, s.tier.mlock != 0);
+        // pinned on a discrete GPU within the cap (--moe-pin-mib), else anonymous memory as before
+        vm->host = vis_moe_make_host_cache(*vm, (size_t) ap.host_bytes, (size_t) ap.exp_max, s.tier.mlock != 0);
         vm->host_exclusive = vm->unified;
         locked = locked && vm->host->locked();
     }

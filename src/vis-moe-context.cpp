@@ -20,7 +20,8 @@ void vis_deleter::operator()(vis_moe_context * p) const {
 }
 
 vis_moe_context::~vis_moe_context() {
-    fetch.reset();  // first: background reads in flight write into the slabs freed below
+    fetch.reset();    // first: background reads in flight write into the slabs and staging blocks freed below
+    uploads.clear();  // then their copies on the upload streams (discrete GPU): each waits for its stream
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }

@@ -15,6 +15,7 @@
 #include "vis-moe-policy.h"
 #include "vis-moe-store.h"
 #include "vis-moe-trace.h"
+#include "vis-moe-upload.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -60,6 +61,9 @@ struct vis_moe_layer {
     std::array<size_t, VIS_T_COUNT> part_off = {};  // offset of each tensor's slice in a packed expert
     bool deferred     = false;  // experts come from the file
     bool direct_write = false;  // slabs are CPU-writable: read straight into them
+    bool bg_staged    = false;  // background reads go through a staging block: device slabs, or managed memory
+                                // that the CPU may write only between kernels (Jetson, vis-moe-fetch.h)
+    vis_moe_uploader * upload = nullptr;  // discrete GPU: the upload stream of the slabs' device, else null
     bool cpu_passes   = false;  // CPU-only layer: pairs of other passes are skipped (id -1, patch 0006)
                                 // and passes merge in place, instead of staging slot + concat
 
@@ -117,7 +121,10 @@ struct vis_moe_context {
     std::vector<ggml_context *>        ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
     std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
-    std::vector<uint8_t> staging;  // host bytes between a tier and a slab that the CPU cannot write
+    // host bytes between a tier and a slab that the CPU cannot write: expert-sized blocks, pinned on a discrete GPU
+    std::unique_ptr<vis_staging_pool> staging;
+    vis_pin_budget pin;  // pinned host memory this context may hold (tier 2 + staging)
+    std::vector<std::unique_ptr<vis_moe_uploader>> uploads;  // one per discrete device holding slabs
 
     // paging tiers (vis-moe-store.h)
     std::unique_ptr<vis_io_pool>    io;

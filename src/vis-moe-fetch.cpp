@@ -70,6 +70,11 @@ void vis_moe_fetcher::worker_main() {
         try {
             job->reqs.front().src->file->check_unchanged();
             io.read(job->reqs);
+            if (job->upload) {
+                // discrete GPU: the copy into the held slot runs on the upload stream while the GPU computes;
+                // the compute thread waits for its event when it collects the job
+                job->event = job->upload->issue(job->copies);
+            }
         } catch (const std::exception & e) {
             job->error = e.what();
         }

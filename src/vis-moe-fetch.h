@@ -5,12 +5,17 @@
 // slot (a victim no pair of the running ubatch uses), holds it in the policy, and submits a job; the layer's
 // next ubatch collects the layer's jobs (waiting for any still in flight) before it plans.
 //
-// Memory safety: a job writes only its own slot (CPU-writable slabs) or its own staging buffer (device slabs,
-// copied into the slab by the compute thread when collected); a held slot is never a victim and no id points
-// at it until it is collected, so no kernel reads it while it is written.
+// Memory safety: a job writes only its own slot (CPU-writable slabs) or its own staging block (device slabs, and
+// managed memory the CPU may not write while kernels run); a held slot is never a victim and no id points at it
+// until it is collected, so no kernel reads it while it is written.  The staged bytes reach the slot either
+// from the worker, right after the read, as an asynchronous copy on the upload stream (discrete GPU with events,
+// vis-moe-upload.h: the compute thread waits for that copy's event when it collects the job), or from the
+// compute thread when it collects the job (no events, and unified memory, where the pass op writes between
+// kernels).  A job owns its staging block until its copy completed: its destructor waits for the event.
 #pragma once
 
 #include "vis-moe-store.h"
+#include "vis-moe-upload.h"
 
 #include <condition_variable>
 #include <cstdint>
@@ -25,11 +30,27 @@ struct vis_fetch_job {
     int il     = -1;
     int expert = -1;
     int slot   = -1;
-    std::vector<vis_read_req> reqs;     // into the slot, or into `staging`
-    std::vector<uint8_t>      staging;  // device slabs: the packed expert, written to the slot when collected
+    std::vector<vis_read_req> reqs;         // into the slot, or into `staging`
+    vis_staging_pool::block   staging;      // staged jobs: the packed expert, copied to the slot after the read
     bool        staged = false;
-    std::string error;                  // "" = read
+    std::string error;                      // "" = read
     int64_t     bytes  = 0;
+    // asynchronous upload (discrete GPU with events): the worker issues `copies` after the read; `event`
+    // completes when they did
+    vis_moe_uploader *           upload = nullptr;
+    std::vector<vis_upload_copy> copies;
+    ggml_backend_event_t         event  = nullptr;
+
+    vis_fetch_job() = default;
+    vis_fetch_job(const vis_fetch_job &) = delete;
+    vis_fetch_job & operator=(const vis_fetch_job &) = delete;
+    ~vis_fetch_job() { wait_upload(); }  // before the staging block goes back to its pool
+    void wait_upload() {
+        if (upload && event) {
+            upload->wait(event);
+        }
+        event = nullptr;
+    }
 };
 
 class vis_moe_fetcher {

@@ -410,33 +410,67 @@ bool vis_mlock_region(void * addr, size_t size, const char * what) {
     return false;
 }
 
+ggml_backend_buffer_t vis_alloc_pinned(ggml_backend_buffer_type_t buft, size_t bytes) {
+    if (!buft || bytes == 0) {
+        return nullptr;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, bytes);
+    // CUDA's host buffer type hands out an ordinary CPU buffer when cudaMallocHost is refused: not pinned
+    if (buf && (ggml_backend_buffer_get_type(buf) != buft || !ggml_backend_buffer_is_host(buf) ||
+                ggml_backend_buffer_get_size(buf) < bytes)) {
+        ggml_backend_buffer_free(buf);
+        buf = nullptr;
+    }
+    return buf;
+}
+
 // ---------------------------------------------------------------------------
 // tier 2: host-RAM expert cache
 // ---------------------------------------------------------------------------
-vis_host_cache::vis_host_cache(size_t budget_bytes, size_t block_bytes, bool lock) : block(block_bytes) {
+vis_host_cache::vis_host_cache(size_t budget_bytes, size_t block_bytes, bool lock, const vis_host_pinning & pin)
+    : block(block_bytes) {
     if (block == 0 || budget_bytes < block) {
         return;
     }
-    n_blocks    = budget_bytes / block;
-    arena_bytes = n_blocks * block;
-    void * p = mmap(nullptr, arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-        throw std::runtime_error("vis-moe: cannot allocate the " + std::to_string(arena_bytes >> 20) +
-                                 " MiB host expert cache (" + std::strerror(errno) + "); lower --moe-host-mib");
+    n_blocks = budget_bytes / block;
+    if (pin.buft) {
+        // discrete GPU: as many blocks as the cap allows in pinned memory, so copies from them are DMA
+        const size_t want = std::min(n_blocks, pin.cap / block);
+        if (want > 0) {
+            pinned_buf = vis_alloc_pinned(pin.buft, want * block);
+            refused    = pinned_buf == nullptr;
+        }
+        if (pinned_buf) {
+            pinned   = (uint8_t *) ggml_backend_buffer_get_base(pinned_buf);
+            n_pinned = want;
+        }
     }
-    arena = (uint8_t *) p;
-    if (lock) {
-        is_locked = vis_mlock_region(arena, arena_bytes, "the host expert cache");
+    arena_bytes = (n_blocks - n_pinned) * block;
+    is_locked   = true;  // pinned memory is locked by the driver
+    if (arena_bytes > 0) {
+        void * p = mmap(nullptr, arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            if (pinned_buf) {
+                ggml_backend_buffer_free(pinned_buf);
+            }
+            throw std::runtime_error("vis-moe: cannot allocate the " + std::to_string(arena_bytes >> 20) +
+                                     " MiB host expert cache (" + std::strerror(errno) + "); lower --moe-host-mib");
+        }
+        arena     = (uint8_t *) p;
+        is_locked = lock && vis_mlock_region(arena, arena_bytes, "the host expert cache");
     }
     free_blocks.reserve(n_blocks);
     for (size_t i = n_blocks; i-- > 0;) {
-        free_blocks.push_back((uint32_t) i);
+        free_blocks.push_back((uint32_t) i);  // block 0 first: pinned blocks are used before anonymous ones
     }
 }
 
 vis_host_cache::~vis_host_cache() {
     if (arena) {
         munmap(arena, arena_bytes);
+    }
+    if (pinned_buf) {
+        ggml_backend_buffer_free(pinned_buf);
     }
 }
 
@@ -446,7 +480,7 @@ uint8_t * vis_host_cache::find(int il, int e) {
         return nullptr;
     }
     lru.splice(lru.begin(), lru, it->second);
-    return arena + (size_t) it->second->second * block;
+    return addr(it->second->second);
 }
 
 uint8_t * vis_host_cache::insert(int il, int e) {
@@ -457,7 +491,7 @@ uint8_t * vis_host_cache::insert(int il, int e) {
     auto it = map.find(k);
     if (it != map.end()) {
         lru.splice(lru.begin(), lru, it->second);
-        return arena + (size_t) it->second->second * block;
+        return addr(it->second->second);
     }
     uint32_t b;
     if (!free_blocks.empty()) {
@@ -472,7 +506,7 @@ uint8_t * vis_host_cache::insert(int il, int e) {
     }
     lru.emplace_front(k, b);
     map[k] = lru.begin();
-    return arena + (size_t) b * block;
+    return addr(b);
 }
 
 void vis_host_cache::erase(int il, int e) {

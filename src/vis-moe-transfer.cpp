@@ -37,6 +37,27 @@ void vis_moe_slab_read(const vis_moe_layer & L, int s, uint8_t * packed) {
     }
 }
 
+// the copies that put a packed expert into slot s of a device slab (discrete GPU, through the upload stream)
+static void slab_copies(const vis_moe_layer & L, int s, const uint8_t * packed, std::vector<vis_upload_copy> & out) {
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (ggml_tensor * dst = L.slab[ti]) {
+            const size_t nb = dst->nb[2];
+            out.push_back({ dst, packed + L.part_off[ti], (size_t) s * nb, nb });
+        }
+    }
+}
+
+// slot s gets a packed expert now: through the upload stream on a discrete GPU (then waited for), else as before
+static void slab_put(vis_moe_layer & L, int s, const uint8_t * packed) {
+    if (L.upload && L.upload->async()) {
+        std::vector<vis_upload_copy> copies;
+        slab_copies(L, s, packed, copies);
+        L.upload->wait(L.upload->issue(copies));
+    } else {
+        slab_write(L, s, packed);
+    }
+}
+
 // store = model: copy expert e from llama.cpp's own copy of the weights
 static void model_copy(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
@@ -55,31 +76,42 @@ static void model_copy(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
         } else if (src_host) {
             ggml_backend_tensor_set(dst, (const char *) src->data + soff, doff, nb);
         } else {
-            vm.staging.resize(nb);
-            ggml_backend_tensor_get(src, vm.staging.data(), soff, nb);
+            const vis_staging_pool::block buf = vm.staging->acquire();  // nb <= one expert <= a block
+            ggml_backend_tensor_get(src, buf.data(), soff, nb);
             if (dst_host) {
-                std::memcpy((char *) dst->data + doff, vm.staging.data(), nb);
+                std::memcpy((char *) dst->data + doff, buf.data(), nb);
             } else {
-                ggml_backend_tensor_set(dst, vm.staging.data(), doff, nb);
+                ggml_backend_tensor_set(dst, buf.data(), doff, nb);
             }
         }
     }
 }
 
+// Demand misses on a discrete GPU with an upload stream: every copy of the pass is issued asynchronously and
+// the pass waits once, at the end.  The pass's kernels need all of its experts, so waiting per copy (the
+// synchronous ggml_backend_tensor_set does a stream synchronisation per tensor, three per expert) buys nothing;
+// issuing them together lets the tier-2 hits copy while the file is read, from pinned blocks at DMA speed.  The
+// copies share the stream with background uploads, so a pass may also wait for a background copy issued before
+// it (one expert each, already under way).
 void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<std::pair<int, int>> & misses) {
+    struct staged_miss {
+        int slot, expert;
+        vis_staging_pool::block buf;
+    };
     std::vector<vis_read_req> reqs;
-    std::vector<std::pair<int, size_t>> staged;  // (slot, offset in vm.staging) to copy after the reads
-    std::vector<int> staged_expert;
-    if (L.deferred && !L.direct_write) {
-        vm.staging.resize(std::max<size_t>(vm.staging.size(), misses.size() * (size_t) L.expert_bytes));
-    }
-    size_t stage_off = 0;
+    std::vector<staged_miss> staged;       // read into staging blocks, copied to their slots after the reads
+    std::vector<vis_upload_copy> copies;   // asynchronous uploads of this pass (discrete GPU)
+    vis_moe_uploader * up = L.upload && L.upload->async() ? L.upload : nullptr;
     for (const auto & [e, s] : misses) {
         if (vm.host) {
             if (const uint8_t * h = vm.host->find(il, e)) {
-                slab_write(L, s, h);
+                if (up) {
+                    slab_copies(L, s, h, copies);  // tier 2 is inclusive there: h stays until we waited
+                } else {
+                    slab_write(L, s, h);
+                }
                 if (vm.host_exclusive) {
-                    vm.host->erase(il, e);
+                    vm.host->erase(il, e);  // unified memory only, never with an uploader: h was copied above
                 }
                 vm.n_host_hits++;
                 continue;
@@ -98,29 +130,50 @@ void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const s
                 }
             }
         } else {
-            uint8_t * buf = vm.staging.data() + stage_off;
+            staged.push_back({ s, e, vm.staging->acquire() });
+            uint8_t * buf = staged.back().buf.data();
             for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
                 if (L.file[ti]) {
                     reqs.push_back({ L.file[ti], il, e, buf + L.part_off[ti] });
                 }
             }
-            staged.emplace_back(s, stage_off);
-            staged_expert.push_back(e);
-            stage_off += (size_t) L.expert_bytes;
         }
     }
+    ggml_backend_event_t ev_hits = up ? up->issue(copies) : nullptr;  // tier-2 hits copy during the reads
     if (reqs.empty()) {
+        if (up) {
+            up->wait(ev_hits);
+        }
         return;
     }
-    reqs.front().src->file->check_unchanged();
-    vm.io->read(reqs);
-    for (size_t i = 0; i < staged.size(); ++i) {
-        const uint8_t * buf = vm.staging.data() + staged[i].second;
-        slab_write(L, staged[i].first, buf);
+    try {
+        reqs.front().src->file->check_unchanged();
+        vm.io->read(reqs);
+    } catch (...) {
+        if (up) {
+            up->wait(ev_hits);  // their source blocks may be reused once we return
+        }
+        throw;
+    }
+    copies.clear();
+    for (const auto & m : staged) {
+        if (up) {
+            slab_copies(L, m.slot, m.buf.data(), copies);
+        } else {
+            slab_write(L, m.slot, m.buf.data());
+        }
+    }
+    if (up) {
+        ggml_backend_event_t ev_read = up->issue(copies);
+        up->wait(ev_hits);
+        up->wait(ev_read);
+    }
+    // after the wait: an insert may evict and overwrite the tier-2 block a hit above was copied from
+    for (const auto & m : staged) {
         if (vm.host && !vm.host_exclusive) {
-            // discrete GPU: tier 2 keeps a pinned-host copy of what went to the device
-            if (uint8_t * h = vm.host->insert(il, staged_expert[i])) {
-                std::memcpy(h, buf, (size_t) L.expert_bytes);
+            // discrete GPU: tier 2 keeps a (pinned) host copy of what went to the device
+            if (uint8_t * h = vm.host->insert(il, m.expert)) {
+                std::memcpy(h, m.buf.data(), (size_t) L.expert_bytes);
             }
         }
     }
@@ -129,7 +182,7 @@ void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const s
 std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_layer & L, int il, int e, int s) {
     if (vm.host) {
         if (const uint8_t * h = vm.host->find(il, e)) {
-            slab_write(L, s, h);
+            slab_put(L, s, h);
             if (vm.host_exclusive) {
                 vm.host->erase(il, e);
             }
@@ -147,9 +200,13 @@ std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_l
     job->expert = e;
     job->slot   = s;
     job->bytes  = L.expert_bytes;
-    job->staged = !L.direct_write;
+    job->staged = L.bg_staged;
     if (job->staged) {
-        job->staging.resize((size_t) L.expert_bytes);
+        job->staging = vm.staging->acquire();
+        if (L.upload && L.upload->async()) {
+            job->upload = L.upload;  // the worker issues the copy right after the read
+            slab_copies(L, s, job->staging.data(), job->copies);
+        }
     }
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         if (L.file[ti]) {
@@ -161,8 +218,10 @@ std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_l
     return job;
 }
 
-void vis_moe_fetch_finish(vis_moe_layer & L, const vis_fetch_job & job) {
-    if (job.staged) {
-        slab_write(L, job.slot, job.staging.data());
+void vis_moe_fetch_finish(vis_moe_layer & L, vis_fetch_job & job) {
+    if (job.upload) {
+        job.wait_upload();  // issued by the worker: only this job's copy is waited for
+    } else if (job.staged) {
+        slab_write(L, job.slot, job.staging.data());  // compute thread, between kernels
     }
 }

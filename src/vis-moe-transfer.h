@@ -20,5 +20,6 @@ void vis_moe_slab_read(const vis_moe_layer & L, int s, uint8_t * packed);
 // a background read of expert e into slot s (vis-moe-fetch.h); nullptr when it was served on the spot (the host
 // cache or the model's copy hold it)
 std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_layer & L, int il, int e, int s);
-// a finished background read: device slabs get the staged bytes
-void vis_moe_fetch_finish(vis_moe_layer & L, const vis_fetch_job & job);
+// a finished background read: the slot gets the staged bytes (or, when the worker uploaded them asynchronously,
+// the compute thread waits for that copy's event); compute thread
+void vis_moe_fetch_finish(vis_moe_layer & L, vis_fetch_job & job);
