@@ -77,6 +77,9 @@ def test_off_is_byte_identical(bindir, fixture_dir, name):
     r1, out1 = _cli(bindir, model, *slots, "--moe-substitute", "off", "--moe-sub-budget", "3")
     assert r0.returncode == 0 and r1.returncode == 0, out1[-2000:]
     assert _generated(out0) == _generated(out1)
+    # auto is the measured default: exact today (docs/substitution.md#the-shipped-default)
+    r2, out2 = _cli(bindir, model, *slots, "--moe-substitute", "auto")
+    assert r2.returncode == 0 and _generated(out0) == _generated(out2)
 
 
 @pytest.mark.parametrize("name", ARCHS)
