@@ -47,6 +47,21 @@ struct vis_moe_settings {
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }
 };
 
+// ---- the table (vis-moe-settings-table.cpp) ----------------------------------
+// one --moe-* flag: its variable, value hint (nullptr: a flag without a value, its variable takes on/off),
+// help, and the strict parser that applies a value (throws std::invalid_argument naming `what` and the range)
+struct vis_moe_flag_row {
+    const char * name;
+    const char * env;
+    const char * hint;
+    const char * help;
+    void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
+};
+const vis_moe_flag_row * vis_moe_flag_rows(int & n);
+vis_moe_settings vis_moe_settings_builtin();
+// every field in range (the C API takes structs, the CLI strings); throws std::invalid_argument naming the flag
+void vis_moe_settings_validate(const vis_moe_settings & s);
+
 // The settings in force on the calling thread.  Throws std::runtime_error naming the
 // variable when they come from an environment with an invalid VIS_MOE_* value.
 vis_moe_settings vis_moe_settings_current();

@@ -4,6 +4,7 @@
 //   - a slot touched by the running pass (Required) is never a victim;
 //   - Speculative slots go after every Expired one, and expire after their horizon;
 //   - strict parsing: flag values and thread overrides out of range are errors naming the flag.
+#include "vis-check.h"
 #include "llama-vis.h"
 #include "vis-moe-policy.h"
 
@@ -12,15 +13,6 @@
 #include <cstring>
 #include <string>
 
-static int g_failures = 0;
-
-#define CHECK(cond)                                                                  \
-    do {                                                                             \
-        if (!(cond)) {                                                               \
-            std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);     \
-            g_failures++;                                                            \
-        }                                                                            \
-    } while (0)
 
 static void test_lru() {
     auto p = vis_moe_policy_lru(4);
@@ -112,10 +104,5 @@ int main() {
     test_lru();
     test_speculative();
     test_settings();
-    if (g_failures) {
-        std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-        return 1;
-    }
-    std::printf("test-vis-policy: ok\n");
-    return 0;
+    return vis_check_done("test-vis-policy");
 }

@@ -6,6 +6,7 @@
 //   - gates: tau, margin, beta, budget (lowest share first), weight share, prefill;
 //   - a missing expert some pair still needs is loaded for every pair ("needed anyway");
 //   - no token ever runs the same expert twice; stats add up.
+#include "vis-check.h"
 #include "llama-vis.h"
 #include "vis-moe-policy.h"
 #include "vis-moe-substitute.h"
@@ -16,15 +17,6 @@
 #include <set>
 #include <vector>
 
-static int g_failures = 0;
-
-#define CHECK(cond)                                                                  \
-    do {                                                                             \
-        if (!(cond)) {                                                               \
-            std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);     \
-            g_failures++;                                                            \
-        }                                                                            \
-    } while (0)
 
 // one decision on n_tokens tokens of k experts, n_expert experts of which `res` are resident
 struct decision {
@@ -261,10 +253,5 @@ int main() {
     test_buddy();
     test_hold();
     test_settings();
-    if (g_failures) {
-        std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-        return 1;
-    }
-    std::printf("test-vis-substitute: ok\n");
-    return 0;
+    return vis_check_done("test-vis-substitute");
 }

@@ -8,6 +8,7 @@
 //   - the pinned budget (--moe-pin-mib): off, N MiB, auto = 25 % of MemTotal;
 //   - staging blocks: pinned while the budget allows, then ordinary; reused after release;
 //   - the uploader of a device without events (the CPU) copies synchronously and returns no event.
+#include "vis-check.h"
 #include "vis-moe-upload.h"
 
 #include "ggml-backend-impl.h"  // to make test buffer types (tests/CMakeLists.txt adds ggml/src)
@@ -17,15 +18,6 @@
 #include <set>
 #include <vector>
 
-static int g_failures = 0;
-
-#define CHECK(cond)                                                                  \
-    do {                                                                             \
-        if (!(cond)) {                                                               \
-            std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);     \
-            g_failures++;                                                            \
-        }                                                                            \
-    } while (0)
 
 // ---- test buffer types ------------------------------------------------------------
 
@@ -249,10 +241,5 @@ int main() {
     test_budget();
     test_staging();
     test_uploader_sync();
-    if (g_failures) {
-        std::fprintf(stderr, "test-vis-upload: %d failures\n", g_failures);
-        return 1;
-    }
-    std::printf("test-vis-upload: ok\n");
-    return 0;
+    return vis_check_done("test-vis-upload");
 }
