@@ -62,14 +62,30 @@ def test_parse_stats():
     assert sw.parse_tiers(buffered)["direct_io"] is False
     with pytest.raises(sw.SweepError, match="total"):
         sw.parse_stats("Final estimate: PPL = 3.0 +/- 0.1\n")
+    # a build with one more gate column (rank): read from the heading
+    ranked = STATS_OUT.replace("weight nocand", "weight   rank nocand").replace(
+        "vis-moe: total        99      182       89      0      0      0     85      0      8",
+        "vis-moe: total        99      182       89      0      0      0     85      0      7      8")
+    s = sw.parse_stats(ranked)["sub"]
+    assert s["blocked_rank"] == 7 and s["no_candidate"] == 8 and s["bg_reads"] == 89 and s["mib_saved"] == 37.55
+    with pytest.raises(sw.SweepError, match="columns"):
+        sw.parse_stats(STATS_OUT.replace("weight nocand", "weight   rank nocand"))
 
 
 def test_parse_eval_seconds():
     # from 'calculating perplexity over' (2.632997 s) to the final estimate (15.371714 s)
     assert sw.parse_eval_seconds(STATS_OUT) == pytest.approx(12.738717, abs=1e-6)
-    kl = "0.01.190.600 I kl_divergence: computing over 1 chunks, n_ctx=64\n1.02.500.000 I done\n"
-    assert sw.parse_eval_seconds(kl) == pytest.approx(61.3094, abs=1e-6)
-    assert sw.parse_eval_seconds("perplexity: calculating perplexity over 1 chunks\n") is None
+    assert sw.parse_eval_seconds(STATS_OUT, wall=99.0) == pytest.approx(12.738717, abs=1e-6)
+    # stdout and stderr captured apart: the final estimate may come before the start line in the text
+    swapped = "[1]5.0,1.02.000.000 I Final estimate: PPL = 5.0 +/- 1\n0.01.500.000 I perplexity: calculating " \
+              "perplexity over 1 chunks, n_ctx=64\n"
+    assert sw.parse_eval_seconds(swapped) == pytest.approx(60.5, abs=1e-6)
+    # --kl-divergence: no timestamp after the first chunk, so up to the process's end
+    kl = "0.01.190.600 I kl_divergence: computing over 3 chunks, n_ctx=64\n0.03.000.000 I kl_divergence: 1.8 " \
+         "seconds per pass - ETA 0.1 minutes\nMean    KLD:   0.1 ± 0.01\n"
+    assert sw.parse_eval_seconds(kl, wall=10.0) == pytest.approx(8.8094, abs=1e-6)
+    assert sw.parse_eval_seconds(kl) is None
+    assert sw.parse_eval_seconds("perplexity: calculating perplexity over 1 chunks\n", wall=3.0) is None
 
 
 def test_parse_config():
@@ -130,14 +146,15 @@ def test_command_lines():
 
 def _res(rows):
     """A sweep result of one setting with the given {config: (cost %, tok/s)}."""
-    res = {"options": {"ctx": 256, "chunks": 16, "text": "heldout", "speed_ctx": None, "speed_chunks": 1},
+    res = {"options": {"ctx": 256, "chunks": 16, "text": "heldout", "speed_ctx": None, "speed_chunks": 1,
+                       "threads": 2},
            "configs": list(rows), "settings": [{"key": "m@4/S8", "label": "m k=4 S=8/16", "model": "m.gguf", "k": 4,
                                                 "n_expert": 16, "fraction": 0.5, "slots": 8}], "runs": {}}
     for c, (cost, tps) in rows.items():
         res["runs"][f"m@4/S8|{c}|quality|c256x16|heldout"] = {
             "ppl": 10 * (1 + cost / 100), "ppl_exact": 10.0, "cost_pct": cost, "kld": cost / 100, "same_top": 0.9,
             "sub": {"missing": 100, "substituted": 50 if c != "off" else 0}, "cache": {"misses": 10}}
-        res["runs"][f"m@4/S8|{c}|speed|c256x1"] = {"tok_s": tps, "cache": {"mib_loaded": 1.0, "stall_ms": 2.0,
+        res["runs"][f"m@4/S8|{c}|speed|c256x1|t2"] = {"tok_s": tps, "cache": {"mib_loaded": 1.0, "stall_ms": 2.0,
                                                                            "misses": 3, "hit_pct": 50.0}}
     return res
 
@@ -153,6 +170,22 @@ def test_table_and_recommendation():
         "router": False, "router:tae=p50": True, "buddy": True}
     md = sw.format_table(res)
     assert "`router:tae=p50`" in md and "fastest configuration" in md and "| 2.000 |" in md
+    assert rec["best_2sigma"] == "router:tae=p50"      # no uncertainty given: the same
+    # with llama-perplexity's PPL-ratio uncertainty, p50's 2-sigma bound is 0.5 + 2 = 2.5 %: only buddy stays
+    res["runs"]["m@4/S8|router:tae=p50|quality|c256x16|heldout"]["ppl_ratio_err"] = 0.01
+    res.pop("table", None)
+    rec = sw.recommend(res)
+    assert rec["best"] == "router:tae=p50" and rec["best_2sigma"] == "buddy"
+    assert "2-sigma upper bound < 1 % at every setting: `buddy`" in sw.format_table(res)
+    # merged sweeps: a configuration not run at a setting has no row there and cannot qualify overall
+    other = _res({"off": (0.0, 5.0), "router": (0.2, 9.0)})
+    other["settings"][0].update(key="n@4/S8", label="n k=4 S=8/16")
+    other["runs"] = {k.replace("m@4/S8", "n@4/S8"): v for k, v in other["runs"].items()}
+    m = sw.merge([res, other])
+    assert [s["key"] for s in m["settings"]] == ["m@4/S8", "n@4/S8"]
+    assert m["configs"] == ["off", "router", "router:tae=p50", "buddy"]
+    assert [(r["setting_key"], r["config"]) for r in m["table"]][4:] == [("n@4/S8", "off"), ("n@4/S8", "router")]
+    assert m["recommendation"]["best"] is None      # router costs 3 % on m, the others were not run on n
     none = sw.recommend(_res({"off": (0.0, 10.0), "router": (3.0, 20.0)}))
     assert none["best"] is None
     assert "no configuration" in sw.format_table(_res({"off": (0.0, 10.0), "router": (3.0, 20.0)}))
@@ -168,8 +201,8 @@ def test_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     text.write_text(corpus.heldout().text[:6_000])
     out = tmp_path / "out"
     rc = main(["substitute-sweep", "--point", f"{TINY}@4", "--fraction", "0.5", "--config", "off", "router",
-               "-f", str(text), "-c", "256", "--chunks", "1", "--speed-ctx", "64", "--speed-chunks", "1", "-t", "2",
-               "--verify-off", "-o", str(out), "--name", "t"])
+               "-f", str(text), "-c", "256", "--chunks", "1", "--speed-ctx", "64", "--speed-chunks", "1", "-t", "1",
+               "-j", "2", "--speed-threads", "2", "--verify-off", "-o", str(out), "--name", "t"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     assert "1/4 " in cap.err and "4/4 " in cap.err        # one progress line per finished run
@@ -183,24 +216,28 @@ def test_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     assert off["subst_share"] == 0.0 and off["tok_s"] > 0 and off["misses"] > 0
     # router substitutes on this cache, so it differs from exact and reads less before each layer
     assert router["subst_share"] > 0 and router["kld"] > off["kld"]
-    sp = res["runs"][f"{TINY}@4/S8|router|speed|c64x1"]
+    sp = res["runs"][f"{TINY}@4/S8|router|speed|c64x1|t2"]
     assert sp["sub"]["substituted"] > 0 and sp["tiers"]["direct_io"] in (True, False)
-    assert sp["tokens"] == 64 and sp["cache"]["misses"] < res["runs"][f"{TINY}@4/S8|off|speed|c64x1"]["cache"]["misses"]
+    assert sp["tokens"] == 64 and sp["cache"]["misses"] < res["runs"][f"{TINY}@4/S8|off|speed|c64x1|t2"]["cache"]["misses"]
     # the reference was written once, under VIS_KLD_DIR
     assert len(list((tmp_path / "kld").glob("*.kld"))) == 1
     md = (out / "t.md").read_text()
     assert "| `off` |" in md and "| `router` |" in md
     import matplotlib.image as mpimg
-    for png in ("t.png", "t-avoided.png"):
+    for png in ("t.png", "t-avoided.png", "t-kld.png"):
         img = mpimg.imread(out / png)
         assert img.shape[0] > 100 and img.shape[1] > 100
     # a second run reuses every run (--resume) and the cached reference
     rc = main(["substitute-sweep", "--point", f"{TINY}@4", "--fraction", "0.5", "--config", "off", "router",
-               "-f", str(text), "-c", "256", "--chunks", "1", "--speed-ctx", "64", "--speed-chunks", "1", "-t", "2",
-               "--verify-off", "-o", str(out), "--name", "t", "--resume"])
+               "-f", str(text), "-c", "256", "--chunks", "1", "--speed-ctx", "64", "--speed-chunks", "1", "-t", "1",
+               "-j", "2", "--speed-threads", "2", "--verify-off", "-o", str(out), "--name", "t", "--resume"])
     assert rc == 0
     again = json.loads((out / "t.json").read_text())
     assert again["runs"] == res["runs"]
+    # --replot rebuilds the outputs from the JSON without running anything
+    (out / "t.md").unlink()
+    assert main(["substitute-sweep", "-o", str(out), "--name", "t", "--replot"]) == 0
+    assert (out / "t.md").read_text() == md
 
 
 def test_cli_errors(capsys):

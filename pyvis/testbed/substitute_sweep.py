@@ -6,8 +6,11 @@ cache size (``--moe-slots S``, S = round(fraction * n_expert)); a *configuration
 
 1. **Exact reference.** ``llama-perplexity --kl-divergence-base`` of the exact run (``--moe-substitute off``)
    at that k and slot count, in the decode regime (``-ub 1 -b CTX``: every ubatch one token, which is what
-   the runtime calls a decode ubatch), with ``--moe-store model`` (experts copied from RAM: the same bits as
-   file reads, much faster).  Cached under :func:`pyvis.testbed.quality.kld_dir` like ``pyvis quality``'s.
+   the runtime calls a decode ubatch).  Cached under :func:`pyvis.testbed.quality.kld_dir` like
+   ``pyvis quality``'s.  Store: ``--quality-store file`` (default).  ``--moe-store model`` gives the same bits
+   as the file in exact mode, but with substitution on it has no background reads (a substituted-away expert
+   is never loaded until a blocked pair needs it), so its quality is not the file store's; ``--stage
+   /dev/shm`` instead copies the model to a tmpfs, where file-store reads are memory copies.
 2. **Quality.** Each configuration runs ``--kl-divergence`` against it: perplexity, PPL ratio against the
    exact run's perplexity, mean KLD, same-top-token share; ``--moe-stats`` gives the misses and the
    substitution outcomes.  The ``off`` row is the reference itself (KLD 0) unless ``--verify-off`` runs it.
@@ -22,7 +25,8 @@ cache size (``--moe-slots S``, S = round(fraction * n_expert)); a *configuration
 
 Output (``-o DIR``): ``NAME.json`` (every run, written after each one; ``--resume`` reuses its runs),
 ``NAME.md`` (the table) and ``NAME.png`` (Pareto: decode tok/s against PPL cost, one panel per setting;
-``NAME-avoided.png``: share of misses that got a stand-in against PPL cost).
+``NAME-avoided.png``: share of misses that got a stand-in against PPL cost; ``NAME-kld.png``: tok/s against
+mean KLD).
 """
 from __future__ import annotations
 
@@ -235,6 +239,12 @@ _N = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 CACHE_FIELDS = ["routed", "hits", "misses", "hit_pct", "mib_loaded", "stall_ms", "passes"]
 SUB_FIELDS = ["tokens", "missing", "substituted", "blocked_tae", "blocked_margin", "blocked_beta", "blocked_budget",
               "blocked_weight", "no_candidate", "needed_anyway", "not_eligible", "mib_saved", "bg_reads", "bg_wait_ms"]
+# column headings of the substitution table -> field names (a heading not listed keeps its own name)
+SUB_HEADINGS = {"tokens": "tokens", "missing": "missing", "subst": "substituted", "tae": "blocked_tae",
+                "margin": "blocked_margin", "beta": "blocked_beta", "budget": "blocked_budget",
+                "weight": "blocked_weight", "rank": "blocked_rank", "nocand": "no_candidate",
+                "anyway": "needed_anyway", "prefil": "not_eligible", "MiB saved": "mib_saved", "bg read": "bg_reads",
+                "bg wait": "bg_wait_ms"}
 
 
 def _num(s: str):
@@ -242,20 +252,47 @@ def _num(s: str):
     return float(s) if any(c in s for c in ".eE") else int(s)
 
 
+def _sub_columns(heading: str) -> list[str]:
+    """Field names of the substitution table from its heading line (after 'layer')."""
+    words = heading.split()
+    out, i = [], 0
+    while i < len(words):
+        two = " ".join(words[i:i + 2])
+        if two in SUB_HEADINGS:
+            out.append(SUB_HEADINGS[two])
+            i += 2
+        else:
+            out.append(SUB_HEADINGS.get(words[i], words[i]))
+            i += 1
+    return out
+
+
 def parse_stats(out: str) -> dict:
     """The ``total`` rows of --moe-stats: ``cache`` (the expert cache table) and, with substitution on, ``sub``
-    (the outcome table); ``tiers`` from the ``tiers:`` line when the run read from the file or a host cache.
-    Raises SweepError when the cache table is missing."""
+    (the outcome table, its columns read from its heading, so a new gate column is picked up); ``tiers`` from
+    the ``tiers:`` line when the run read from the file or a host cache.  Raises SweepError when the cache
+    table is missing."""
     res: dict = {}
+    in_sub = False
+    sub_cols = SUB_FIELDS
     for line in out.splitlines():
+        if re.match(r"^vis-moe: substitution \(", line):
+            in_sub = True
+            continue
+        m = re.match(r"^vis-moe:\s+layer\s+(tokens\s.*)$", line)
+        if m and in_sub:
+            sub_cols = _sub_columns(m.group(1))
+            continue
         m = re.match(r"^vis-moe:\s+total\s+(.*)$", line)
         if not m:
             continue
         vals = m.group(1).split()
-        if len(vals) == len(CACHE_FIELDS) and "cache" not in res:
+        if not in_sub and len(vals) == len(CACHE_FIELDS) and "cache" not in res:
             res["cache"] = dict(zip(CACHE_FIELDS, map(_num, vals)))
-        elif len(vals) == len(SUB_FIELDS):
-            res["sub"] = dict(zip(SUB_FIELDS, map(_num, vals)))
+        elif in_sub and len(vals) == len(sub_cols):
+            res["sub"] = dict(zip(sub_cols, map(_num, vals)))
+        elif in_sub:
+            raise SweepError(f"substitution total row has {len(vals)} values for {len(sub_cols)} columns: {line}")
     if "cache" not in res:
         raise SweepError("no 'vis-moe: total' row of the expert cache stats in the output (was --moe-stats "
                          "given and the cache on?):\n" + out[-1500:])
@@ -276,29 +313,28 @@ def parse_tiers(out: str) -> dict | None:
             "read_wait_s": float(m.group(7)), "read_mib_s": float(m.group(8)), "model_copies": int(m.group(9))}
 
 
-_TS = re.compile(r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] ", re.M)
+_TS = r"(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] "
 
 
-def _ts(m) -> float:
-    return int(m.group(1)) * 60 + int(m.group(2)) + int(m.group(3)) / 1e3 + int(m.group(4)) / 1e6
+def _ts(m, g: int = 1) -> float:
+    return int(m.group(g)) * 60 + int(m.group(g + 1)) + int(m.group(g + 2)) / 1e3 + int(m.group(g + 3)) / 1e6
 
 
-def parse_eval_seconds(out: str) -> float | None:
-    """Seconds from llama-perplexity's 'calculating perplexity over' / 'computing over' line to its last
-    timestamped line (the final estimate): the evaluation without loading and tokenising.  None when the
-    log has no timestamps."""
-    start = None
-    last = None
-    for m in _TS.finditer(out):
-        line_end = out.find("\n", m.end())
-        line = out[m.end(): line_end if line_end >= 0 else len(out)]
-        if start is None and ("calculating perplexity over" in line or "computing over" in line):
-            start = _ts(m)
-        if start is not None:
-            last = _ts(m)
-    if start is None or last is None or last <= start:
+def parse_eval_seconds(out: str, wall: float | None = None) -> float | None:
+    """Seconds of llama-perplexity's evaluation, from its log timestamps (minutes.seconds.ms.us since start):
+    from the 'calculating perplexity over' / 'computing over' line to the 'Final estimate' line, or, when
+    there is none (--kl-divergence prints no timestamp after its first chunk), to the end of the process
+    (``wall``: its wall time).  None without a start line."""
+    m = re.search(_TS + r"[^\n]*(?:calculating perplexity over|computing over) \d+ chunks", out)
+    if not m:
         return None
-    return last - start
+    start = _ts(m)
+    e = re.search(_TS + r"Final estimate", out)
+    if e and _ts(e) > start:
+        return _ts(e) - start
+    if wall is not None and wall > start:
+        return wall - start
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -332,27 +368,50 @@ def _ref_key(setting: Setting, ctx: int, chunks: int | None, text_sha: str) -> s
 
 
 def reference(setting: Setting, text: str, ctx: int, chunks: int | None, threads: int | None,
-              timeout: float | None, progress=None) -> tuple[Path, dict, bool]:
+              timeout: float | None, progress=None, store: str = "file") -> tuple[Path, dict, bool]:
     """The exact run's log-probabilities (cached); returns (file, its result, whether it was cached)."""
     f, sha = quality._text_file(text)
-    key = _ref_key(setting, ctx, chunks, sha)
+    key = _ref_key(setting, ctx, chunks, sha + store)
     d = quality.kld_dir()
     d.mkdir(parents=True, exist_ok=True)
     stem = f"{Path(setting.point.model).stem}-k{setting.point.k}-S{setting.slots}-ub1-{key}"
     base, meta = d / f"{stem}.kld", d / f"{stem}.json"
     if base.is_file() and meta.is_file():
         return base, json.loads(meta.read_text()), True
-    a = run_args(setting, parse_config("off"), ctx, threads, "model")
+    a = run_args(setting, parse_config("off"), ctx, threads, store)
     a += ["-f", str(f), "--kl-divergence-base", str(base) + ".part"]
     if chunks:
         a += ["--chunks", str(chunks)]
     out, dt = quality._run(a, timeout)
     r = quality.parse_ppl(out)
-    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out), text_sha256=sha, ctx=ctx, command=_cmdline(a))
+    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out, dt), text_sha256=sha, ctx=ctx, command=_cmdline(a))
     r.update(parse_stats(out))
     os.replace(str(base) + ".part", base)
     meta.write_text(json.dumps(r) + "\n")
     return base, r, False
+
+
+_stage_lock = __import__("threading").Lock()
+
+
+def stage_model(model: str, stage_dir: str | Path) -> str:
+    """A copy of the model in stage_dir (a tmpfs such as /dev/shm): file-store reads from it are memory
+    copies, with the file store's semantics (background reads of substituted-away experts). Reused while
+    its size and mtime match."""
+    import shutil
+    src = Path(model)
+    dst = Path(stage_dir) / src.name
+    st = src.stat()
+    with _stage_lock:      # the quality pool's threads stage the same model at once
+        if dst.is_file():
+            dt = dst.stat()
+            if dt.st_size == st.st_size and int(dt.st_mtime) == int(st.st_mtime):
+                return str(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.part")
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    return str(dst)
 
 
 def _cmdline(a: list[str]) -> str:
@@ -362,12 +421,12 @@ def _cmdline(a: list[str]) -> str:
 
 
 def quality_run(setting: Setting, cfg: SubConfig, base: Path, ctx: int, threads: int | None,
-                profile: str | None, timeout: float | None) -> dict:
-    a = run_args(setting, cfg, ctx, threads, "model", profile)
+                profile: str | None, timeout: float | None, store: str = "file") -> dict:
+    a = run_args(setting, cfg, ctx, threads, store, profile)
     a += ["--kl-divergence-base", str(base), "--kl-divergence"]
     out, dt = quality._run(a, timeout)
     r = quality.parse_kld(out)
-    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out), command=_cmdline(a))
+    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out, dt), command=_cmdline(a))
     r.update(parse_stats(out))
     return r
 
@@ -378,11 +437,23 @@ def speed_run(setting: Setting, cfg: SubConfig, text: str, ctx: int, chunks: int
     a = run_args(setting, cfg, ctx, threads, "file", profile) + ["-f", str(f), "--chunks", str(chunks)]
     out, dt = quality._run(a, timeout)
     r = quality.parse_ppl(out)
-    ev = parse_eval_seconds(out)
+    ev = parse_eval_seconds(out, dt)
     n_tok = r.get("chunks", chunks) * ctx
-    r.update(tokens=n_tok, seconds=dt, eval_seconds=ev, tok_s=n_tok / (ev or dt), command=_cmdline(a))
+    r.update(tokens=n_tok, seconds=dt, eval_seconds=ev, tok_s=n_tok / (ev or dt), command=_cmdline(a),
+             loadavg_1min=os.getloadavg()[0])   # other jobs on the cores or the disk skew tok/s
     r.update(parse_stats(out))
+    for what in ("io", "cpu"):
+        r[f"{what}_pressure_avg10"] = _pressure(what)
     return r
+
+
+def _pressure(what: str) -> float | None:
+    """'some avg10' of /proc/pressure/WHAT (Linux PSI): the share of the last 10 s some task waited for it."""
+    try:
+        m = re.search(r"some avg10=([0-9.]+)", Path(f"/proc/pressure/{what}").read_text())
+        return float(m.group(1)) if m else None
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -474,13 +545,17 @@ class Options:
     calib_chunks: int = 16
     quality: bool = True
     speed: bool = True
+    quality_store: str = "file"
+    stage: str | None = None
+    jobs: int = 1
+    speed_threads: int | None = None
     verify_off: bool = False
     timeout: float | None = None
 
 
 def _row_key(setting: Setting, cfg: SubConfig, kind: str, o: Options) -> str:
     if kind == "speed":
-        return f"{setting.key()}|{cfg.spec}|speed|c{o.speed_ctx or o.ctx}x{o.speed_chunks}"
+        return f"{setting.key()}|{cfg.spec}|speed|c{o.speed_ctx or o.ctx}x{o.speed_chunks}|t{o.speed_threads or o.threads}"
     return f"{setting.key()}|{cfg.spec}|quality|c{o.ctx}x{o.chunks}|{o.text}"
 
 
@@ -491,16 +566,32 @@ def _progress(msg: str) -> None:
 
 def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_json: Path | None = None,
           previous: dict | None = None, progress=_progress) -> dict:
-    """Run the grid. Results are written to out_json after every run; runs found in ``previous`` (same key)
-    are reused."""
+    """Run the grid: the buddy profiles, then the exact references and quality runs (``o.jobs`` at a time,
+    ``o.threads`` threads each), then the speed runs one at a time (``o.speed_threads``), so that no other run
+    of ours shares the cores with a timed one.  Results are written to out_json after every run; runs found in
+    ``previous`` (same key, same native build) are reused."""
+    import dataclasses
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
     res = {"options": {k: v for k, v in o.__dict__.items()}, "configs": [c.spec for c in configs],
            "settings": [], "runs": {}, "profiles": {}, "references": {}, "build": build_id()}
     if o.quality:
         check_scored(o.ctx, o.chunks)
-    old = (previous or {}).get("runs", {})
-    n_runs = len(settings) * (len(configs) * (int(o.quality) + int(o.speed)))
-    i = 0
+    # runs of an earlier invocation with this build are kept (also those this one does not ask for, so that a
+    # --no-quality or --no-speed pass over the same grid adds to the file instead of dropping the other kind)
+    old = {k: v for k, v in (previous or {}).get("runs", {}).items()
+           if "error" not in v and v.get("build") == res["build"]}
+    res["runs"].update(old)
+    res["references"].update((previous or {}).get("references", {}))
+    kinds = (["quality"] if o.quality else []) + (["speed"] if o.speed else [])
+    n_runs = len(settings) * len(configs) * len(kinds)
+    count = [0]
+    lock = threading.Lock()
     t_start = time.monotonic()
+
+    def say(msg):
+        if progress:
+            progress(msg)
 
     def save():
         if out_json:
@@ -510,80 +601,122 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
             os.replace(tmp, out_json)
 
     def done(key, r, what, t0):
-        nonlocal i
-        i += 1
-        res["runs"][key] = r
-        save()
-        if progress:
-            progress(f"{i}/{n_runs} {what} ({time.monotonic() - t0:.1f} s; {time.monotonic() - t_start:.0f} s total)")
+        with lock:
+            count[0] += 1
+            res["runs"][key] = r
+            save()
+            say(f"{count[0]}/{n_runs} {what} ({time.monotonic() - t0:.1f} s; {time.monotonic() - t_start:.0f} s total)")
 
+    def reuse(key) -> bool:
+        if key in old:
+            with lock:
+                count[0] += 1
+            return True
+        return False
+
+    # 0. buddy profiles, one per (model, k)
+    profiles: dict[str, str | None] = {}
     for s in settings:
         res["settings"].append({"key": s.key(), "label": s.label, "model": s.point.model, "k": s.point.k,
                                 "n_expert": s.n_expert, "fraction": s.fraction, "slots": s.slots})
-        profile = None
-        if any(c.needs_profile() for c in configs):
-            pk = f"{s.point.model}@{s.point.k}"
-            if pk not in res["profiles"]:
-                t0 = time.monotonic()
-                try:
-                    pf, info = ensure_profile(s.point, o.calib_text, o.calib_ctx, o.calib_chunks, o.threads,
-                                              o.timeout, progress)
-                    res["profiles"][pk] = info
-                    if progress:
-                        progress(f"profile of {s.point.label}: {pf} ({time.monotonic() - t0:.1f} s)")
-                except (SweepError, QualityError) as e:
-                    res["profiles"][pk] = {"error": str(e).splitlines()[0]}
-                    if progress:
-                        progress(f"no profile for {s.point.label}: {str(e).splitlines()[0]}")
-            profile = res["profiles"][pk].get("profile")
-        base = None
-        if o.quality:
-            t0 = time.monotonic()
-            try:
-                base, ref, cached = reference(s, o.text, o.ctx, o.chunks, o.threads, o.timeout, progress)
-                res["references"][s.key()] = dict(ref, file=str(base))
-                if progress:
-                    progress(f"exact reference {s.label}: PPL {ref['ppl']:.4f}"
-                             + (" (cached)" if cached else f" ({time.monotonic() - t0:.1f} s)"))
-            except (SweepError, QualityError) as e:
+        pk = f"{s.point.model}@{s.point.k}"
+        if pk in profiles or not any(c.needs_profile() for c in configs):
+            continue
+        t0 = time.monotonic()
+        try:
+            pf, info = ensure_profile(s.point, o.calib_text, o.calib_ctx, o.calib_chunks, o.speed_threads or o.threads,
+                                      o.timeout, progress)
+            res["profiles"][pk] = info
+            profiles[pk] = str(pf)
+            say(f"profile of {s.point.label}: {pf} ({time.monotonic() - t0:.1f} s)")
+        except (SweepError, QualityError) as e:
+            res["profiles"][pk] = {"error": str(e).splitlines()[0]}
+            profiles[pk] = None
+            say(f"no profile for {s.point.label}: {str(e).splitlines()[0]}")
+
+    def profile_of(s: Setting):
+        return profiles.get(f"{s.point.model}@{s.point.k}")
+
+    def staged(s: Setting) -> Setting:
+        if not o.stage:
+            return s
+        return dataclasses.replace(s, point=dataclasses.replace(s.point, model=stage_model(s.point.model, o.stage)))
+
+    # 1. exact references and quality runs
+    def do_ref(s: Setting):
+        t0 = time.monotonic()
+        try:
+            base, ref, cached = reference(staged(s), o.text, o.ctx, o.chunks, o.threads, o.timeout, progress,
+                                          o.quality_store)
+        except (SweepError, QualityError, OSError) as e:
+            with lock:
                 res["references"][s.key()] = {"error": str(e).splitlines()[0]}
-                if progress:
-                    progress(f"exact reference {s.label} failed: {str(e).splitlines()[0]}")
-        for c in configs:
-            kinds = (["quality"] if o.quality else []) + (["speed"] if o.speed else [])
-            for kind in kinds:
-                key = _row_key(s, c, kind, o)
-                if key in old and "error" not in old[key] and old[key].get("build") == res["build"]:
-                    res["runs"][key] = old[key]
-                    i += 1
+            say(f"exact reference {s.label} failed: {str(e).splitlines()[0]}")
+            return None, {"error": str(e).splitlines()[0]}
+        with lock:
+            res["references"][s.key()] = dict(ref, file=str(base))
+        say(f"exact reference {s.label}: PPL {ref['ppl']:.4f}"
+            + (" (cached)" if cached else f" ({time.monotonic() - t0:.1f} s)"))
+        return base, ref
+
+    def do_quality(s: Setting, c: SubConfig, ref_future):
+        key = _row_key(s, c, "quality", o)
+        if reuse(key):
+            return
+        base, ref = ref_future.result()
+        t0 = time.monotonic()
+        r: dict = {"setting": s.key(), "config": c.spec, "kind": "quality", "build": res["build"]}
+        try:
+            if c.needs_profile() and not profile_of(s):
+                raise SweepError(f"{c.spec}: no buddy profile for {s.point.label}")
+            if base is None:
+                raise SweepError("no exact reference: " + ref.get("error", "?"))
+            if c.mode == "off" and not o.verify_off:
+                r.update(ppl=ref["ppl"], ppl_err=ref["ppl_err"], kld=0.0, ppl_ratio=1.0, same_top=1.0,
+                         from_reference=True, seconds=0.0, cache=ref.get("cache"), sub=ref.get("sub"))
+            else:
+                r.update(quality_run(staged(s), c, base, o.ctx, o.threads, profile_of(s), o.timeout,
+                                     o.quality_store))
+            r["ppl_exact"] = ref["ppl"]
+            r["cost_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
+            what = f"{s.label} {c.spec} quality: PPL {r['ppl']:.4f} ({r['cost_pct']:+.2f} %), KLD {r['kld']:.5f}"
+        except (SweepError, QualityError, OSError) as e:
+            r["error"] = str(e).splitlines()[0]
+            what = f"{s.label} {c.spec} quality FAILED: {r['error'][:200]}"
+        done(key, r, what, t0)
+
+    if o.quality:
+        todo = [(s, c) for s in settings for c in configs]
+        need = {s.key() for s, c in todo if _row_key(s, c, "quality", o) not in old}
+        with ThreadPoolExecutor(max_workers=max(1, o.jobs)) as ex:
+            # references first: the pool is FIFO, so a quality run never waits on a reference still queued
+            refs = {s.key(): ex.submit(do_ref, s) for s in settings if s.key() in need}
+            futs = [ex.submit(do_quality, s, c, refs[s.key()]) if s.key() in refs else None for s, c in todo]
+            for (s, c), f in zip(todo, futs):
+                if f is None:
+                    reuse(_row_key(s, c, "quality", o))
+                else:
+                    f.result()
+
+    # 2. speed runs, one at a time
+    if o.speed:
+        for s in settings:
+            for c in configs:
+                key = _row_key(s, c, "speed", o)
+                if reuse(key):
                     continue
                 t0 = time.monotonic()
-                r: dict = {"setting": s.key(), "config": c.spec, "kind": kind, "build": build_id()}
+                r = {"setting": s.key(), "config": c.spec, "kind": "speed", "build": res["build"]}
                 try:
-                    if c.needs_profile() and not profile:
+                    if c.needs_profile() and not profile_of(s):
                         raise SweepError(f"{c.spec}: no buddy profile for {s.point.label}")
-                    if kind == "quality":
-                        ref = res["references"].get(s.key(), {})
-                        if base is None:
-                            raise SweepError("no exact reference: " + ref.get("error", "?"))
-                        if c.mode == "off" and not o.verify_off:
-                            r.update(ppl=ref["ppl"], ppl_err=ref["ppl_err"], kld=0.0, ppl_ratio=1.0,
-                                     same_top=1.0, from_reference=True, seconds=0.0,
-                                     cache=ref.get("cache"), sub=ref.get("sub"))
-                        else:
-                            r.update(quality_run(s, c, base, o.ctx, o.threads, profile, o.timeout))
-                        r["ppl_exact"] = ref["ppl"]
-                        r["cost_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
-                        what = (f"{s.label} {c.spec} quality: PPL {r['ppl']:.4f} ({r['cost_pct']:+.2f} %), "
-                                f"KLD {r['kld']:.5f}")
-                    else:
-                        r.update(speed_run(s, c, o.text, o.speed_ctx or o.ctx, o.speed_chunks, o.threads, profile,
-                                           o.timeout))
-                        what = (f"{s.label} {c.spec} speed: {r['tok_s']:.1f} tok/s, "
-                                f"{r['cache']['mib_loaded']:.0f} MiB loaded, stall {r['cache']['stall_ms']:.0f} ms")
+                    r.update(speed_run(s, c, o.text, o.speed_ctx or o.ctx, o.speed_chunks,
+                                       o.speed_threads or o.threads, profile_of(s), o.timeout))
+                    what = (f"{s.label} {c.spec} speed: {r['tok_s']:.1f} tok/s, "
+                            f"{r['cache']['mib_loaded']:.0f} MiB loaded, stall {r['cache']['stall_ms']:.0f} ms")
                 except (SweepError, QualityError) as e:
                     r["error"] = str(e).splitlines()[0]
-                    what = f"{s.label} {c.spec} {kind} FAILED: {r['error'][:200]}"
+                    what = f"{s.label} {c.spec} speed FAILED: {r['error'][:200]}"
                 done(key, r, what, t0)
     res["seconds"] = time.monotonic() - t_start
     res["table"] = table_rows(res)
@@ -603,7 +736,8 @@ def table_rows(res: dict) -> list[dict]:
     for s in res["settings"]:
         off_speed = None
         for c in res["configs"]:
-            sk = f"{s['key']}|{c}|speed|c{o.get('speed_ctx') or o['ctx']}x{o['speed_chunks']}"
+            sk = (f"{s['key']}|{c}|speed|c{o.get('speed_ctx') or o['ctx']}x{o['speed_chunks']}"
+                  f"|t{o.get('speed_threads') or o.get('threads')}")
             qk = f"{s['key']}|{c}|quality|c{o['ctx']}x{o['chunks']}|{o['text']}"
             q, sp = runs.get(qk, {}), runs.get(sk, {})
             row = {"setting": s["label"], "setting_key": s["key"], "model": Path(s["model"]).stem, "k": s["k"],
@@ -636,6 +770,8 @@ def table_rows(res: dict) -> list[dict]:
                     off_speed = sp["tok_s"]
             elif sp:
                 row["speed_error"] = sp["error"]
+            if not q and not sp:
+                continue            # this configuration was not run at this setting (merged sweeps)
             rows.append(row)
         for row in rows:
             if row["setting_key"] == s["key"] and off_speed and row.get("tok_s"):
@@ -657,22 +793,33 @@ def recommend(res: dict, max_cost_pct: float = 1.0) -> dict:
         if len(rs) < n_settings or any(r.get("cost_pct") is None for r in rs):
             continue
         worst = max(r["cost_pct"] for r in rs)
+        # llama-perplexity's uncertainty of PPL(Q)/PPL(base) (paired over the same tokens), in percent
+        upper = max(r["cost_pct"] + 2 * 100 * (r.get("ppl_ratio_err") or 0.0) for r in rs)
         sp = [r["speedup"] for r in rs if r.get("speedup")]
         gm = math.exp(sum(math.log(x) for x in sp) / len(sp)) if len(sp) == len(rs) else None
         share = sum(r.get("subst_share") or 0.0 for r in rs) / len(rs)
-        cands.append({"config": c, "worst_cost_pct": worst, "speedup_geomean": gm, "subst_share_mean": share,
-                      "qualifies": worst < max_cost_pct})
-    ok = [c for c in cands if c["qualifies"]]
-    ok.sort(key=lambda c: (-(c["speedup_geomean"] or 0.0), -c["subst_share_mean"]))
-    return {"max_cost_pct": max_cost_pct, "best": ok[0]["config"] if ok else None, "candidates": cands}
+        kld = sum(r.get("kld") or 0.0 for r in rs) / len(rs)
+        cands.append({"config": c, "worst_cost_pct": worst, "worst_cost_upper_pct": upper, "speedup_geomean": gm,
+                      "subst_share_mean": share, "kld_mean": kld, "qualifies": worst < max_cost_pct,
+                      "qualifies_2sigma": upper < max_cost_pct})
+    def rank(lst):
+        return sorted(lst, key=lambda c: (-(c["speedup_geomean"] or 0.0), -c["subst_share_mean"]))
+    ok = rank([c for c in cands if c["qualifies"]])
+    ok2 = rank([c for c in cands if c["qualifies_2sigma"]])
+    return {"max_cost_pct": max_cost_pct, "best": ok[0]["config"] if ok else None,
+            "best_2sigma": ok2[0]["config"] if ok2 else None, "candidates": cands}
 
 
 def format_table(res: dict) -> str:
     o = res["options"]
     rows = res.get("table") or table_rows(res)
-    lines = [f"held-out text `{o['text']}`, quality: `-c {o['ctx']}`" + (f" × {o['chunks']} chunks" if o["chunks"] else "")
-             + f" (`-ub 1 -b {o['ctx']}`, `--moe-store model`); speed: `-c {o.get('speed_ctx') or o['ctx']}` × "
-             f"{o['speed_chunks']} chunk(s), `--moe-store file` (O_DIRECT); {o.get('threads') or 'default'} threads", "",
+    head = (f"text `{o['text']}`; quality: `-c {o['ctx']}`" + (f" × {o['chunks']} chunks" if o["chunks"] else "")
+            + f" (`-ub 1 -b {o['ctx']}`, `--moe-store {o.get('quality_store', 'file')}`"
+            + (f", model staged in `{o['stage']}`" if o.get("stage") else "")
+            + f", `-t {o.get('threads') or 'default'}`, {o.get('jobs', 1)} at a time); speed: "
+            + f"`-c {o.get('speed_ctx') or o['ctx']}` × {o['speed_chunks']} chunk(s), `--moe-store file` from the "
+            + f"original file, `-t {o.get('speed_threads') or o.get('threads') or 'default'}`, alone")
+    lines = [head, "",
              "| model | k | slots | config | PPL | PPL cost % | mean KLD | same top | substituted | decode tok/s | "
              "speed-up | MiB loaded (+ background) | stall ms | bg wait ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -703,12 +850,25 @@ def format_table(res: dict) -> str:
                      f"(geometric mean), {100 * b['subst_share_mean']:.1f} % of missing pairs substituted)")
     else:
         lines.append(f"no configuration has a PPL cost < {rec['max_cost_pct']:g} % at every setting")
+    if rec.get("best_2sigma"):
+        lines.append(f"with the cost's 2-sigma upper bound < {rec['max_cost_pct']:g} % at every setting: "
+                     f"`{rec['best_2sigma']}`")
+    elif "best_2sigma" in rec:
+        lines.append(f"no configuration's cost is below {rec['max_cost_pct']:g} % at 2 sigma at every setting "
+                     "(more tokens would be needed to tell)")
+    lines += ["", "| config | worst PPL cost % | worst cost + 2σ % | mean KLD | speed-up (geo. mean) | "
+              "substituted (mean) |", "|---|---|---|---|---|---|"]
+    for c in sorted(rec["candidates"], key=lambda c: -(c["speedup_geomean"] or 0)):
+        lines.append(f"| `{c['config']}` | {c['worst_cost_pct']:+.2f} | {c['worst_cost_upper_pct']:+.2f} | "
+                     f"{c['kld_mean']:.4f} | {f(c['speedup_geomean'], '.3f')} | {100 * c['subst_share_mean']:.1f} % |")
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path, x: str = "tok_s") -> Path | None:
+def plot(res: dict, path: Path, x: str = "tok_s", y: str = "cost_pct") -> Path | None:
     """Pareto plot: x = decode tok/s (x='tok_s') or share of missing pairs substituted (x='subst_share'),
-    y = PPL cost % against exact; one panel per setting, one labelled marker per configuration."""
+    y = PPL cost % against exact with llama-perplexity's 1-sigma bar (y='cost_pct') or mean KLD (y='kld');
+    one panel per setting, one labelled marker per configuration (same colour and marker in every panel),
+    the Pareto front dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -721,22 +881,24 @@ def plot(res: dict, path: Path, x: str = "tok_s") -> Path | None:
     nrow = (n + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.6 * nrow), squeeze=False)
     markers = "osD^v<>pPhX*"
+    colors = plt.get_cmap("tab10").colors
     cfgs = res["configs"]
     for ax, s in zip(axes.flat, settings):
         rs = [r for r in rows if r["setting_key"] == s["key"]]
         pts = []
         for r in rs:
-            xv = r.get(x)
+            xv, yv = r.get(x), r.get(y)
             if x == "subst_share" and xv is not None:
                 xv *= 100
-            yv = r.get("cost_pct")
             if xv is None or yv is None:
                 continue
-            m = markers[cfgs.index(r["config"]) % len(markers)] if r["config"] in cfgs else "o"
-            ax.scatter([xv], [yv], marker=m, s=50, zorder=3)
+            ci = cfgs.index(r["config"]) if r["config"] in cfgs else 0
+            err = 100 * r["ppl_ratio_err"] if y == "cost_pct" and r.get("ppl_ratio_err") else None
+            ax.errorbar([xv], [yv], yerr=None if err is None else [err], fmt=markers[ci % len(markers)],
+                        color=colors[ci % len(colors)], ms=7, elinewidth=0.8, capsize=2, alpha=0.9, zorder=3)
             ax.annotate(r["config"], (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
             pts.append((xv, yv))
-        # Pareto front: more x is better, less cost is better
+        # Pareto front: more x is better, less y is better
         front = []
         for xv, yv in sorted(pts, key=lambda p: (-p[0], p[1])):
             if not front or yv < front[-1][1]:
@@ -744,20 +906,40 @@ def plot(res: dict, path: Path, x: str = "tok_s") -> Path | None:
         if len(front) > 1:
             fx, fy = zip(*sorted(front))
             ax.plot(fx, fy, "--", color="grey", lw=0.8, zorder=1)
-        ax.axhline(1.0, color="red", lw=0.7, ls=":", zorder=0)
+        if y == "cost_pct":
+            ax.axhline(1.0, color="red", lw=0.7, ls=":", zorder=0)
         ax.set_title(f"{Path(s['model']).stem}, k={s['k']}, {s['slots']}/{s['n_expert']} slots", fontsize=10)
         ax.set_xlabel("decode tok/s (file store)" if x == "tok_s" else "missing pairs substituted (%)")
-        ax.set_ylabel("PPL cost vs exact (%)")
+        ax.set_ylabel("PPL cost vs exact (%)" if y == "cost_pct" else "mean KLD vs exact")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("substitution on a miss: quality vs " + ("speed" if x == "tok_s" else "misses avoided")
-                 + " (red: 1 % cost)", fontsize=11)
+    fig.suptitle("substitution on a miss: " + ("PPL cost (bars: 1 sigma; red: 1 %)" if y == "cost_pct" else "mean KLD")
+                 + " vs " + ("decode speed" if x == "tok_s" else "misses substituted"), fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from several sweeps with the same options (settings and configurations in order of first
+    appearance; runs, references and profiles joined)."""
+    out = {"options": results[0]["options"], "configs": [], "settings": [], "runs": {}, "references": {},
+           "profiles": {}, "build": results[0].get("build"), "merged_from": len(results)}
+    for r in results:
+        for c in r["configs"]:
+            if c not in out["configs"]:
+                out["configs"].append(c)
+        for s in r["settings"]:
+            if s["key"] not in [x["key"] for x in out["settings"]]:
+                out["settings"].append(s)
+        for k in ("runs", "references", "profiles"):
+            out[k].update(r.get(k, {}))
+    out["table"] = table_rows(out)
+    out["recommendation"] = recommend(out)
+    return out
 
 
 def write_outputs(res: dict, out_dir: Path, name: str) -> dict:
@@ -773,6 +955,9 @@ def write_outputs(res: dict, out_dir: Path, name: str) -> dict:
     p = plot(res, out_dir / f"{name}-avoided.png", "subst_share")
     if p:
         paths["png_avoided"] = str(p)
+    p = plot(res, out_dir / f"{name}-kld.png", "tok_s", "kld")
+    if p:
+        paths["png_kld"] = str(p)
     return paths
 
 
@@ -783,6 +968,18 @@ def _cmd_sweep(args) -> int:
     from . import corpus
     from .._paths import BuildNotFound
     try:
+        out_dir = Path(args.output)
+        out_json = out_dir / f"{args.name}.json"
+        if args.replot:
+            if not out_json.is_file():
+                raise SweepError(f"--replot: {out_json} does not exist")
+            res = json.loads(out_json.read_text())
+            res["table"] = table_rows(res)
+            res["recommendation"] = recommend(res)
+            paths = write_outputs(res, out_dir, args.name)
+            print(format_table(res))
+            print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+            return 0
         points = [parse_point(p) for p in args.point]
         configs = [parse_config(c) for c in args.config]
         if len({c.spec for c in configs}) != len(configs):
@@ -794,9 +991,9 @@ def _cmd_sweep(args) -> int:
         o = Options(text=args.file, ctx=args.ctx_size, chunks=args.chunks, speed_ctx=args.speed_ctx,
                     speed_chunks=args.speed_chunks, threads=args.threads, calib_text=args.calib_text,
                     calib_ctx=args.calib_ctx, calib_chunks=args.calib_chunks, quality=not args.no_quality,
-                    speed=not args.no_speed, verify_off=args.verify_off, timeout=args.timeout)
-        out_dir = Path(args.output)
-        out_json = out_dir / f"{args.name}.json"
+                    speed=not args.no_speed, verify_off=args.verify_off, timeout=args.timeout,
+                    quality_store=args.quality_store, stage=args.stage, jobs=args.jobs,
+                    speed_threads=args.speed_threads)
         previous = None
         if args.resume and out_json.is_file():
             previous = json.loads(out_json.read_text())
@@ -806,7 +1003,7 @@ def _cmd_sweep(args) -> int:
     except (SweepError, QualityError, corpus.CorpusError, BuildNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    paths = write_outputs(res, Path(args.output), args.name)
+    paths = write_outputs(res, out_dir, args.name)
     print(format_table(res))
     print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     return 1 if any("error" in r for r in res["runs"].values()) else 0
@@ -838,12 +1035,26 @@ def register(sub) -> None:
     s.add_argument("--chunks", type=int, default=16, metavar="N", help="chunks of the quality runs (default: 16)")
     s.add_argument("--speed-ctx", type=int, metavar="N", help="context of the speed runs (default: -c)")
     s.add_argument("--speed-chunks", type=int, default=1, metavar="N", help="chunks of the speed runs (default: 1)")
-    s.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads (default: min(cores, 8))")
+    s.add_argument("-t", "--threads", type=int, metavar="N",
+                   help="CPU threads of each reference / quality run (default: min(cores, 8))")
+    s.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="reference / quality runs at a time (default: 1); e.g. -j 2 -t 1 on 2 cores, which also "
+                   "keeps ggml's spinning thread barriers from stalling when other jobs take a core")
+    s.add_argument("--speed-threads", type=int, metavar="N",
+                   help="CPU threads of the speed runs, which always run alone (default: -t)")
     s.add_argument("--calib-text", default="calibration", metavar="TEXT",
                    help="text the buddy profiles are calibrated on (default: calibration; never the held-out text)")
     s.add_argument("--calib-ctx", type=int, default=512, metavar="N", help="context of the calibration trace (default: 512)")
     s.add_argument("--calib-chunks", type=int, default=16, metavar="N",
                    help="chunks of the calibration trace (default: 16)")
+    s.add_argument("--quality-store", choices=["file", "model"], default="file",
+                   help="--moe-store of the exact reference and the quality runs (default: file). model copies "
+                   "experts from llama.cpp's mapping and never reads a substituted-away expert in the background, "
+                   "so with substitution on its results differ from the file store's")
+    s.add_argument("--stage", metavar="DIR",
+                   help="copy each model into DIR (a tmpfs such as /dev/shm) for the reference and quality runs: "
+                   "file-store semantics at memory speed; the speed runs always read the original file. The "
+                   "copies are left there for the next run: delete them after")
     s.add_argument("--verify-off", action="store_true",
                    help="also run off with --kl-divergence (otherwise its row is the exact reference: KLD 0)")
     s.add_argument("--no-quality", action="store_true", help="skip the quality runs")
@@ -852,7 +1063,10 @@ def register(sub) -> None:
     s.add_argument("-o", "--output", default=None, metavar="DIR",
                    help="output directory (default: models/testbed/results)")
     s.add_argument("--name", default="substitute-sweep", help="file name stem of the outputs (default: substitute-sweep)")
-    s.add_argument("--resume", action="store_true", help="reuse the runs of an earlier NAME.json with the same keys")
+    s.add_argument("--resume", action="store_true", help="reuse the runs of an earlier NAME.json with the same keys "
+                   "(and the same native build)")
+    s.add_argument("--replot", action="store_true", help="run nothing: rebuild the table, recommendation and plots "
+                   "from NAME.json")
     s.set_defaults(fn=_cmd_sweep_default_out)
 
 
