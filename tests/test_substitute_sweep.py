@@ -98,12 +98,14 @@ def test_parse_config():
     assert sw.parse_config("router:wrel=1").flags(16) == ["--moe-substitute", "router", "--moe-sub-weight", "0.0625"]
     assert sw.parse_config("router:weight=0.3,margin=off,beta=0.5").flags(8) == [
         "--moe-substitute", "router", "--moe-sub-margin", "off", "--moe-sub-beta", "0.5", "--moe-sub-weight", "0.3"]
+    assert sw.parse_config("router:rank=1,budget=1").flags(8) == [
+        "--moe-substitute", "router", "--moe-sub-budget", "1", "--moe-sub-rank", "1"]
     assert sw.parse_config("buddy:tae=p25").flags(8, "P.gguf") == [
         "--moe-substitute", "buddy", "--moe-sub-profile", "P.gguf", "--moe-sub-tae", "p25"]
     with pytest.raises(sw.SweepError, match="profile"):
         sw.parse_config("buddy").flags(8)
     for bad in ("fast", "off:tae=p5", "router:tae", "router:foo=1", "router:budget=0", "router:weight=x",
-                "router:tae=q50", "router:weight=0.1,wrel=1"):
+                "router:tae=q50", "router:weight=0.1,wrel=1", "router:rank=-1"):
         with pytest.raises(sw.SweepError):
             sw.parse_config(bad)
 

@@ -38,22 +38,22 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import quality
 from .quality import QualityError
+from .sweep_parse import (CACHE_FIELDS, SUB_FIELDS, SUB_HEADINGS, SweepError, parse_eval_seconds,  # noqa: F401
+                          parse_stats, parse_tiers)
+from .sweep_report import format_table, merge, plot, recommend, table_rows, write_outputs  # noqa: F401
 
 DEFAULT_POINTS = ["shared+16@4", "shared+16@8", "shared+64@16"]
 DEFAULT_FRACTIONS = [0.5, 0.75]
-DEFAULT_CONFIGS = ["off", "router", "router:tae=p25", "router:tae=p50", "router:tae=p75", "router:wrel=1",
-                   "router:budget=2", "buddy", "buddy:tae=p50"]
-CONFIG_KEYS = {"tae", "margin", "beta", "budget", "weight", "wrel"}
+DEFAULT_CONFIGS = ["off", "router", "router:tae=p50", "router:tae=p90", "router:tae=p99", "router:wrel=1",
+                   "router:budget=2", "buddy"]
+CONFIG_KEYS = {"tae", "margin", "beta", "budget", "weight", "wrel", "rank"}
 MODES = ("off", "router", "buddy", "auto")
 
-
-class SweepError(RuntimeError):
-    pass
 
 
 # --------------------------------------------------------------------------
@@ -62,8 +62,8 @@ class SweepError(RuntimeError):
 @dataclass(frozen=True)
 class SubConfig:
     """One substitution rule. ``spec`` is ``MODE[:KEY=VALUE[,KEY=VALUE...]]``; keys: tae (off, TAU or pN),
-    margin, beta, budget, weight (the --moe-sub-weight share) and wrel (the share as a multiple of 1/k:
-    ``wrel=1`` substitutes only experts below the token's mean share)."""
+    margin, beta, budget, rank (--moe-sub-rank), weight (the --moe-sub-weight share) and wrel (the share as a
+    multiple of 1/k: ``wrel=1`` substitutes only experts below the token's mean share)."""
     spec: str
     mode: str
     opts: tuple = ()          # ((key, value), ...) in the order given
@@ -93,6 +93,8 @@ class SubConfig:
             a += ["--moe-sub-beta", o["beta"]]
         if "budget" in o:
             a += ["--moe-sub-budget", o["budget"]]
+        if "rank" in o:
+            a += ["--moe-sub-rank", o["rank"]]
         if "weight" in o:
             a += ["--moe-sub-weight", o["weight"]]
         if "wrel" in o:
@@ -125,6 +127,9 @@ def parse_config(spec: str) -> SubConfig:
             elif key == "budget":
                 if not val.isdigit() or int(val) < 1:
                     raise SweepError(f"configuration {spec!r}: budget is a positive integer")
+            elif key == "rank":
+                if not val.isdigit():
+                    raise SweepError(f"configuration {spec!r}: rank is an integer >= 0 (0 = any)")
             elif key == "margin" and val == "off":
                 pass
             else:
@@ -230,111 +235,6 @@ def run_args(setting: Setting, cfg: SubConfig, ctx: int, threads: int | None, st
     a = quality._base_args(quality.Config(setting.point.model, _overrides(setting.point)), ctx, threads, ctx)
     a += ["-ub", "1", "--moe-slots", str(setting.slots), "--moe-store", store, "--moe-stats"]
     return a + cfg.flags(setting.point.k, profile)
-
-
-# --------------------------------------------------------------------------
-# parsing --moe-stats and the timing
-# --------------------------------------------------------------------------
-_N = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
-CACHE_FIELDS = ["routed", "hits", "misses", "hit_pct", "mib_loaded", "stall_ms", "passes"]
-SUB_FIELDS = ["tokens", "missing", "substituted", "blocked_tae", "blocked_margin", "blocked_beta", "blocked_budget",
-              "blocked_weight", "no_candidate", "needed_anyway", "not_eligible", "mib_saved", "bg_reads", "bg_wait_ms"]
-# column headings of the substitution table -> field names (a heading not listed keeps its own name)
-SUB_HEADINGS = {"tokens": "tokens", "missing": "missing", "subst": "substituted", "tae": "blocked_tae",
-                "margin": "blocked_margin", "beta": "blocked_beta", "budget": "blocked_budget",
-                "weight": "blocked_weight", "rank": "blocked_rank", "nocand": "no_candidate",
-                "anyway": "needed_anyway", "prefil": "not_eligible", "MiB saved": "mib_saved", "bg read": "bg_reads",
-                "bg wait": "bg_wait_ms"}
-
-
-def _num(s: str):
-    s = s.rstrip("%")
-    return float(s) if any(c in s for c in ".eE") else int(s)
-
-
-def _sub_columns(heading: str) -> list[str]:
-    """Field names of the substitution table from its heading line (after 'layer')."""
-    words = heading.split()
-    out, i = [], 0
-    while i < len(words):
-        two = " ".join(words[i:i + 2])
-        if two in SUB_HEADINGS:
-            out.append(SUB_HEADINGS[two])
-            i += 2
-        else:
-            out.append(SUB_HEADINGS.get(words[i], words[i]))
-            i += 1
-    return out
-
-
-def parse_stats(out: str) -> dict:
-    """The ``total`` rows of --moe-stats: ``cache`` (the expert cache table) and, with substitution on, ``sub``
-    (the outcome table, its columns read from its heading, so a new gate column is picked up); ``tiers`` from
-    the ``tiers:`` line when the run read from the file or a host cache.  Raises SweepError when the cache
-    table is missing."""
-    res: dict = {}
-    in_sub = False
-    sub_cols = SUB_FIELDS
-    for line in out.splitlines():
-        if re.match(r"^vis-moe: substitution \(", line):
-            in_sub = True
-            continue
-        m = re.match(r"^vis-moe:\s+layer\s+(tokens\s.*)$", line)
-        if m and in_sub:
-            sub_cols = _sub_columns(m.group(1))
-            continue
-        m = re.match(r"^vis-moe:\s+total\s+(.*)$", line)
-        if not m:
-            continue
-        vals = m.group(1).split()
-        if not in_sub and len(vals) == len(CACHE_FIELDS) and "cache" not in res:
-            res["cache"] = dict(zip(CACHE_FIELDS, map(_num, vals)))
-        elif in_sub and len(vals) == len(sub_cols):
-            res["sub"] = dict(zip(sub_cols, map(_num, vals)))
-        elif in_sub:
-            raise SweepError(f"substitution total row has {len(vals)} values for {len(sub_cols)} columns: {line}")
-    if "cache" not in res:
-        raise SweepError("no 'vis-moe: total' row of the expert cache stats in the output (was --moe-stats "
-                         "given and the cache on?):\n" + out[-1500:])
-    t = parse_tiers(out)
-    if t:
-        res["tiers"] = t
-    return res
-
-
-def parse_tiers(out: str) -> dict | None:
-    m = re.search(r"vis-moe: tiers: slab hits (\d+) \| host-cache hits (\d+) \| file reads (\d+) \("
-                  + _N + r" MiB payload, " + _N + r" MiB from storage( with O_DIRECT| buffered), "
-                  + _N + r" s waiting, " + _N + r" MiB/s\) \| model copies (\d+)", out)
-    if not m:
-        return None
-    return {"slab_hits": int(m.group(1)), "host_hits": int(m.group(2)), "file_reads": int(m.group(3)),
-            "mib_read": float(m.group(4)), "mib_storage": float(m.group(5)), "direct_io": "O_DIRECT" in m.group(6),
-            "read_wait_s": float(m.group(7)), "read_mib_s": float(m.group(8)), "model_copies": int(m.group(9))}
-
-
-_TS = r"(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] "
-
-
-def _ts(m, g: int = 1) -> float:
-    return int(m.group(g)) * 60 + int(m.group(g + 1)) + int(m.group(g + 2)) / 1e3 + int(m.group(g + 3)) / 1e6
-
-
-def parse_eval_seconds(out: str, wall: float | None = None) -> float | None:
-    """Seconds of llama-perplexity's evaluation, from its log timestamps (minutes.seconds.ms.us since start):
-    from the 'calculating perplexity over' / 'computing over' line to the 'Final estimate' line, or, when
-    there is none (--kl-divergence prints no timestamp after its first chunk), to the end of the process
-    (``wall``: its wall time).  None without a start line."""
-    m = re.search(_TS + r"[^\n]*(?:calculating perplexity over|computing over) \d+ chunks", out)
-    if not m:
-        return None
-    start = _ts(m)
-    e = re.search(_TS + r"Final estimate", out)
-    if e and _ts(e) > start:
-        return _ts(e) - start
-    if wall is not None and wall > start:
-        return wall - start
-    return None
 
 
 # --------------------------------------------------------------------------
@@ -726,242 +626,6 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
 
 
 # --------------------------------------------------------------------------
-# summary: table, recommendation, plot
-# --------------------------------------------------------------------------
-def table_rows(res: dict) -> list[dict]:
-    """One row per (setting, config): quality and speed side by side, with the speed-up over off."""
-    o = res["options"]
-    runs = res["runs"]
-    rows = []
-    for s in res["settings"]:
-        off_speed = None
-        for c in res["configs"]:
-            sk = (f"{s['key']}|{c}|speed|c{o.get('speed_ctx') or o['ctx']}x{o['speed_chunks']}"
-                  f"|t{o.get('speed_threads') or o.get('threads')}")
-            qk = f"{s['key']}|{c}|quality|c{o['ctx']}x{o['chunks']}|{o['text']}"
-            q, sp = runs.get(qk, {}), runs.get(sk, {})
-            row = {"setting": s["label"], "setting_key": s["key"], "model": Path(s["model"]).stem, "k": s["k"],
-                   "fraction": s["fraction"], "slots": s["slots"], "n_expert": s["n_expert"], "config": c}
-            if q and "error" not in q:
-                row.update(ppl=q["ppl"], ppl_exact=q.get("ppl_exact"), cost_pct=q.get("cost_pct"), kld=q["kld"],
-                           kld_p99=q.get("kld_p99"), same_top=q.get("same_top"),
-                           ppl_ratio_err=q.get("ppl_ratio_err"))
-                sub = q.get("sub") or {}
-                cache = q.get("cache") or {}
-                if sub.get("missing"):
-                    row["subst_share"] = sub["substituted"] / sub["missing"]
-                elif c == "off" or sub == {}:
-                    row["subst_share"] = 0.0
-                row["misses_q"] = cache.get("misses")
-            elif q:
-                row["quality_error"] = q["error"]
-            if sp and "error" not in sp:
-                row.update(tok_s=sp["tok_s"], mib_loaded=sp["cache"]["mib_loaded"], stall_ms=sp["cache"]["stall_ms"],
-                           misses=sp["cache"]["misses"], hit_pct=sp["cache"]["hit_pct"])
-                t = sp.get("tiers") or {}
-                row.update(file_reads=t.get("file_reads"), read_wait_s=t.get("read_wait_s"))
-                sub = sp.get("sub") or {}
-                row.update(bg_wait_ms=sub.get("bg_wait_ms"), bg_reads=sub.get("bg_reads"))
-                c_ = sp["cache"]
-                if sub.get("bg_reads") is not None and c_["misses"]:
-                    # background reads are not in the cache table's bytes; experts of a layer are equal-sized
-                    row["bg_mib"] = sub["bg_reads"] * c_["mib_loaded"] / c_["misses"]
-                if c == "off":
-                    off_speed = sp["tok_s"]
-            elif sp:
-                row["speed_error"] = sp["error"]
-            if not q and not sp:
-                continue            # this configuration was not run at this setting (merged sweeps)
-            rows.append(row)
-        for row in rows:
-            if row["setting_key"] == s["key"] and off_speed and row.get("tok_s"):
-                row["speedup"] = row["tok_s"] / off_speed
-    return rows
-
-
-def recommend(res: dict, max_cost_pct: float = 1.0) -> dict:
-    """The fastest configuration whose PPL cost is below max_cost_pct at every measured setting (speed = the
-    geometric mean speed-up over off; ties and missing speeds: the larger mean share of misses substituted)."""
-    rows = [r for r in res.get("table") or table_rows(res)]
-    by_cfg: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["config"] != "off":
-            by_cfg.setdefault(r["config"], []).append(r)
-    n_settings = len(res["settings"])
-    cands = []
-    for c, rs in by_cfg.items():
-        if len(rs) < n_settings or any(r.get("cost_pct") is None for r in rs):
-            continue
-        worst = max(r["cost_pct"] for r in rs)
-        # llama-perplexity's uncertainty of PPL(Q)/PPL(base) (paired over the same tokens), in percent
-        upper = max(r["cost_pct"] + 2 * 100 * (r.get("ppl_ratio_err") or 0.0) for r in rs)
-        sp = [r["speedup"] for r in rs if r.get("speedup")]
-        gm = math.exp(sum(math.log(x) for x in sp) / len(sp)) if len(sp) == len(rs) else None
-        share = sum(r.get("subst_share") or 0.0 for r in rs) / len(rs)
-        kld = sum(r.get("kld") or 0.0 for r in rs) / len(rs)
-        cands.append({"config": c, "worst_cost_pct": worst, "worst_cost_upper_pct": upper, "speedup_geomean": gm,
-                      "subst_share_mean": share, "kld_mean": kld, "qualifies": worst < max_cost_pct,
-                      "qualifies_2sigma": upper < max_cost_pct})
-    def rank(lst):
-        return sorted(lst, key=lambda c: (-(c["speedup_geomean"] or 0.0), -c["subst_share_mean"]))
-    ok = rank([c for c in cands if c["qualifies"]])
-    ok2 = rank([c for c in cands if c["qualifies_2sigma"]])
-    return {"max_cost_pct": max_cost_pct, "best": ok[0]["config"] if ok else None,
-            "best_2sigma": ok2[0]["config"] if ok2 else None, "candidates": cands}
-
-
-def format_table(res: dict) -> str:
-    o = res["options"]
-    rows = res.get("table") or table_rows(res)
-    head = (f"text `{o['text']}`; quality: `-c {o['ctx']}`" + (f" × {o['chunks']} chunks" if o["chunks"] else "")
-            + f" (`-ub 1 -b {o['ctx']}`, `--moe-store {o.get('quality_store', 'file')}`"
-            + (f", model staged in `{o['stage']}`" if o.get("stage") else "")
-            + f", `-t {o.get('threads') or 'default'}`, {o.get('jobs', 1)} at a time); speed: "
-            + f"`-c {o.get('speed_ctx') or o['ctx']}` × {o['speed_chunks']} chunk(s), `--moe-store file` from the "
-            + f"original file, `-t {o.get('speed_threads') or o.get('threads') or 'default'}`, alone")
-    lines = [head, "",
-             "| model | k | slots | config | PPL | PPL cost % | mean KLD | same top | substituted | decode tok/s | "
-             "speed-up | MiB loaded (+ background) | stall ms | bg wait ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(v, fmt):
-        return "–" if v is None else format(v, fmt)
-
-    for r in rows:
-        cost = f(r.get("cost_pct"), "+.2f")
-        if r.get("ppl_ratio_err") is not None and r.get("cost_pct") is not None and r["config"] != "off":
-            cost += f" ± {100 * r['ppl_ratio_err']:.2f}"
-        err = r.get("quality_error") or r.get("speed_error")
-        lines.append(f"| {r['model']} | {r['k']} | {r['slots']}/{r['n_expert']} | `{r['config']}` | {f(r.get('ppl'), '.4f')} "
-                     f"| {cost} | {f(r.get('kld'), '.5f')} | "
-                     f"{f(None if r.get('same_top') is None else 100 * r['same_top'], '.2f')} % | "
-                     f"{f(None if r.get('subst_share') is None else 100 * r['subst_share'], '.1f')} % | "
-                     f"{f(r.get('tok_s'), '.2f')} | {f(r.get('speedup'), '.3f')} | {f(r.get('mib_loaded'), '.0f')}"
-                     + (f" + {r['bg_mib']:.0f}" if r.get("bg_mib") else "") + " | "
-                     + f"{f(r.get('stall_ms'), '.0f')} | {f(r.get('bg_wait_ms'), '.0f')} |"
-                     + (f" failed: {err[:120]}" if err else ""))
-    rec = res.get("recommendation") or recommend(res)
-    lines.append("")
-    if rec["best"]:
-        b = next(c for c in rec["candidates"] if c["config"] == rec["best"])
-        gm = f"{b['speedup_geomean']:.3f}×" if b["speedup_geomean"] else "not measured"
-        lines.append(f"fastest configuration with PPL cost < {rec['max_cost_pct']:g} % at every setting: "
-                     f"`{rec['best']}` (worst cost {b['worst_cost_pct']:+.2f} %, decode speed-up {gm} "
-                     f"(geometric mean), {100 * b['subst_share_mean']:.1f} % of missing pairs substituted)")
-    else:
-        lines.append(f"no configuration has a PPL cost < {rec['max_cost_pct']:g} % at every setting")
-    if rec.get("best_2sigma"):
-        lines.append(f"with the cost's 2-sigma upper bound < {rec['max_cost_pct']:g} % at every setting: "
-                     f"`{rec['best_2sigma']}`")
-    elif "best_2sigma" in rec:
-        lines.append(f"no configuration's cost is below {rec['max_cost_pct']:g} % at 2 sigma at every setting "
-                     "(more tokens would be needed to tell)")
-    lines += ["", "| config | worst PPL cost % | worst cost + 2σ % | mean KLD | speed-up (geo. mean) | "
-              "substituted (mean) |", "|---|---|---|---|---|---|"]
-    for c in sorted(rec["candidates"], key=lambda c: -(c["speedup_geomean"] or 0)):
-        lines.append(f"| `{c['config']}` | {c['worst_cost_pct']:+.2f} | {c['worst_cost_upper_pct']:+.2f} | "
-                     f"{c['kld_mean']:.4f} | {f(c['speedup_geomean'], '.3f')} | {100 * c['subst_share_mean']:.1f} % |")
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: Path, x: str = "tok_s", y: str = "cost_pct") -> Path | None:
-    """Pareto plot: x = decode tok/s (x='tok_s') or share of missing pairs substituted (x='subst_share'),
-    y = PPL cost % against exact with llama-perplexity's 1-sigma bar (y='cost_pct') or mean KLD (y='kld');
-    one panel per setting, one labelled marker per configuration (same colour and marker in every panel),
-    the Pareto front dashed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = res.get("table") or table_rows(res)
-    settings = res["settings"]
-    if not settings:
-        return None
-    n = len(settings)
-    ncol = min(n, 2)
-    nrow = (n + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.6 * nrow), squeeze=False)
-    markers = "osD^v<>pPhX*"
-    colors = plt.get_cmap("tab10").colors
-    cfgs = res["configs"]
-    for ax, s in zip(axes.flat, settings):
-        rs = [r for r in rows if r["setting_key"] == s["key"]]
-        pts = []
-        for r in rs:
-            xv, yv = r.get(x), r.get(y)
-            if x == "subst_share" and xv is not None:
-                xv *= 100
-            if xv is None or yv is None:
-                continue
-            ci = cfgs.index(r["config"]) if r["config"] in cfgs else 0
-            err = 100 * r["ppl_ratio_err"] if y == "cost_pct" and r.get("ppl_ratio_err") else None
-            ax.errorbar([xv], [yv], yerr=None if err is None else [err], fmt=markers[ci % len(markers)],
-                        color=colors[ci % len(colors)], ms=7, elinewidth=0.8, capsize=2, alpha=0.9, zorder=3)
-            ax.annotate(r["config"], (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            pts.append((xv, yv))
-        # Pareto front: more x is better, less y is better
-        front = []
-        for xv, yv in sorted(pts, key=lambda p: (-p[0], p[1])):
-            if not front or yv < front[-1][1]:
-                front.append((xv, yv))
-        if len(front) > 1:
-            fx, fy = zip(*sorted(front))
-            ax.plot(fx, fy, "--", color="grey", lw=0.8, zorder=1)
-        if y == "cost_pct":
-            ax.axhline(1.0, color="red", lw=0.7, ls=":", zorder=0)
-        ax.set_title(f"{Path(s['model']).stem}, k={s['k']}, {s['slots']}/{s['n_expert']} slots", fontsize=10)
-        ax.set_xlabel("decode tok/s (file store)" if x == "tok_s" else "missing pairs substituted (%)")
-        ax.set_ylabel("PPL cost vs exact (%)" if y == "cost_pct" else "mean KLD vs exact")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.suptitle("substitution on a miss: " + ("PPL cost (bars: 1 sigma; red: 1 %)" if y == "cost_pct" else "mean KLD")
-                 + " vs " + ("decode speed" if x == "tok_s" else "misses substituted"), fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def merge(results: list[dict]) -> dict:
-    """One result from several sweeps with the same options (settings and configurations in order of first
-    appearance; runs, references and profiles joined)."""
-    out = {"options": results[0]["options"], "configs": [], "settings": [], "runs": {}, "references": {},
-           "profiles": {}, "build": results[0].get("build"), "merged_from": len(results)}
-    for r in results:
-        for c in r["configs"]:
-            if c not in out["configs"]:
-                out["configs"].append(c)
-        for s in r["settings"]:
-            if s["key"] not in [x["key"] for x in out["settings"]]:
-                out["settings"].append(s)
-        for k in ("runs", "references", "profiles"):
-            out[k].update(r.get(k, {}))
-    out["table"] = table_rows(out)
-    out["recommendation"] = recommend(out)
-    return out
-
-
-def write_outputs(res: dict, out_dir: Path, name: str) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    j = out_dir / f"{name}.json"
-    j.write_text(json.dumps(res, indent=1) + "\n")
-    md = out_dir / f"{name}.md"
-    md.write_text(format_table(res) + "\n")
-    paths = {"json": str(j), "md": str(md)}
-    p = plot(res, out_dir / f"{name}.png", "tok_s")
-    if p:
-        paths["png"] = str(p)
-    p = plot(res, out_dir / f"{name}-avoided.png", "subst_share")
-    if p:
-        paths["png_avoided"] = str(p)
-    p = plot(res, out_dir / f"{name}-kld.png", "tok_s", "kld")
-    if p:
-        paths["png_kld"] = str(p)
-    return paths
-
-
-# --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
 def _cmd_sweep(args) -> int:
@@ -1014,10 +678,12 @@ def register(sub) -> None:
         "substitute-sweep", help="quality vs speed of substitution on a miss (--moe-substitute) on the testbed",
         description="For each MODEL@K x cache fraction x substitution configuration: perplexity, PPL cost and "
         "mean KL divergence against the exact run of the same model at the same k and slot count (decode "
-        "regime: llama-perplexity -ub 1 -b CTX, --moe-store model), and decode speed from a shorter pass with "
-        "the file store (expert reads from the GGUF with O_DIRECT) with its --moe-stats. Writes NAME.json, "
-        "NAME.md and the Pareto plots NAME.png / NAME-avoided.png. Example: pyvis substitute-sweep "
-        "--point shared+16@4 --fraction 0.5 0.75 --config off router router:tae=p50 buddy -c 256 --chunks 16 -t 2",
+        "regime: llama-perplexity -ub 1 -b CTX, file store; --stage /dev/shm copies the model to a tmpfs first), "
+        "and decode speed from a shorter pass, run alone, reading experts from the original GGUF with O_DIRECT, "
+        "with its --moe-stats. Writes NAME.json, NAME.md and the plots NAME.png (PPL cost vs tok/s), "
+        "NAME-avoided.png and NAME-kld.png. See docs/substitution.md. Example: pyvis substitute-sweep "
+        "--point shared+16@4 --fraction 0.5 0.75 --config off router router:tae=p90 buddy -c 256 --chunks 16 "
+        "-t 1 -j 2 --stage /dev/shm/vis-sweep",
         formatter_class=lambda prog: __import__("argparse").HelpFormatter(prog, max_help_position=32))
     s.add_argument("--point", nargs="+", default=DEFAULT_POINTS, metavar="MODEL@K",
                    help="models and top-k: a testbed preset (models/testbed/PRESET.gguf) or a GGUF path, @ the k "
@@ -1027,7 +693,8 @@ def register(sub) -> None:
                    f"(default: {' '.join(map(str, DEFAULT_FRACTIONS))})")
     s.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, metavar="SPEC",
                    help="substitution configurations MODE[:KEY=VALUE,...]; MODE off|router|buddy|auto; keys tae "
-                   "(off|TAU|pN), margin, beta, budget, weight (--moe-sub-weight), wrel (--moe-sub-weight = wrel/k); "
+                   "(off|TAU|pN), margin, beta, budget, rank, weight (--moe-sub-weight), wrel (--moe-sub-weight = "
+                   "wrel/k); "
                    "off is always added (default: " + " ".join(DEFAULT_CONFIGS) + ")")
     s.add_argument("-f", "--file", default="heldout", metavar="TEXT",
                    help="evaluation text: heldout (default), vim-all, or a file")
