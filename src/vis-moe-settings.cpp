@@ -239,25 +239,25 @@ int32_t llama_vis_moe_set_tier_params(const llama_vis_moe_tier_params * params) 
     return set_process(s, G_TIER);
 }
 
-int32_t llama_vis_moe_set_thread_params(const llama_vis_moe_params * params, const llama_vis_moe_tier_params * tier) {
-    vis_clear_last_error();
-    if (!params && !tier) {
-        t_override.reset();
-        return 0;
+// what a new thread override starts from: the thread's own override (if `keep` and it has one), else the
+// process-wide settings; an override is built on the environment, so a bad variable there is an error here
+// too, never skipped.  false with the last error set.
+static bool override_base(vis_moe_settings & s, bool keep) {
+    if (keep && t_override) {
+        s = *t_override;
+        return true;
     }
-    // an override is built on the environment: a bad variable there is an error here too, never skipped
     const env_values ev = read_env();
     if (!ev.error.empty()) {
         vis_set_last_error(ev.error);
-        return -1;
+        return false;
     }
-    vis_moe_settings s = process_settings();
-    if (params) {
-        take_params(s, *params);
-    }
-    if (tier) {
-        s.tier = *tier;
-    }
+    s = process_settings();
+    return true;
+}
+
+// install s as the calling thread's override, after validation
+static int32_t set_override(const vis_moe_settings & s) {
     try {
         vis_moe_settings_validate(s);
     } catch (const std::exception & e) {
@@ -266,6 +266,25 @@ int32_t llama_vis_moe_set_thread_params(const llama_vis_moe_params * params, con
     }
     t_override = std::make_unique<vis_moe_settings>(s);
     return 0;
+}
+
+int32_t llama_vis_moe_set_thread_params(const llama_vis_moe_params * params, const llama_vis_moe_tier_params * tier) {
+    vis_clear_last_error();
+    if (!params && !tier) {
+        t_override.reset();
+        return 0;
+    }
+    vis_moe_settings s;
+    if (!override_base(s, false)) {
+        return -1;
+    }
+    if (params) {
+        take_params(s, *params);
+    }
+    if (tier) {
+        s.tier = *tier;
+    }
+    return set_override(s);
 }
 
 int32_t llama_vis_moe_thread_params_active(void) {
@@ -299,27 +318,10 @@ int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
 int32_t llama_vis_moe_thread_apply(const char * flag, const char * value) {
     vis_clear_last_error();
     vis_moe_settings s;
-    if (t_override) {
-        s = *t_override;
-    } else {
-        const env_values ev = read_env();  // as for set_thread_params: a bad variable is an error here too
-        if (!ev.error.empty()) {
-            vis_set_last_error(ev.error);
-            return -1;
-        }
-        s = process_settings();
-    }
-    if (!apply_flag(s, flag, value)) {
+    if (!override_base(s, true) || !apply_flag(s, flag, value)) {
         return -1;
     }
-    try {
-        vis_moe_settings_validate(s);
-    } catch (const std::exception & e) {
-        vis_set_last_error(e.what());
-        return -1;
-    }
-    t_override = std::make_unique<vis_moe_settings>(s);
-    return 0;
+    return set_override(s);
 }
 
 int32_t llama_vis_moe_n_flags(void) {
