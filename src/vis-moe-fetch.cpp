@@ -80,8 +80,6 @@ void vis_moe_fetcher::worker_main() {
         }
         {
             std::lock_guard<std::mutex> lock(mtx);
-            n_done++;
-            bytes_read += job->error.empty() ? job->bytes : 0;
             in_flight[job->il]--;
             finished.push_back(std::move(job));
         }

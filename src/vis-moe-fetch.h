@@ -34,7 +34,6 @@ struct vis_fetch_job {
     vis_staging_pool::block   staging;      // staged jobs: the packed expert, copied to the slot after the read
     bool        staged = false;
     std::string error;                      // "" = read
-    int64_t     bytes  = 0;
     // asynchronous upload (discrete GPU with events): the worker issues `copies` after the read; `event`
     // completes when they did
     vis_moe_uploader *           upload = nullptr;
@@ -65,9 +64,6 @@ public:
     std::vector<std::unique_ptr<vis_fetch_job>> collect(int il, int64_t & waited_us);
     // jobs of layer il submitted and not collected
     int pending(int il);
-
-    int64_t n_done     = 0;  // jobs finished
-    int64_t bytes_read = 0;
 
 private:
     void worker_main();

@@ -199,7 +199,6 @@ std::unique_ptr<vis_fetch_job> vis_moe_fetch_job(vis_moe_context & vm, vis_moe_l
     job->il     = il;
     job->expert = e;
     job->slot   = s;
-    job->bytes  = L.expert_bytes;
     job->staged = L.bg_staged;
     if (job->staged) {
         job->staging = vm.staging->acquire();
