@@ -82,7 +82,8 @@ uint64_t vis_moe_router_hash(const llama_model & model) {
             continue;
         }
         if (!t->buffer || !t->data) {
-            throw std::runtime_error("vis-moe: router of layer " + std::to_string(il) + " has no data to fingerprint");
+            throw std::runtime_error("vis-moe: router of layer " + std::to_string(il) + " has no data to fingerprint: load the model with its weights "
+                                     "(not a vocab-only or no-alloc load) to check a profile against it");
         }
         if (std::strstr(ggml_backend_buffer_name(t->buffer), "REPACK")) {
             throw std::runtime_error("vis-moe: router of layer " + std::to_string(il) +
@@ -101,7 +102,8 @@ uint64_t vis_moe_router_hash(const llama_model & model) {
         any = true;
     }
     if (!any) {
-        throw std::runtime_error("vis-moe: the model has no routers (ffn_gate_inp) to fingerprint");
+        throw std::runtime_error("vis-moe: the model has no routers (ffn_gate_inp) to fingerprint: profiles are for MoE models; "
+                                 "drop --moe-sub-profile for this one");
     }
     return h;
 }

@@ -325,7 +325,8 @@ static void collect(vis_moe_context & vm, vis_moe_layer & L, int il) {
         L.policy->touch(job->slot);
     }
     if (!error.empty()) {
-        throw vis_io_error("background read of a substituted expert failed: " + error);
+        throw vis_io_error("background read of a substituted expert failed: " + error +
+                           " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
     }
 }
 
