@@ -18,10 +18,7 @@ The routed ids are used (``Trace.ids``), not the executed ones of a run with sub
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,17 +26,13 @@ from typing import Callable
 import numpy as np
 
 from ..runtime import profile as prof
-from ..runtime.trace import Trace, TraceError, load
+from ..runtime.trace import Trace, TraceError
+from .inputs import CalibrationError, add_input_args, check_traces, traces_from_args
 
 DEFAULT_ALPHA = 0.9
 DEFAULT_K_MAX = 8
 DEFAULT_SMOOTHING = 1e-3
-DEFAULT_CTX = 512
 _CHUNK_ROWS = 1 << 14
-
-
-class CalibrationError(ValueError):
-    """Inputs that cannot be calibrated (traces of another model, bad parameters, a failed corpus run)."""
 
 
 # --------------------------------------------------------------------------
@@ -175,20 +168,7 @@ def fit(traces: list[Trace], n_layer: int, n_expert: int, alpha: float = DEFAULT
     k_max = min(int(k_max), max(int(n_expert) - 1, 1))      # no list is longer than the peers of an expert
     if not smoothing >= 0 or not np.isfinite(smoothing):
         raise CalibrationError(f"--smoothing {smoothing}: must be >= 0")
-    if not traces:
-        raise CalibrationError("no routing traces")
-    ks = {t.k for t in traces if len(t)}
-    if len(ks) > 1:
-        raise CalibrationError(f"the traces route different top-k ({sorted(ks)}); calibrate one k at a time")
-    for t in traces:
-        src = t.meta.get("source", "a trace")
-        if t.n_expert != n_expert:
-            raise CalibrationError(f"{src}: {t.n_expert} experts per layer, the model has {n_expert}: "
-                                   "a trace of another model")
-        if len(t) and (t.layer.min() < 0 or t.layer.max() >= n_layer):
-            raise CalibrationError(f"{src}: layer {int(t.layer.max())} is out of range for a model of {n_layer} layers:"
-                                   " a trace of another model")
-    k = ks.pop() if ks else 0
+    k = check_traces(traces, n_layer, n_expert)
     L, E = int(n_layer), int(n_expert)
     C = np.zeros((L, E, E), np.int64)
     A = np.zeros((L, E), np.int64)
@@ -234,90 +214,32 @@ def write(fit_: BuddyFit, out: str | os.PathLike, fingerprint: dict, source: str
 
 
 # --------------------------------------------------------------------------
-# --corpus: a trace from our llama-perplexity
-# --------------------------------------------------------------------------
-def corpus_trace(model: str, text: str, trace_path: Path, ctx: int = DEFAULT_CTX, chunks: int | None = None,
-                 threads: int | None = None, timeout: float | None = None) -> tuple[Path, str]:
-    """Run ``llama-perplexity --moe-trace`` over ``text`` (a file, or a named text of pyvis.testbed.corpus);
-    returns (the text file, its sha256)."""
-    from ..testbed import quality
-    from ..testbed.corpus import CorpusError
-    try:
-        f, sha = quality._text_file(text)
-    except (CorpusError, OSError) as e:
-        raise CalibrationError(f"--corpus {text}: {e}") from e
-    args = quality._base_args(quality.Config(model), ctx, threads, None)
-    args += ["-f", str(f), "--moe-trace", str(trace_path), "--no-warmup"]    # the warm-up decode is not text
-    if chunks:
-        args += ["--chunks", str(chunks)]
-    try:
-        quality._run(args, timeout)
-    except quality.QualityError as e:
-        raise CalibrationError(str(e)) from e
-    return f, sha
-
-
-# --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
-def _log(msg: str) -> None:
-    sys.stderr.write(f"[calibrate] {msg}\n")
-    sys.stderr.flush()
-
-
-def _is_trace(p: Path) -> bool:
-    from ..runtime.trace import MAGIC
-    with open(p, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
-
-
 def _cmd_buddies(args) -> int:
-    from ..assets import sha256_file
     from ..cli import Progress
     from ..testbed.quality import QualityError
-    tmp = None
+    from .inputs import log
     try:
         if not Path(args.model).is_file():
             raise CalibrationError(f"model not found: {args.model}")
         out = Path(args.out)
         prof.check_output_path(out, Path(args.model))     # before minutes of work
         fp = prof.model_fingerprint(args.model)
-        if args.trace:
-            traces = [load(p) for p in args.trace]
-            source = "traces " + ", ".join(f"{p} sha256:{sha256_file(Path(p))}" for p in args.trace)
-        else:
-            if args.trace_out and Path(args.trace_out).exists() and not _is_trace(Path(args.trace_out)):
-                raise CalibrationError(f"--trace-out: refusing to overwrite {args.trace_out}: it exists and is not "
-                                       "a routing trace")
-            tmp = Path(tempfile.mkdtemp(prefix="vis-calibrate-"))
-            tpath = tmp / "corpus.trace"
-            _log(f"llama-perplexity -c {args.ctx}" + (f" --chunks {args.chunks}" if args.chunks else "")
-                 + f" on {args.corpus}, tracing the routing ...")
-            t0 = time.monotonic()
-            f, sha = corpus_trace(args.model, args.corpus, tpath, args.ctx, args.chunks, args.threads)
-            _log(f"traced in {time.monotonic() - t0:.1f} s ({tpath.stat().st_size / (1 << 20):.1f} MiB)")
-            if args.trace_out:
-                shutil.copyfile(tpath, args.trace_out)
-                _log(f"trace saved to {args.trace_out}")
-            traces = [load(tpath)]
-            source = (f"corpus {f} sha256:{sha} (llama-perplexity -c {args.ctx}"
-                      + (f" --chunks {args.chunks}" if args.chunks else "") + ")")
+        traces, source = traces_from_args(args)
         total = sum(len(t) for t in traces)
         r = fit(traces, fp["n_layer"], fp["n_expert"], args.alpha, args.k_max, args.smoothing,
                 progress=Progress("buddies", total, unit="rows", scale=1))
         if r.k_max != args.k_max:
-            _log(f"--k-max {args.k_max}: an expert has only {r.k_max} peers, the lists hold at most {r.k_max}")
+            log(f"--k-max {args.k_max}: an expert has only {r.k_max} peers, the lists hold at most {r.k_max}")
         if not r.rows.any():
             raise CalibrationError("the traces hold no routing records")
         if not r.n_tae.any():
-            _log("warning: the traces hold no gate weights: TAE quantiles are NaN (--moe-sub-tae pN cannot use them)")
+            log("warning: the traces hold no gate weights: TAE quantiles are NaN (--moe-sub-tae pN cannot use them)")
         path = write(r, out, fp, source, model_path=args.model)
     except (CalibrationError, prof.ProfileError, TraceError, QualityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     print(r.summary())
     print(f"\nwrote {path} (router hash {fp['router_hash']:016x})")
     return 0
@@ -330,23 +252,11 @@ def register(sub) -> None:
                        "traces (--trace) or from a text run through llama-perplexity --moe-trace (--corpus): "
                        "per MoE layer, the buddy list of every expert (co-activation, cumulative frequency "
                        "threshold) and the percentiles of the token routing entropy (TAE).")
-    s.add_argument("-m", "--model", required=True, metavar="FNAME", help="MoE GGUF the profile is for")
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", action="append", metavar="FNAME",
-                     help="routing trace of this model (--moe-trace file or .npz); repeat for several")
-    src.add_argument("--corpus", metavar="FNAME", help="text to run through llama-perplexity with --moe-trace "
-                     "(a file, or a named text: calibration, heldout, vim-all)")
-    s.add_argument("-o", "--out", required=True, metavar="FNAME", help="profile to write (never a model or another "
-                   "existing file that is not a profile)")
+    add_input_args(s, "profile")
     s.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, metavar="A",
                    help=f"CFT coverage: buddies cover this share of q(.|i) (default: {DEFAULT_ALPHA})")
     s.add_argument("--k-max", type=int, default=DEFAULT_K_MAX, metavar="N",
                    help=f"at most N buddies per expert (default: {DEFAULT_K_MAX})")
     s.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING, metavar="EPS",
                    help=f"Laplace smoothing added to each co-activation count (default: {DEFAULT_SMOOTHING:g})")
-    s.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX, metavar="N",
-                   help=f"--corpus: context size of the llama-perplexity run (default: {DEFAULT_CTX})")
-    s.add_argument("--chunks", type=int, metavar="N", help="--corpus: use this many chunks (default: all)")
-    s.add_argument("-t", "--threads", type=int, metavar="N", help="--corpus: CPU threads (default: up to 8)")
-    s.add_argument("--trace-out", metavar="FNAME", help="--corpus: keep the trace of the run here")
     s.set_defaults(fn=_cmd_buddies)

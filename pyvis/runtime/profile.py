@@ -13,8 +13,10 @@ A profile is a GGUF file with no model weights, written by ``pyvis calibrate bud
 * :func:`model_fingerprint`: architecture, layer count, expert count, top-k and router hash of a model GGUF;
 * :func:`write_buddy_profile` / :func:`read_buddy_profile`: the file itself (key and tensor names below).
 
-Every way a profile can be wrong raises :class:`ProfileError` with the file's name and the fix.  The writer never
-replaces a model or any other file that is not a profile.
+Every kind of profile (``vis.profile.kind``: ``buddies`` here, ``predictor`` in :mod:`pyvis.runtime.predict_profile`)
+carries the same fingerprint keys, written by :func:`start_profile` and checked by :func:`open_profile` and
+:func:`check_model`.  Every way a profile can be wrong raises :class:`ProfileError` with the file's name and the fix.
+The writer never replaces a model or any other file that is not a profile.
 """
 from __future__ import annotations
 
@@ -41,7 +43,14 @@ K_ALPHA, K_KMAX, K_SMOOTH = "vis.buddy.alpha", "vis.buddy.k_max", "vis.buddy.smo
 T_IDS, T_Q, T_TAE, T_FREQ = "buddy.ids", "buddy.q", "tae.quantiles", "expert.freq"
 
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
-_FIX = "re-run `pyvis calibrate buddies -m MODEL ... --out {path}` for this model"
+# the fingerprint and provenance keys every kind carries, with their Python types
+COMMON_KEYS = ((K_ARCH, str), (K_NLAYER, int), (K_NEXPERT, int), (K_HASH, str), (K_K, int), (K_NTOK, int),
+               (K_SOURCE, str))
+
+
+def fix_for(kind: str, path) -> str:
+    """The fix a ProfileError names: re-run the calibration of that kind."""
+    return f"re-run `pyvis calibrate {kind} -m MODEL ... --out {path}` for this model"
 
 
 class ProfileError(ValueError):
@@ -167,14 +176,49 @@ def check_output_path(out: Path, model_path: Path | None) -> None:
                            "(a model?); give another --out")
 
 
+def start_profile(path: str | os.PathLike, fingerprint: dict, kind: str, version: int, k: int, n_tokens: int,
+                  source: str, model_path: str | os.PathLike | None = None):
+    """A GGUFWriter on ``PATH.part`` holding the kind, version, fingerprint and provenance keys; add the kind's keys
+    and tensors, then :func:`finish_profile`.  Refuses ``model_path`` and any file that is not a vis profile."""
+    import gguf
+    out = Path(path)
+    check_output_path(out, Path(model_path) if model_path else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), PROFILE_ARCH)
+    w.add_string(K_KIND, kind)
+    w.add_uint32(K_VERSION, int(version))
+    w.add_string(K_ARCH, str(fingerprint["arch"]))
+    w.add_uint32(K_NLAYER, int(fingerprint["n_layer"]))
+    w.add_uint32(K_NEXPERT, int(fingerprint["n_expert"]))
+    w.add_string(K_HASH, f"{int(fingerprint['router_hash']) & MASK64:016x}")
+    w.add_uint32(K_K, int(k))
+    w.add_uint64(K_NTOK, int(n_tokens))
+    w.add_string(K_SOURCE, str(source))
+    return w
+
+
+def finish_profile(w, path: str | os.PathLike) -> Path:
+    """Write what :func:`start_profile` began and move it over ``path`` (atomically)."""
+    out = Path(path)
+    tmp = out.with_name(out.name + ".part")
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
 def write_buddy_profile(path: str | os.PathLike, fingerprint: dict, ids, q, tae_quantiles, alpha: float, k_max: int,
                         k: int, n_tokens: int, source: str, *, freq=None, smoothing: float | None = None,
                         model_path: str | os.PathLike | None = None) -> Path:
     """Write a buddies profile (atomically: ``PATH.part``, then rename).  Refuses to replace ``model_path``, any
     non-profile file, or a GGUF that is not a vis profile."""
-    import gguf
-    out = Path(path)
-    check_output_path(out, Path(model_path) if model_path else None)
     L, E = int(fingerprint["n_layer"]), int(fingerprint["n_expert"])
     if not 1 <= k_max <= E:
         raise ProfileError(f"k_max {k_max}: must be in 1..{E} (the model's expert count)")
@@ -190,18 +234,7 @@ def write_buddy_profile(path: str | os.PathLike, fingerprint: dict, ids, q, tae_
         freq = np.ascontiguousarray(freq, np.float32)
         if freq.shape != (L, E):
             raise ProfileError(f"{T_FREQ}: shape {freq.shape}, expected {(L, E)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), PROFILE_ARCH)
-    w.add_string(K_KIND, KIND)
-    w.add_uint32(K_VERSION, VERSION)
-    w.add_string(K_ARCH, str(fingerprint["arch"]))
-    w.add_uint32(K_NLAYER, L)
-    w.add_uint32(K_NEXPERT, E)
-    w.add_string(K_HASH, f"{int(fingerprint['router_hash']) & MASK64:016x}")
-    w.add_uint32(K_K, int(k))
-    w.add_uint64(K_NTOK, int(n_tokens))
-    w.add_string(K_SOURCE, str(source))
+    w = start_profile(path, fingerprint, KIND, VERSION, k, n_tokens, source, model_path)
     w.add_float32(K_ALPHA, float(alpha))
     w.add_uint32(K_KMAX, int(k_max))
     if smoothing is not None:
@@ -211,59 +244,64 @@ def write_buddy_profile(path: str | os.PathLike, fingerprint: dict, ids, q, tae_
     w.add_tensor(T_TAE, tae)
     if freq is not None:
         w.add_tensor(T_FREQ, freq)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out
+    return finish_profile(w, path)
 
 
-def _tensor(r, name: str, dtype, shape: tuple, path: Path, required: bool = True):
+def profile_tensor(r, name: str, dtype, shape: tuple, path: Path, required: bool = True, kind: str = KIND):
+    """Tensor ``name`` of an open profile as a numpy copy of ``dtype`` and ``shape`` (None if optional and absent)."""
     t = next((t for t in r.tensors if t.name == name), None)
     if t is None:
         if required:
-            raise ProfileError(f"{path}: tensor {name} is missing; {_FIX.format(path=path)}")
+            raise ProfileError(f"{path}: tensor {name} is missing; {fix_for(kind, path)}")
         return None
     a = np.asarray(t.data)
     if a.dtype != dtype or a.shape != shape:
         raise ProfileError(f"{path}: tensor {name} is {a.dtype} {a.shape}, expected {np.dtype(dtype)} {shape}; "
-                           + _FIX.format(path=path))
+                           + fix_for(kind, path))
     return np.array(a)
 
 
-def read_buddy_profile(path: str | os.PathLike, model_path: str | os.PathLike | None = None) -> BuddyProfile:
-    """Read and check a buddies profile; with ``model_path``, also check it was calibrated for that model."""
+def open_profile(path: str | os.PathLike, kind: str, version: int, keys: tuple = ()) -> tuple:
+    """``(reader, meta)`` of a profile of ``kind``: checks the file, kind, version, the common keys and ``keys``
+    (``(name, type)`` pairs of the kind's own required keys); ``meta`` maps each key to its value."""
     p = Path(path)
-    fix = _FIX.format(path=p)
+    fix = fix_for(kind, p)
     r = _reader(p, "profile")
-    kind, version = _field(r, K_KIND), _field(r, K_VERSION)
-    if kind is None:
+    got, ver = _field(r, K_KIND), _field(r, K_VERSION)
+    if got is None:
         raise ProfileError(f"{p}: a GGUF without {K_KIND}: not a vis profile (a model file?); {fix}")
-    if kind != KIND:
-        raise ProfileError(f"{p}: a {kind!r} profile, not a {KIND!r} one ({K_KIND}); {fix}")
-    if version != VERSION:
-        raise ProfileError(f"{p}: profile version {version} is not supported (expected {VERSION}); {fix}")
+    if got != kind:
+        raise ProfileError(f"{p}: a {got!r} profile, not a {kind!r} one ({K_KIND}); {fix}")
+    if ver != version:
+        raise ProfileError(f"{p}: profile version {ver} is not supported (expected {version}); {fix}")
     meta = {}
-    for key, typ in ((K_ARCH, str), (K_NLAYER, int), (K_NEXPERT, int), (K_HASH, str), (K_K, int), (K_NTOK, int),
-                     (K_SOURCE, str), (K_ALPHA, float), (K_KMAX, int)):
+    for key, typ in COMMON_KEYS + tuple(keys):
         v = _field(r, key)
         if v is None or not isinstance(v, (str if typ is str else (int, float))):
             raise ProfileError(f"{p}: key {key} is missing or has the wrong type; {fix}")
         meta[key] = typ(v)
     if not re.fullmatch(r"[0-9a-f]{16}", meta[K_HASH]):
         raise ProfileError(f"{p}: {K_HASH} = {meta[K_HASH]!r} is not 16 lowercase hex digits; {fix}")
+    return r, meta
+
+
+def optional_key(r, key: str):
+    """The value of an optional key of an open profile (None if absent)."""
+    return _field(r, key)
+
+
+def read_buddy_profile(path: str | os.PathLike, model_path: str | os.PathLike | None = None) -> BuddyProfile:
+    """Read and check a buddies profile; with ``model_path``, also check it was calibrated for that model."""
+    p = Path(path)
+    fix = fix_for(KIND, p)
+    r, meta = open_profile(p, KIND, VERSION, ((K_ALPHA, float), (K_KMAX, int)))
     L, E, kmax = meta[K_NLAYER], meta[K_NEXPERT], meta[K_KMAX]
     if not 1 <= kmax <= E:
         raise ProfileError(f"{p}: {K_KMAX} = {kmax} is outside 1..{E}; {fix}")
-    ids = _tensor(r, T_IDS, np.int32, (L, E, kmax), p)
-    q = _tensor(r, T_Q, np.float32, (L, E, kmax), p)
-    tae = _tensor(r, T_TAE, np.float64, (L, N_QUANTILES), p)
-    freq = _tensor(r, T_FREQ, np.float32, (L, E), p, required=False)
+    ids = profile_tensor(r, T_IDS, np.int32, (L, E, kmax), p)
+    q = profile_tensor(r, T_Q, np.float32, (L, E, kmax), p)
+    tae = profile_tensor(r, T_TAE, np.float64, (L, N_QUANTILES), p)
+    freq = profile_tensor(r, T_FREQ, np.float32, (L, E), p, required=False)
     smooth = _field(r, K_SMOOTH)
     del r
     if ids.size and (ids.min() < -1 or ids.max() >= E):
@@ -277,8 +315,9 @@ def read_buddy_profile(path: str | os.PathLike, model_path: str | os.PathLike | 
     return prof
 
 
-def check_model(prof: BuddyProfile, model_path: str | os.PathLike) -> None:
-    """Raise ProfileError naming every fingerprint field where the profile and the model differ."""
+def check_model(prof, model_path: str | os.PathLike, kind: str = KIND) -> None:
+    """Raise ProfileError naming every fingerprint field where a profile (anything with ``path, arch, n_layer,
+    n_expert, router_hash``) and the model differ."""
     fp = model_fingerprint(model_path)
     diffs = [f"{name}: profile {a}, model {b}" for name, a, b in
              (("architecture", prof.arch, fp["arch"]), ("n_layer", prof.n_layer, fp["n_layer"]),
@@ -286,4 +325,4 @@ def check_model(prof: BuddyProfile, model_path: str | os.PathLike) -> None:
               ("router_hash", f"{prof.router_hash:016x}", f"{fp['router_hash']:016x}")) if a != b]
     if diffs:
         raise ProfileError(f"{prof.path} was calibrated for another model than {model_path} ({'; '.join(diffs)}); "
-                           + _FIX.format(path=prof.path))
+                           + fix_for(kind, prof.path))

@@ -11,8 +11,8 @@ each of ``T`` tokens selected at each of ``L`` MoE layers.  Definitions (``S_l(t
   (j != i).  ``n80(i)`` = fewest peers whose ``c_ij`` (largest first) cover >= 80 % of ``sum_j c_ij``.
   Reported: mean over experts per layer; uniform routing gives ``ceil(0.8 (E-1))``.
 * **reuse**: mean over t >= 1 of ``|S_l(t) & S_l(t-1)| / k``; random routing gives ``k/E``.
-* **cross-layer recall@B** (distance d): a table ``C[i, j]`` = tokens with i in ``S_l`` and j in
-  ``S_{l+d}`` is counted on the first ``train_frac`` of the tokens; for each later token the B experts
+* **cross-layer recall@B** (distance d; the counting and ranking of :mod:`pyvis.runtime.predict`): a table
+  ``C[i, j]`` = tokens with i in ``S_l`` and j in ``S_{l+d}`` is counted on the first ``train_frac`` of the tokens; for each later token the B experts
   with the largest ``sum_{i in S_l(t)} C[i, j]`` (ties: lower id) are predicted, and recall is
   ``|pred & S_{l+d}(t)| / k``.  Baseline: the B most used experts of layer l+d in the same train part.
   ``train_frac=None`` fits and evaluates on all tokens.
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime import predict
 from ..runtime.cachesim import belady_misses, lru_misses, token_requests
+from ..runtime.predict import default_budgets
 from ..runtime.trace import Trace, TraceError, load
 from .collect import collect
 
@@ -97,10 +99,7 @@ def coactivation_n80(tr: Trace, cover: float = 0.8) -> dict:
 
 def _masks(tr: Trace, l: int) -> np.ndarray:
     """[T, E]: did token t select expert e at layer row l."""
-    ids = _ids(tr)[l]
-    M = np.zeros((ids.shape[0], tr.n_expert), bool)
-    np.put_along_axis(M, ids.astype(np.int64), True, axis=1)
-    return M
+    return predict.masks(_ids(tr)[l], tr.n_expert)
 
 
 def reuse(tr: Trace) -> list[float]:
@@ -117,30 +116,25 @@ def reuse(tr: Trace) -> list[float]:
 
 def cross_layer_recall(tr: Trace, budgets: list[int], distance: int = 1,
                        train_frac: float | None = 0.5) -> dict:
-    """recall@B of layer l+d's experts predicted from layer l's via a co-occurrence table."""
-    (L, T, k), E = _ids(tr).shape, tr.n_expert
+    """recall@B of layer l+d's experts predicted from layer l's via a co-occurrence table (the raw counts of
+    :mod:`pyvis.runtime.predict`, ties to the lower id)."""
+    ids, (L, T, k), E = _ids(tr), _ids(tr).shape, tr.n_expert
     if train_frac is None:
         tr_sl, ev_sl = slice(0, T), slice(0, T)
     else:
         cut = int(round(T * train_frac))
         tr_sl, ev_sl = slice(0, cut), slice(cut, T)
+    rows = np.arange(L)                       # d counts rows of the matrix view (the traced MoE layers)
+    c = predict.count([(ids[:, tr_sl], rows)], L, E, distance)
     res = {B: [] for B in budgets}
     base = {B: [] for B in budgets}
     for l in range(L - distance):
-        A, Bm = _masks(tr, l), _masks(tr, l + distance)
-        C = A[tr_sl].astype(np.int64).T @ Bm[tr_sl].astype(np.int64)           # [E, E]
-        score = A[ev_sl].astype(np.int64) @ C                                     # [T_ev, E]
-        order = np.argsort(-score, axis=1, kind="stable")
-        freq_order = np.argsort(-Bm[tr_sl].sum(0), kind="stable")
-        truth = Bm[ev_sl]
+        order = predict.rank(predict.coact_scores(predict.masks(ids[l, ev_sl], E), c.coact[distance - 1, l]))
+        freq_order = predict.rank(c.use[l + distance][None, :])
+        truth = predict.masks(ids[l + distance, ev_sl], E)
         for B in budgets:
-            b = min(B, E)
-            pred = np.zeros_like(truth)
-            np.put_along_axis(pred, order[:, :b], True, axis=1)
-            res[B].append(float((pred & truth).sum(1).mean() / k))
-            fp = np.zeros(E, bool)
-            fp[freq_order[:b]] = True
-            base[B].append(float((truth & fp[None, :]).sum(1).mean() / k))
+            res[B].append(float(predict.hits(predict.top(order, B), truth).mean() / k))
+            base[B].append(float(predict.hits(predict.top(freq_order, B), truth).mean() / k))
     return {"distance": distance, "train_frac": train_frac,
             "recall": {str(B): v for B, v in res.items()}, "baseline_frequency": {str(B): v for B, v in base.items()}}
 
@@ -181,11 +175,6 @@ def miss_curves(tr: Trace, sizes: list[int] | None = None, max_tokens: int | Non
         cold[l] = len(np.unique(ids[l, :T])) / (T * k)
     return {"sizes": sizes, "tokens": T, "lru": lru.tolist(), "belady": bel.tolist(),
             "lru_mean": lru.mean(0).tolist(), "belady_mean": bel.mean(0).tolist(), "cold_mean": float(cold.mean())}
-
-
-def default_budgets(k: int, E: int) -> list[int]:
-    """k, and a quarter and a half of the way from k to E (recall@E is trivially 1)."""
-    return sorted({k, min(E, k + max(1, (E - k) // 4)), min(E, k + max(1, (E - k) // 2))})
 
 
 def default_cache_sizes(k: int, E: int, max_points: int = 9) -> list[int]:
