@@ -2,6 +2,8 @@
 
     buddies    buddy lists and TAE quantiles for --moe-substitute buddy / --moe-sub-tae pN
                (pyvis.calibrate.buddies; format: pyvis.runtime.profile, docs/substitution.md)
+    predictor  co-activation tables for --moe-predict coact, with held-out recall / precision / bytes wasted
+               (pyvis.calibrate.predictor; format: pyvis.runtime.predict_profile, docs/prediction.md)
 
 A new kind of calibration is a module with ``register(sub)`` that adds its parser to ``sub`` (the subparsers of
 ``pyvis calibrate``) and sets ``fn``; list it in :data:`SUBCOMMANDS`.  ``pyvis report-buddies`` (the buddy graph
@@ -11,12 +13,12 @@ from __future__ import annotations
 
 import importlib
 
-SUBCOMMANDS = ("buddies",)    # modules of this package, in help order
+SUBCOMMANDS = ("buddies", "predictor")    # modules of this package, in help order
 
 
 def register(sub) -> None:
     """``pyvis calibrate`` and its subcommands (``sub``: the top-level subparsers of ``pyvis``)."""
-    p = sub.add_parser("calibrate", help="offline calibration files for the runtime (buddy profiles, ...)",
+    p = sub.add_parser("calibrate", help="offline calibration files for the runtime (buddy and predictor profiles)",
                        description="Fit the files that the runtime's lossy options read. "
                        "Run `pyvis calibrate WHAT --help` for one kind's options.")
     what = p.add_subparsers(dest="calibrate_cmd", metavar="WHAT")

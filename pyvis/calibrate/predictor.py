@@ -1,0 +1,230 @@
+"""Predictor calibration (``pyvis calibrate predictor``): the co-activation tables that ``--moe-predict coact`` reads
+(docs/prediction.md, issue #16), and their held-out accuracy against the frequency baseline.
+
+Input: routing traces (``--trace``) or a text run through our ``llama-perplexity --moe-trace`` (``--corpus``), as for
+``pyvis calibrate buddies`` (:mod:`pyvis.calibrate.inputs`).  The counting, the predictors and the metrics are
+:mod:`pyvis.runtime.predict`'s; the file is :mod:`pyvis.runtime.predict_profile`'s.
+
+Evaluation is always on routing the tables did not see: ``--eval-trace`` files, an ``--eval-corpus`` run, or else the
+last ``--holdout`` share of each calibration trace's tokens (the profile is then fitted on the rest only).  Reported per
+predictor (frequency, coact), per source layer l and distance d = 1..W: recall@B, precision@B and the bytes of the
+experts predicted but not used (expert bytes from the model GGUF), and the VisMMOE decayed-target recall.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import predict
+from ..runtime import profile as prof
+from ..runtime.predict_profile import write_predictor_profile
+from ..runtime.trace import Trace, TraceError
+from .inputs import CalibrationError, add_input_args, check_traces, traces_from_args, traces_from_corpus, \
+    traces_from_files
+
+DEFAULT_HOLDOUT = 0.2
+_CHUNK = 4096
+
+
+# --------------------------------------------------------------------------
+# fit and evaluate
+# --------------------------------------------------------------------------
+def routes_of(traces: list[Trace]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids [Lr, T, k], layers [Lr])`` of each trace (the layers that routed every token)."""
+    return [t.routes() for t in traces if len(t)]
+
+
+def split(routes: list, holdout: float) -> tuple[list, list]:
+    """The first ``1 - holdout`` of each trace's tokens to fit, the rest to evaluate."""
+    if not 0 < holdout < 1:
+        raise CalibrationError(f"--holdout {holdout}: must be in (0, 1)")
+    fit_, ev = [], []
+    for ids, layers in routes:
+        cut = int(round(ids.shape[1] * (1 - holdout)))
+        if cut < 1 or cut >= ids.shape[1]:
+            raise CalibrationError(f"--holdout {holdout}: a trace of {ids.shape[1]} tokens leaves nothing to "
+                                   "fit or to evaluate")
+        fit_.append((ids[:, :cut], layers))
+        ev.append((ids[:, cut:], layers))
+    return fit_, ev
+
+
+def fit(routes: list, n_layer: int, n_expert: int, lookahead: int = predict.DEFAULT_LOOKAHEAD,
+        progress=None) -> predict.Counts:
+    """The counts of :mod:`pyvis.runtime.predict` over ``routes``, with a progress callback over tokens."""
+    c = predict.Counts.empty(n_layer, n_expert, lookahead)
+    total, done = sum(ids.shape[1] for ids, _ in routes), 0
+    for ids, layers in routes:
+        for s in range(0, ids.shape[1], _CHUNK):
+            c.add(ids[:, s: s + _CHUNK], layers)
+            done += min(_CHUNK, ids.shape[1] - s)
+            if progress:
+                progress(done, total)
+    return c
+
+
+def expert_bytes(model_path: str, n_layer: int) -> np.ndarray:
+    """``[n_layer]`` bytes of one expert of each layer (0 for layers without experts), from the GGUF header."""
+    from ..runtime.plan import read_shape
+    eb = np.zeros(n_layer)
+    for il, nb in read_shape(model_path).expert_bytes.items():
+        if il < n_layer:
+            eb[il] = nb
+    return eb
+
+
+# --------------------------------------------------------------------------
+# text output
+# --------------------------------------------------------------------------
+def _m(v) -> float:
+    a = np.asarray(v, float)
+    return float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")
+
+
+def _sum(v) -> float:
+    a = np.asarray(v, float)
+    return float(np.nansum(a))
+
+
+def format_eval(r: dict) -> str:
+    """The summary (means over source layers) and, at B = k, the per-layer recall of every predictor and distance."""
+    W, k, preds = r["lookahead"], r["k"], [p for p in predict.PREDICTORS if p in r]
+    out = [f"held-out accuracy: {r['tokens']} tokens, top-{k}, lookahead {W}, gamma {r['gamma']:g} "
+           f"(means over the {len(r['layers'])} source layers)",
+           "predictor   d        B  recall  precision  wasted MiB/token (all layers)"]
+    for p in preds:
+        for d in [f"d{i}" for i in range(1, W + 1)] + ["decayed"]:
+            for B in r["budgets"]:
+                x = r[p][d]
+                rec = _m(x["recall"][str(B)])
+                if d == "decayed":
+                    out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}")
+                    continue
+                out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}  {_m(x['precision'][str(B)]):9.3f}  "
+                           f"{_sum(x['wasted_bytes'][str(B)]) / (1 << 20):9.2f}")
+    ds = [f"d{i}" for i in range(1, W + 1)] + ["decayed"]
+    out += ["", f"recall@{k} per source layer l (target l+d)",
+            "layer  " + "  ".join(f"{p[:5]}:{d:7s}" for p in preds for d in ds)]
+    for a, il in enumerate(r["layers"]):
+        out.append(f"{il:5d}  " + "  ".join(f"{r[p][d]['recall'][str(k)][a]:13.3f}" for p in preds for d in ds))
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+def _eval_routes(args, traces: list[Trace], n_layer: int, n_expert: int) -> tuple[list, list, str]:
+    """``(fit routes, eval routes, what was evaluated on)``; the evaluation routing is checked like the calibration."""
+    fit_routes = routes_of(traces)
+    if args.eval_trace or args.eval_corpus:
+        if args.eval_trace:
+            ev, src = traces_from_files(args.eval_trace)
+        else:
+            ev, src = traces_from_corpus(args.model, args.eval_corpus, args.ctx, args.chunks, args.threads,
+                                         args.eval_trace_out)
+        ev_k, k = check_traces(ev, n_layer, n_expert), check_traces(traces, n_layer, n_expert)
+        if ev_k != k:
+            raise CalibrationError(f"the evaluation routes top-{ev_k}, the calibration top-{k}")
+        return fit_routes, routes_of(ev), src
+    if args.holdout == 0:
+        return fit_routes, [], ""
+    f, e = split(fit_routes, args.holdout)
+    return f, e, f"the last {args.holdout:g} of the calibration tokens"
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _cmd_predictor(args) -> int:
+    from ..cli import Progress
+    from ..testbed.quality import QualityError
+    from .inputs import log
+    try:
+        if not Path(args.model).is_file():
+            raise CalibrationError(f"model not found: {args.model}")
+        if args.lookahead < 1:
+            raise CalibrationError(f"--lookahead {args.lookahead}: must be at least 1")
+        if not 0 < args.gamma <= 1:
+            raise CalibrationError(f"--gamma {args.gamma}: must be in (0, 1]")
+        if args.eval_corpus and args.corpus and Path(args.eval_corpus) == Path(args.corpus):
+            raise CalibrationError("--eval-corpus is the calibration text: evaluate on text the tables never saw")
+        out = Path(args.out)
+        prof.check_output_path(out, Path(args.model))     # before minutes of work
+        fp = prof.model_fingerprint(args.model)
+        L, E = fp["n_layer"], fp["n_expert"]
+        traces, source = traces_from_args(args)
+        k = check_traces(traces, L, E)
+        fit_routes, ev_routes, ev_src = _eval_routes(args, traces, L, E)
+        if not fit_routes:
+            raise CalibrationError("the traces hold no routing records")
+        total = sum(ids.shape[1] for ids, _ in fit_routes)
+        counts = fit(fit_routes, L, E, args.lookahead, progress=Progress("predictor", total, unit="tokens", scale=1))
+        source += f" (fitted on {total} tokens" + (f"; evaluated on {ev_src})" if ev_src else ")")
+        path = write_predictor_profile(out, fp, counts.freq(), counts.tables(), k, total, source, args.weighting,
+                                       model_path=args.model)
+        res = None
+        if ev_routes:
+            budgets = args.budgets or predict.default_budgets(k, E)
+            if max(budgets) > E or min(budgets) < 1:
+                raise CalibrationError(f"--budgets: each B must be in 1..{E}")
+            log(f"evaluating on {ev_src} ...")
+            model = predict.Model.from_counts(counts, args.weighting)
+            res = predict.evaluate(model, ev_routes, budgets, gamma=args.gamma,
+                                   expert_bytes=expert_bytes(args.model, L))
+            res |= {"model": str(args.model), "profile": str(path), "weighting": args.weighting,
+                    "calibration": source, "evaluation": ev_src, "fit_tokens": total}
+    except (CalibrationError, predict.PredictError, prof.ProfileError, TraceError, QualityError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"predictor profile: lookahead {args.lookahead}, top-{k} of {E} experts, {total} tokens, "
+          f"weighting {args.weighting}")
+    if res is not None:
+        print(format_eval(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps(_json_safe(res)) + "\n")
+            print(f"\nwrote {args.json}")
+    else:
+        print("(no evaluation: --holdout 0 and no --eval-trace / --eval-corpus)")
+    print(f"\nwrote {path} (router hash {fp['router_hash']:016x})")
+    return 0
+
+
+def register(sub) -> None:
+    """``pyvis calibrate predictor`` (``sub``: the subparsers of ``pyvis calibrate``)."""
+    s = sub.add_parser("predictor", help="co-activation tables for --moe-predict coact, with held-out accuracy",
+                       description="Fit a predictor profile (GGUF sidecar, docs/prediction.md) from routing traces "
+                       "(--trace) or from a text run through llama-perplexity --moe-trace (--corpus): per MoE layer "
+                       "l and distance d = 1..W, how often expert j fires at layer l+d with expert i at l, and each "
+                       "layer's expert frequency; then print recall@B, precision@B and bytes wasted of the "
+                       "co-activation and frequency predictors on held-out routing.")
+    add_input_args(s, "profile")
+    s.add_argument("-W", "--lookahead", type=int, default=predict.DEFAULT_LOOKAHEAD, metavar="W",
+                   help=f"predict layers l+1 .. l+W (default: {predict.DEFAULT_LOOKAHEAD})")
+    s.add_argument("--weighting", choices=predict.WEIGHTINGS, default="conditional",
+                   help="sum the source experts' rows as conditionals P(j|i) (WiSP) or as raw counts "
+                   "(default: conditional)")
+    ev = s.add_mutually_exclusive_group()
+    ev.add_argument("--eval-trace", action="append", metavar="FNAME",
+                    help="evaluate on this routing trace (held-out text); repeat for several")
+    ev.add_argument("--eval-corpus", metavar="FNAME", help="evaluate on this text run through llama-perplexity "
+                    "(e.g. heldout); -c, --chunks, -t apply")
+    ev.add_argument("--holdout", type=float, default=DEFAULT_HOLDOUT, metavar="F",
+                    help=f"without --eval-*: fit on the first 1-F of each trace's tokens, evaluate on the rest; "
+                    f"0 = no evaluation (default: {DEFAULT_HOLDOUT})")
+    s.add_argument("--eval-trace-out", metavar="FNAME", help="--eval-corpus: keep the trace of the run here")
+    s.add_argument("--budgets", type=int, nargs="+", metavar="B",
+                   help="prediction sizes B (default: k, k+(E-k)/4, k+(E-k)/2)")
+    s.add_argument("--gamma", type=float, default=predict.DEFAULT_GAMMA,
+                   help=f"decay of the VisMMOE target over distance (default: {predict.DEFAULT_GAMMA})")
+    s.add_argument("--json", metavar="FNAME", help="also write the evaluation (every number, per layer) here")
+    s.set_defaults(fn=_cmd_predictor)
