@@ -62,8 +62,10 @@ def _cmd_fixtures(args: argparse.Namespace) -> int:
     from . import fixtures as fx
     out = Path(args.out) if args.out else fx.default_dir()
     if args.large:
-        spec = fx.large_preset(n_layer=args.layers, expert_type=args.expert_type, seed=args.seed)
-        path = out / f"{spec.name}-{args.layers}L-{args.expert_type.lower()}.gguf"
+        spec = fx.large_preset(n_layer=args.layers, expert_type=args.expert_type, seed=args.seed,
+                               routing=args.routing)
+        suffix = "" if args.routing == "random" else f"-{args.routing}"
+        path = out / f"{spec.name}-{args.layers}L-{args.expert_type.lower()}{suffix}.gguf"
         plan = fx.tensor_plan(spec)
         total = sum(fx._byte_size(t) for t in plan)
         print(f"writing {path} ({total / (1 << 30):.2f} GiB, {spec.n_layer} layers x {spec.n_expert} experts)",
@@ -134,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", type=int, default=48, help="layers of the --large model (default: 48)")
     s.add_argument("--expert-type", default="Q4_0", choices=["Q4_0", "Q8_0"],
                    help="expert tensor type of the --large model (default: Q4_0)")
+    s.add_argument("--routing", default="random", choices=["random", "shaped"],
+                   help="routing of the --large model: random (plain random weights; sampled text repeats a "
+                   "token, so routing is degenerate) or shaped (routers, attention and norms shaped so that "
+                   "turnover, LRU hit rate and cross-layer recall look like Qwen3-30B-A3B's; "
+                   "pyvis/fixtures/routing.py). Default: random")
     s.set_defaults(fn=_cmd_fixtures)
 
     s = sub.add_parser("generate", help="generate text with a model through the fork (Python bindings)")
