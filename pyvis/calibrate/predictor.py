@@ -84,17 +84,12 @@ def _m(v) -> float:
     return float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")
 
 
-def _sum(v) -> float:
-    a = np.asarray(v, float)
-    return float(np.nansum(a))
-
-
 def format_eval(r: dict) -> str:
     """The summary (means over source layers) and, at B = k, the per-layer recall of every predictor and distance."""
     W, k, preds = r["lookahead"], r["k"], [p for p in predict.PREDICTORS if p in r]
     out = [f"held-out accuracy: {r['tokens']} tokens, top-{k}, lookahead {W}, gamma {r['gamma']:g} "
            f"(means over the {len(r['layers'])} source layers)",
-           "predictor   d        B  recall  precision  wasted MiB/token (all layers)"]
+           "predictor   d        B  recall  precision  wasted KiB per token and layer"]
     for p in preds:
         for d in [f"d{i}" for i in range(1, W + 1)] + ["decayed"]:
             for B in r["budgets"]:
@@ -104,7 +99,7 @@ def format_eval(r: dict) -> str:
                     out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}")
                     continue
                 out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}  {_m(x['precision'][str(B)]):9.3f}  "
-                           f"{_sum(x['wasted_bytes'][str(B)]) / (1 << 20):9.2f}")
+                           f"{_m(x['wasted_bytes'][str(B)]) / 1024:9.1f}")
     ds = [f"d{i}" for i in range(1, W + 1)] + ["decayed"]
     out += ["", f"recall@{k} per source layer l (target l+d)",
             "layer  " + "  ".join(f"{p[:5]}:{d:7s}" for p in preds for d in ds)]
