@@ -254,3 +254,33 @@ def test_calibrate_predictor_cli_errors(tmp_path, capsys, model):
     assert main(["calibrate", "predictor", "-m", str(FIXTURE), "--trace", str(cal), "--out", str(tmp_path / "p"),
                  "--holdout", "1.5"]) == 1
     assert "--holdout 1.5" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
+def test_calibrate_predictor_from_corpora(tmp_path, capsys):
+    """--corpus / --eval-corpus at -k 4: our llama-perplexity writes both traces (needs the native build)."""
+    from pyvis import _paths
+    from pyvis.cli import main
+    from pyvis.runtime.trace import read
+    try:
+        _paths.bin_path("llama-perplexity")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    words = "the expert router selects tokens for each layer of the model and its cache".split()
+    cal, ev = tmp_path / "cal.txt", tmp_path / "ev.txt"
+    cal.write_text(" ".join(words[i % len(words)] if i % 7 else words[(3 * i) % len(words)] for i in range(2500)))
+    ev.write_text(" ".join(words[(5 * i) % len(words)] for i in range(1200)))
+    out = tmp_path / "p.gguf"
+    rc = main(["calibrate", "predictor", "-m", str(FIXTURE), "--corpus", str(cal), "--eval-corpus", str(ev),
+               "-k", "4", "-c", "128", "--chunks", "2", "-t", "2", "--out", str(out), "--trace-out",
+               str(tmp_path / "c.trace"), "--eval-trace-out", str(tmp_path / "e.trace")])
+    o = capsys.readouterr()
+    assert rc == 0, o.err[-3000:]
+    p = pp.read_predictor_profile(out, FIXTURE)
+    t, e = read(tmp_path / "c.trace"), read(tmp_path / "e.trace")
+    assert p.k == 4 == t.k == e.k and p.n_tokens == 256 == len(t.for_layer(0))
+    assert "-c 128 --chunks 2 top-4" in p.source and f"corpus {ev}" in p.source
+    c = pr.count([t.routes()], 3, 32, 3)
+    assert np.allclose(p.coact, c.tables()) and "held-out accuracy: 256 tokens, top-4" in o.out
+    assert main(["calibrate", "predictor", "-m", str(FIXTURE), "--corpus", str(cal), "--eval-corpus", str(cal),
+                 "--out", str(tmp_path / "q.gguf")]) == 1
+    assert "--eval-corpus is the calibration text" in capsys.readouterr().err

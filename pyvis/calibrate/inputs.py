@@ -28,16 +28,16 @@ def is_trace(p: Path) -> bool:
 
 
 def corpus_trace(model: str, text: str, trace_path: Path, ctx: int = DEFAULT_CTX, chunks: int | None = None,
-                 threads: int | None = None, timeout: float | None = None) -> tuple[Path, str]:
-    """Run ``llama-perplexity --moe-trace`` over ``text`` (a file, or a named text of pyvis.testbed.corpus);
-    returns (the text file, its sha256)."""
+                 threads: int | None = None, timeout: float | None = None, k: int | None = None) -> tuple[Path, str]:
+    """Run ``llama-perplexity --moe-trace`` over ``text`` (a file, or a named text of pyvis.testbed.corpus), at top-k
+    ``k`` if given (``--override-kv ARCH.expert_used_count=int:K``); returns (the text file, its sha256)."""
     from ..testbed import quality
     from ..testbed.corpus import CorpusError
     try:
         f, sha = quality._text_file(text)
     except (CorpusError, OSError) as e:
         raise CalibrationError(f"--corpus {text}: {e}") from e
-    args = quality._base_args(quality.Config(model), ctx, threads, None)
+    args = quality._base_args(quality.with_k(model, k), ctx, threads, None)
     args += ["-f", str(f), "--moe-trace", str(trace_path), "--no-warmup"]    # the warm-up decode is not text
     if chunks:
         args += ["--chunks", str(chunks)]
@@ -56,17 +56,17 @@ def traces_from_files(paths: list[str]) -> tuple[list[Trace], str]:
 
 
 def traces_from_corpus(model: str, text: str, ctx: int, chunks: int | None, threads: int | None,
-                       trace_out: str | None = None) -> tuple[list[Trace], str]:
+                       trace_out: str | None = None, k: int | None = None) -> tuple[list[Trace], str]:
     """``(traces, source)`` of a ``--corpus`` run (the trace is kept at ``trace_out`` if given)."""
     if trace_out and Path(trace_out).exists() and not is_trace(Path(trace_out)):
         raise CalibrationError(f"--trace-out: refusing to overwrite {trace_out}: it exists and is not a routing trace")
     tmp = Path(tempfile.mkdtemp(prefix="vis-calibrate-"))
     try:
         tpath = tmp / "corpus.trace"
-        run = f"llama-perplexity -c {ctx}" + (f" --chunks {chunks}" if chunks else "")
+        run = f"llama-perplexity -c {ctx}" + (f" --chunks {chunks}" if chunks else "") + (f" top-{k}" if k else "")
         log(f"{run} on {text}, tracing the routing ...")
         t0 = time.monotonic()
-        f, sha = corpus_trace(model, text, tpath, ctx, chunks, threads)
+        f, sha = corpus_trace(model, text, tpath, ctx, chunks, threads, k=k)
         log(f"traced in {time.monotonic() - t0:.1f} s ({tpath.stat().st_size / (1 << 20):.1f} MiB)")
         if trace_out:
             shutil.copyfile(tpath, trace_out)
@@ -80,7 +80,8 @@ def traces_from_args(args) -> tuple[list[Trace], str]:
     """The calibration routing of a command registered with :func:`add_input_args`."""
     if args.trace:
         return traces_from_files(args.trace)
-    return traces_from_corpus(args.model, args.corpus, args.ctx, args.chunks, args.threads, args.trace_out)
+    return traces_from_corpus(args.model, args.corpus, args.ctx, args.chunks, args.threads, args.trace_out,
+                              args.n_expert_used)
 
 
 def check_traces(traces: list[Trace], n_layer: int, n_expert: int) -> int:
@@ -102,7 +103,8 @@ def check_traces(traces: list[Trace], n_layer: int, n_expert: int) -> int:
 
 
 def add_input_args(s, what: str) -> None:
-    """``-m``, ``--trace`` | ``--corpus``, ``--out``, and the corpus run's ``-c``, ``--chunks``, ``-t``, ``--trace-out``."""
+    """``-m``, ``--trace`` | ``--corpus``, ``--out``, and the corpus run's ``-c``, ``--chunks``, ``-t``, ``-k``,
+    ``--trace-out``."""
     s.add_argument("-m", "--model", required=True, metavar="FNAME", help=f"MoE GGUF the {what} is for")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", action="append", metavar="FNAME",
@@ -115,4 +117,6 @@ def add_input_args(s, what: str) -> None:
                    help=f"corpus runs: context size of llama-perplexity (default: {DEFAULT_CTX})")
     s.add_argument("--chunks", type=int, metavar="N", help="corpus runs: use this many chunks (default: all)")
     s.add_argument("-t", "--threads", type=int, metavar="N", help="corpus runs: CPU threads (default: up to 8)")
+    s.add_argument("-k", "--n-expert-used", type=int, metavar="K", help="corpus runs: route top-K instead of the "
+                   "model's default (--override-kv ARCH.expert_used_count=int:K)")
     s.add_argument("--trace-out", metavar="FNAME", help="--corpus: keep the trace of the run here")

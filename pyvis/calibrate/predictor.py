@@ -119,7 +119,7 @@ def _eval_routes(args, traces: list[Trace], n_layer: int, n_expert: int) -> tupl
             ev, src = traces_from_files(args.eval_trace)
         else:
             ev, src = traces_from_corpus(args.model, args.eval_corpus, args.ctx, args.chunks, args.threads,
-                                         args.eval_trace_out)
+                                         args.eval_trace_out, args.n_expert_used)
         ev_k, k = check_traces(ev, n_layer, n_expert), check_traces(traces, n_layer, n_expert)
         if ev_k != k:
             raise CalibrationError(f"the evaluation routes top-{ev_k}, the calibration top-{k}")
