@@ -179,6 +179,35 @@ struct llama_vis_moe_sub_stats {
 LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, int32_t il,
                                               struct llama_vis_moe_sub_stats * out);
 
+// ---------------------------------------------------------------------------
+// Lookahead prediction and prefetch (exact; src/vis-moe-prefetch.cpp, docs/prediction.md)
+//
+// With --moe-predict next-router|coact|freq|random, layer l predicts the experts of layers l+1 .. l+W
+// (--moe-lookahead) and the best --moe-prefetch-budget of them that are not resident are read in the
+// background into free or expired slots while layer l computes.  Only when bytes arrive changes: outputs are
+// byte-identical with prediction on or off.  Decode steps with the file store.
+// ---------------------------------------------------------------------------
+struct llama_vis_moe_prefetch_stats {
+    int64_t n_steps;        // steps (ubatches) the layer was predicted for
+    int64_t n_predicted;    // experts predicted for the layer from the layer before it (top-B, d = 1)
+    int64_t n_pred_hits;    // ... that the layer then routed (precision = n_pred_hits / n_predicted)
+    int64_t n_routed;       // distinct experts the layer routed in those steps (recall = n_pred_hits / n_routed)
+    int64_t n_issued;       // experts made resident ahead of need (background reads and host-cache copies)
+    int64_t n_used;         // ... that the step they were read for routed
+    int64_t n_wasted;       // ... that it did not route
+    int64_t n_late;         // used ones still being read when the layer needed them (a partial stall)
+    int64_t n_cancelled;    // background reads dropped before they started (the layer came first)
+    int64_t bytes_read;     // bytes read ahead (issued and not cancelled)
+    int64_t bytes_wasted;   // ... of wasted ones
+    int64_t wait_us;        // time the layer waited for reads ahead still in flight
+    int64_t saved_us;       // estimate: used reads at this context's measured read rate, minus wait_us
+    int64_t n_off_steps;    // steps the self-tuning kept the layer's prefetch off (it wasted more than it used)
+    int32_t enabled;        // prefetch is on for the layer now
+};
+// Layer il, or totals with il = -1.  0, or -1 if ctx has no expert cache or il is out of range.
+LLAMA_API int32_t llama_vis_moe_get_prefetch_stats(const struct llama_context * ctx, int32_t il,
+                                                   struct llama_vis_moe_prefetch_stats * out);
+
 // The fingerprint a profile (buddy lists, ...) must match: the routers' bytes, hashed as
 //   h = 0xcbf29ce484222325; for each layer il in order with a router blk.<il>.ffn_gate_inp.weight:
 //     t = nbytes + sum_i (w_i + 1) * (2 i + 1)   over its bytes as little-endian u32 words w_i

@@ -4,6 +4,7 @@
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
+#include "vis-moe-prefetch.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
 #include "vis-moe-upload.h"
@@ -469,6 +470,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     log_summary(s, ap, *vm, (int) hp.n_expert);
     if (s.sub.on() && !hp.no_alloc) {
         vis_moe_substitute_attach(*vm, model, s, ap.any_deferred);  // throws on a bad profile or combination
+    }
+    if (s.predict.on() && !hp.no_alloc) {
+        vis_moe_prefetch_attach(*vm, model, s, ap.any_deferred);
     }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {

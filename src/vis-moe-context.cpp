@@ -3,6 +3,7 @@
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
 
@@ -71,6 +72,9 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
         return;
     }
     vm->ub_decode = ub.n_tokens <= ub.n_seqs_unq;  // one token per sequence
+    if (vm->prefetch) {
+        vm->prefetch->begin_ubatch(vm->ub_decode);
+    }
     if (vm->trace) {
         vm->trace->begin_ubatch(ub);
     }
@@ -98,6 +102,13 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         const std::string err = vm->trace->end_ubatch();
         if (!err.empty()) {
             vm->fail(err);
+        }
+    }
+    if (vm->prefetch) {
+        for (auto & L : vm->layers) {
+            if (L.managed) {
+                L.policy->end_step();  // speculative horizons count down; unused reads ahead go first
+            }
         }
     }
     if (vm->n_managed > 0) {

@@ -32,12 +32,13 @@ struct llama_model;
 struct llama_context;
 class vis_moe_substitute;
 class vis_moe_fetcher;
+class vis_moe_prefetcher;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
 
 // which custom op of a layer's graph (vis-moe-ops.h) a userdata belongs to
-enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP };
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT };
 
 struct vis_moe_context;
 
@@ -144,6 +145,8 @@ struct vis_moe_context {
     // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced
     std::unique_ptr<vis_moe_substitute> sub;
     std::unique_ptr<vis_moe_fetcher>    fetch;
+    // lookahead prediction and prefetch (exact, --moe-predict): reads ahead through `fetch`
+    std::unique_ptr<vis_moe_prefetcher> prefetch;
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
@@ -174,3 +177,4 @@ vis_moe_context * vis_moe_of(const llama_context * lctx);
 void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & out);
 void vis_moe_print_stats(const vis_moe_context & vm);
 void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
+void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);

@@ -1,5 +1,8 @@
 // vis-moe-fetch.cpp - background expert reads (vis-moe-fetch.h).
 #include "vis-moe-fetch.h"
+#include "vis-moe-context.h"
+#include "vis-moe-passes.h"
+#include "vis-moe-transfer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -39,6 +42,35 @@ int vis_moe_fetcher::pending(int il) {
     return n;
 }
 
+std::vector<std::unique_ptr<vis_fetch_job>> vis_moe_fetcher::cancel_queued(int il) {
+    std::vector<std::unique_ptr<vis_fetch_job>> out;
+    std::lock_guard<std::mutex> lock(mtx);
+    for (auto & j : queue) {
+        if (j->il == il && j->speculative) {
+            out.push_back(std::move(j));
+            in_flight[il]--;
+        }
+    }
+    queue.erase(std::remove(queue.begin(), queue.end(), nullptr), queue.end());
+    if (!out.empty()) {
+        cv_done.notify_all();
+    }
+    return out;
+}
+
+void vis_moe_fetcher::demand_begin() {
+    std::lock_guard<std::mutex> lock(mtx);
+    demand++;
+}
+
+void vis_moe_fetcher::demand_end() {
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        demand--;
+    }
+    cv_work.notify_all();
+}
+
 std::vector<std::unique_ptr<vis_fetch_job>> vis_moe_fetcher::collect(int il, int64_t & waited_us) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mtx);
@@ -59,13 +91,15 @@ void vis_moe_fetcher::worker_main() {
         std::unique_ptr<vis_fetch_job> job;
         {
             std::unique_lock<std::mutex> lock(mtx);
-            // on stop, the queue is still drained: a job owns a held slot that the context frees after us
-            cv_work.wait(lock, [&] { return stop || !queue.empty(); });
+            // on stop, the queue is still drained: a job owns a held slot that the context frees after us;
+            // while demand reads run, no job starts (they need the disk now, a job only later)
+            cv_work.wait(lock, [&] { return stop || (!queue.empty() && demand == 0); });
             if (queue.empty()) {
                 return;
             }
             job = std::move(queue.front());
             queue.pop_front();
+            job->started = true;
         }
         try {
             job->reqs.front().src->file->check_unchanged();
@@ -85,4 +119,71 @@ void vis_moe_fetcher::worker_main() {
         }
         cv_done.notify_all();
     }
+}
+
+vis_fetch_result vis_moe_fetch_submit(vis_moe_context & vm, vis_moe_layer & L, int il, int e, bool speculative) {
+    const int s = L.policy->victim();
+    if (s < 0) {
+        return VIS_FETCH_NO_SLOT;
+    }
+    const vis_slot_class c = L.policy->slot_class(s);
+    if (c == vis_slot_class::REQUIRED || (speculative && c == vis_slot_class::SPECULATIVE)) {
+        return VIS_FETCH_NO_SLOT;
+    }
+    vis_moe_evict_slot(vm, L, il, s);
+    std::unique_ptr<vis_fetch_job> job = vis_moe_fetch_job(vm, L, il, e, s);
+    if (!job) {  // served from the host cache (or the model's copy) on the spot
+        L.slot_of[e]   = s;
+        L.expert_of[s] = e;
+        if (speculative) {
+            L.policy->speculate(s, 1);
+        } else {
+            L.policy->touch(s);
+        }
+        return VIS_FETCH_SERVED;
+    }
+    job->speculative = speculative;
+    L.expert_of[s] = e;  // slot_of[e] stays -1 until collected: no id points at the slot meanwhile
+    L.policy->hold(s, true);
+    vm.fetch->submit(std::move(job));
+    return VIS_FETCH_QUEUED;
+}
+
+std::vector<vis_fetch_done> vis_moe_fetch_collect(vis_moe_context & vm, vis_moe_layer & L, int il, int64_t & waited_us) {
+    waited_us = 0;
+    std::vector<vis_fetch_done> done;
+    if (!vm.fetch || vm.fetch->pending(il) == 0) {
+        return done;
+    }
+    for (const auto & job : vm.fetch->cancel_queued(il)) {
+        L.policy->hold(job->slot, false);
+        L.expert_of[job->slot] = -1;
+        L.policy->forget(job->slot);
+        done.push_back({ job->expert, job->slot, true, true });
+    }
+    auto jobs = vm.fetch->collect(il, waited_us);
+    L.stats.load_us += waited_us;  // a late background read is a (partial) stall
+    std::string error;  // the first failure, thrown once every job has released its slot
+    for (const auto & job : jobs) {
+        L.policy->hold(job->slot, false);
+        if (!job->error.empty()) {
+            L.expert_of[job->slot] = -1;
+            L.policy->forget(job->slot);
+            error = error.empty() ? job->error : error;
+            continue;
+        }
+        vis_moe_fetch_finish(L, *job);  // waits for this job's upload only (discrete GPU)
+        L.slot_of[job->expert] = job->slot;
+        if (job->speculative) {
+            L.policy->speculate(job->slot, 1);  // protected through this step; first to go if it is not used
+        } else {
+            L.policy->touch(job->slot);
+        }
+        done.push_back({ job->expert, job->slot, job->speculative, false });
+    }
+    if (!error.empty()) {
+        throw vis_io_error("background expert read failed: " + error +
+                           " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
+    }
+    return done;
 }

@@ -33,6 +33,8 @@ struct vis_fetch_job {
     std::vector<vis_read_req> reqs;         // into the slot, or into `staging`
     vis_staging_pool::block   staging;      // staged jobs: the packed expert, copied to the slot after the read
     bool        staged = false;
+    bool        speculative = false;        // a prefetch (vis-moe-prefetch.h): dropped if not started when its layer runs
+    bool        started     = false;        // the worker took it
     std::string error;                      // "" = read
     // asynchronous upload (discrete GPU with events): the worker issues `copies` after the read; `event`
     // completes when they did
@@ -52,6 +54,18 @@ struct vis_fetch_job {
     }
 };
 
+// background reads of the expert cache: submitting into a victim slot and collecting before a layer plans
+struct vis_moe_context;
+struct vis_moe_layer;
+
+// what vis_moe_fetch_collect did with one background read of the layer
+struct vis_fetch_done {
+    int  expert;
+    int  slot;
+    bool speculative;
+    bool cancelled;   // speculative and not started: its slot was released, nothing was read
+};
+
 class vis_moe_fetcher {
 public:
     explicit vis_moe_fetcher(int direct_io);
@@ -64,6 +78,12 @@ public:
     std::vector<std::unique_ptr<vis_fetch_job>> collect(int il, int64_t & waited_us);
     // jobs of layer il submitted and not collected
     int pending(int il);
+    // the speculative jobs of layer il the worker has not started: taken out of the queue, for the caller to
+    // release their slots
+    std::vector<std::unique_ptr<vis_fetch_job>> cancel_queued(int il);
+    // demand reads run (vis_moe_fill_slots): the worker starts no job meanwhile, so they get the disk
+    void demand_begin();
+    void demand_end();
 
 private:
     void worker_main();
@@ -74,6 +94,28 @@ private:
     std::deque<std::unique_ptr<vis_fetch_job>>  queue;
     std::vector<std::unique_ptr<vis_fetch_job>> finished;
     std::vector<int> in_flight;  // per layer: submitted, not finished
+    int  demand = 0;             // demand reads running
     bool stop = false;
     std::thread worker;
+};
+
+// Read expert e of layer il in the background into the policy's victim slot (evicted first), held until
+// collected: VIS_FETCH_QUEUED.  A read the host cache or the model's copy can serve is done on the spot:
+// VIS_FETCH_SERVED.  VIS_FETCH_NO_SLOT when every slot is Required (the running pass uses them all) or, for
+// speculative reads, when the victim is Speculative (a prediction never evicts a protected one).  Compute thread.
+enum vis_fetch_result { VIS_FETCH_NO_SLOT = 0, VIS_FETCH_SERVED, VIS_FETCH_QUEUED };
+vis_fetch_result vis_moe_fetch_submit(vis_moe_context & vm, vis_moe_layer & L, int il, int e, bool speculative);
+
+// Before layer il plans its ubatch: speculative reads not started are dropped (their slots released); the others are
+// waited for (the wait counts as the layer's stall) and their slots become resident.  Throws vis_io_error after
+// releasing every slot when a read failed.  waited_us: how long it waited.  Compute thread.
+std::vector<vis_fetch_done> vis_moe_fetch_collect(vis_moe_context & vm, vis_moe_layer & L, int il, int64_t & waited_us);
+
+// RAII: demand reads of a pass are running (the background worker starts no new job)
+struct vis_fetch_demand {
+    vis_moe_fetcher * f;
+    explicit vis_fetch_demand(vis_moe_fetcher * f_) : f(f_) { if (f) f->demand_begin(); }
+    ~vis_fetch_demand() { if (f) f->demand_end(); }
+    vis_fetch_demand(const vis_fetch_demand &) = delete;
+    vis_fetch_demand & operator=(const vis_fetch_demand &) = delete;
 };

@@ -4,15 +4,22 @@
 #include "vis-moe-context.h"
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
+#include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
 
 #include <algorithm>
+
+#include "llama-model.h"
 
 uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
     if (!vm) {
         return 0;
     }
     uint32_t extra = 0;
+    if (vm->prefetch) {
+        // per layer: ids copy, input view, predict op, and per layer ahead a router matmul and its bias
+        extra += (uint32_t) vm->layers.size() * (4u + 2u * (uint32_t) vm->prefetch->lookahead());
+    }
     for (const auto & L : vm->layers) {
         if (!L.managed) {
             extra += vm->trace ? 4 : 0;
@@ -26,15 +33,16 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
                                          ggml_tensor * selected_experts, ggml_tensor * weights_, ggml_tensor * scores_,
-                                         int64_t n_tokens)
-    : ctx(ctx_), gf(gf_), il(il_) {
+                                         ggml_tensor * cur, int64_t n_tokens)
+    : ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
     vm = const_cast<vis_moe_context *>(vm_);
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
         vm = nullptr;
         return;
     }
     const vis_moe_layer & L = vm->layers[il];
-    if (!L.managed && !vm->trace) {
+    predicting = vm->prefetch && cur_in;  // every MoE layer: predictors learn from all of them
+    if (!L.managed && !vm->trace && !predicting) {
         vm = nullptr;  // bypass: upstream graph
         return;
     }
@@ -42,9 +50,14 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
     ids_cont = ggml_cont(ctx, selected_experts);
     ggml_format_name(ids_cont, "vis_moe_ids-%d", il);
     if (!L.managed) {
-        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_trace_op, 1, vm->ud(il, 0, VIS_OP_TRACE));
-        ggml_format_name(t, "vis_moe_trace-%d", il);
-        ggml_build_forward_expand(gf, t);
+        if (vm->trace) {
+            ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_trace_op, 1, vm->ud(il, 0, VIS_OP_TRACE));
+            ggml_format_name(t, "vis_moe_trace-%d", il);
+            ggml_build_forward_expand(gf, t);
+        }
+        if (predicting) {
+            add_predict(nullptr);
+        }
         vm = nullptr;
         return;
     }
@@ -66,7 +79,35 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1, vm->ud(il, 0, VIS_OP_STREAM));
         ggml_format_name(t, "vis_moe_stream-%d", il);
         ggml_build_forward_expand(gf, t);
+        if (predicting) {
+            add_predict(t);
+        }
     }
+}
+
+
+void vis_moe_layer_graph::add_predict(ggml_tensor * dep) {
+    const llama_model & model = *vm->model;
+    const int n_layer = (int) vm->layers.size();
+    ggml_tensor * x = ggml_reshape_2d(ctx, cur_in, cur_in->ne[0], ggml_nelements(cur_in) / cur_in->ne[0]);
+    std::vector<ggml_tensor *> args = { ids_cont, dep ? dep : ids_cont };
+    for (int d = 1; d <= vm->prefetch->lookahead(); ++d) {
+        const int T = il + d;
+        ggml_tensor * lg = ids_cont;  // placeholder: no logits for this distance
+        if (vm->prefetch->wants_logits() && T < n_layer && vm->layers[T].managed && model.layers[T].ffn_gate_inp) {
+            // the routers of the layers ahead on this layer's FFN input: one small matmul each
+            lg = ggml_mul_mat(ctx, model.layers[T].ffn_gate_inp, x);
+            if (model.layers[T].ffn_gate_inp_b) {
+                lg = ggml_add(ctx, lg, model.layers[T].ffn_gate_inp_b);
+            }
+            ggml_format_name(lg, "vis_moe_ahead_logits-%d.%d", il, T);
+        }
+        args.push_back(lg);
+    }
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args.data(), (int) args.size(), vis_moe_predict_op, 1,
+                                     vm->ud(il, 0, VIS_OP_PREDICT));
+    ggml_format_name(t, "vis_moe_predict-%d", il);
+    ggml_build_forward_expand(gf, t);
 }
 
 ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
@@ -81,6 +122,9 @@ ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts)
         t = ggml_map_custom2(ctx, ids_cont, dep, vis_moe_pass_op, 1, vm->ud(il, p, VIS_OP_PASS));
     }
     ggml_format_name(t, "vis_moe_slots-%d.%d", il, p);
+    if (p == 0 && predicting) {
+        add_predict(t);  // after this layer's own loads: demand reads come first
+    }
     return t;
 }
 

@@ -1,7 +1,9 @@
 // vis-moe-ops.cpp - CPU custom ops of a managed layer's graph (vis-moe-ops.h).
 #include "vis-moe-ops.h"
 #include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
 #include "vis-moe-passes.h"
+#include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
 
 #include <cstring>
@@ -39,6 +41,22 @@ static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body b
     }
 }
 
+// the layer's background reads (substitution, reads ahead) before it plans: cancelled, waited for, resident
+static void collect_background(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * ids, int64_t n_pairs) {
+    int64_t waited = 0;
+    const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, L, il, waited);
+    bool any_sub = false;
+    for (const auto & d : done) {
+        any_sub = any_sub || !d.speculative;
+    }
+    if (any_sub) {
+        L.sub_stats.bg_wait_us += waited;
+    }
+    if (vm.prefetch) {
+        vm.prefetch->collected(vm, L, il, done, any_sub ? 0 : waited, ids, n_pairs);
+    }
+}
+
 // pass p of a managed layer; pass 0 (dep = the gate weights) also plans the ubatch
 static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, const ggml_tensor * scores,
                     void * userdata) {
@@ -48,6 +66,7 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             if (a.vm.trace) {
                 a.vm.trace->record(a.ud.il, ids_t, dep);  // pass 0 depends on the router weights
             }
+            collect_background(a.vm, a.L, a.ud.il, a.ids, a.n_pairs);
             const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
             vis_moe_plan_passes(a.L, a.L.run_ids(a.ids), a.n_pairs);
             vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, a.L.run_ids(a.ids), a.n_pairs, a.out);
@@ -180,5 +199,35 @@ void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth,
     if (ith == 0) {
         auto * ud = (vis_moe_op_ud *) userdata;
         stream_advise(ud->vm->layers[ud->il], false);
+    }
+}
+
+// after layer il routed (and, when managed, loaded what its ubatch needs): learn, predict the layers ahead and
+// read their experts in the background.  src[0]: the routed ids; src[1]: an ordering dependency; src[1 + d]:
+// the router logits of layer il + d (F32), or the ids again where the graph did not compute them.
+void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto & ud = *(vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud.vm;
+    const ggml_tensor * ids_t = dst->src[0];
+    vis_predict_input in;
+    in.il       = ud.il;
+    in.k        = (int) ids_t->ne[0];
+    in.n_tokens = ids_t->ne[1];
+    in.ids      = (const int32_t *) ids_t->data;
+    for (int d = 1; d <= VIS_MAX_LOOKAHEAD && 1 + d < GGML_MAX_SRC; ++d) {
+        const ggml_tensor * lg = dst->src[1 + d];
+        if (lg && lg->type == GGML_TYPE_F32) {
+            in.logits[d] = (const float *) lg->data;
+            in.stride[d] = (int64_t) (lg->nb[1] / sizeof(float));
+        }
+    }
+    try {
+        vm.prefetch->step(vm, in);
+    } catch (const std::exception & e) {
+        vm.fail(e.what());
     }
 }

@@ -21,5 +21,8 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_te
 // in place: copy the rows of the pairs pass ud->pass owns from b into a (CPU passes)
 void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * ids, int ith,
                       int nth, void * ud);
+// lookahead prediction (vis-moe-prefetch.h): learn from the layer's routing, read the layers ahead's experts
+// (src[0] = ids, src[1] = ordering dependency, src[1 + d] = router logits of layer il + d or the ids again)
+void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * ud);
 // prefill streaming: after the layer, drop the streamed pages
 void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud);

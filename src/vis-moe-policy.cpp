@@ -24,8 +24,11 @@ public:
     }
 
     void end_step() override {
-        for (auto & h : spec_left) {
-            h = h > 0 ? h - 1 : 0;
+        pass_start = tick + 1;  // the step's passes are over: nothing is Required until the next pass starts
+        for (size_t s = 0; s < spec_left.size(); ++s) {
+            if (spec_left[s] > 0 && --spec_left[s] == 0) {
+                last_use[s] = 0;  // filled ahead and never used within its horizon: the first Expired victim
+            }
         }
     }
 

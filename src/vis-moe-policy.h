@@ -28,7 +28,8 @@ public:
     virtual void touch(int s) = 0;
     // slot s was filled ahead of need; protected for `horizon` steps unless the running pass needs its space first
     virtual void speculate(int s, int horizon) = 0;
-    // a ubatch finished: speculative horizons count down, expired ones become Expired
+    // a ubatch finished: no slot is Required any more; speculative horizons count down, and a slot whose horizon
+    // ends without a touch becomes the least recent Expired slot (a read ahead that was not used goes first)
     virtual void end_step() = 0;
     // slot s no longer holds an expert
     virtual void forget(int s) = 0;

@@ -19,6 +19,7 @@ constexpr long long MAX_MIB    = 1ll << 30; // 1 PiB
 constexpr long long MAX_IO     = 64;
 constexpr long long MAX_STREAM = 1 << 16;
 constexpr long long MAX_SUB_BUDGET = 64;    // substitutions per token per layer: at most the top-k
+constexpr long long MAX_PREFETCH   = 1 << 16;  // experts prefetched per layer per step: at most the expert count
 
 using vis_error = std::invalid_argument;
 
@@ -194,6 +195,33 @@ const flag_row ROWS[] = {
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.prefill = parse_switch(w, v, false) == 1; } },
+    { "--moe-predict", "VIS_MOE_PREDICT", "off|next-router|coact|freq|random|auto",
+      "vis-moe: predict the experts of the next layers and read them in the background while this layer\n"
+      "computes (exact: only when bytes arrive changes). next-router = the next layers' routers applied to this\n"
+      "layer's input; coact = co-activation counts learned online; freq = the most used experts; random =\n"
+      "for testing; auto = the measured default (docs/prediction.md). Decode steps, file store (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if      (v == "off")         s.predict.mode = VIS_PRED_OFF;
+          else if (v == "next-router") s.predict.mode = VIS_PRED_NEXT_ROUTER;
+          else if (v == "coact")       s.predict.mode = VIS_PRED_COACT;
+          else if (v == "freq")        s.predict.mode = VIS_PRED_FREQ;
+          else if (v == "random")      s.predict.mode = VIS_PRED_RANDOM;
+          else if (v == "auto")        s.predict.mode = VIS_PRED_AUTO;
+          else throw vis_error(w + ": expected off, next-router, coact, freq, random or auto, got '" + v + "'"); } },
+    { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
+      "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.predict.lookahead = (int32_t) parse_int(w, v, 1, VIS_MAX_LOOKAHEAD); } },
+    { "--moe-prefetch-budget", "VIS_MOE_PREFETCH_BUDGET", "auto|B",
+      "vis-moe: experts --moe-predict may read ahead per layer and step, most likely first (auto = the model's\n"
+      "top-k; default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.predict.budget = v == "auto" ? -1 : (int32_t) parse_int(w, v, 1, MAX_PREFETCH, " (or auto)"); } },
+    { "--moe-prefetch-tune", "VIS_MOE_PREFETCH_TUNE", "on|off",
+      "vis-moe: switch a layer's prefetch off for a while when its reads are wasted more often than used\n"
+      "(default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.predict.tune = parse_switch(w, v, false); } },
 };
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
@@ -248,6 +276,14 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
                             ", got " + std::to_string(v));
         }
     };
+    const auto & q = s.predict;
+    range("--moe-predict",       q.mode, VIS_PRED_OFF, VIS_PRED_AUTO, " (0 = off .. 5 = auto)");
+    range("--moe-lookahead",     q.lookahead, 1, VIS_MAX_LOOKAHEAD, "");
+    range("--moe-prefetch-budget", q.budget, -1, MAX_PREFETCH, " (-1 = auto)");
+    if (q.budget == 0) {
+        throw vis_error("--moe-prefetch-budget must be >= 1 (or auto), got 0");
+    }
+    range("--moe-prefetch-tune", q.tune, 0, 1, "");
     real("--moe-sub-tae", u.tae, 0, u.tae_kind == VIS_TAE_PERCENTILE ? 100 : 1);
     real("--moe-sub-beta", u.beta, 0, 1);
     real("--moe-sub-weight", u.weight, 0, 1);

@@ -35,6 +35,21 @@ struct vis_moe_sub_settings {
     bool on() const { return mode != VIS_SUB_OFF; }
 };
 
+// --moe-predict: which predictor drives prefetch (docs/prediction.md); auto = the shipped setting
+enum vis_predict_mode : int32_t { VIS_PRED_OFF = 0, VIS_PRED_NEXT_ROUTER, VIS_PRED_COACT, VIS_PRED_FREQ, VIS_PRED_RANDOM,
+                                  VIS_PRED_AUTO };
+constexpr int VIS_MAX_LOOKAHEAD = 4;  // layers ahead a prediction reaches (--moe-lookahead)
+
+// lookahead prediction and prefetch (exact: only when bytes arrive changes)
+struct vis_moe_predict_settings {
+    int32_t mode      = VIS_PRED_OFF;
+    int32_t lookahead = 1;             // W: predict layers l+1 .. l+W
+    int32_t budget    = -1;            // B: experts prefetched per layer per step, -1 = the model's top-k
+    int32_t tune      = 1;             // self-tuning: switch a layer's prefetch off while it wastes more than it uses
+
+    bool on() const { return mode != VIS_PRED_OFF; }
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
@@ -42,6 +57,7 @@ struct vis_moe_settings {
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
+    vis_moe_predict_settings predict;       // --moe-predict, --moe-lookahead, --moe-prefetch-*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

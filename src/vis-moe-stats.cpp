@@ -2,6 +2,7 @@
 // --moe-stats table (stderr), behind the stats half of the C API (llama-vis.h).
 #include "vis-moe-context.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-prefetch.h"
 #include "vis-error.h"
 
 #include <algorithm>
@@ -130,6 +131,60 @@ static void print_sub_stats(const vis_moe_context & vm) {
                  t.bytes_saved / 1048576.0, stall_saved_us(vm, t.bytes_saved) / 1000.0);
 }
 
+void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & tot) {
+    tot = {};
+    if (!vm.prefetch) {
+        return;
+    }
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        const auto & s = vm.prefetch->stats((int) il);
+        tot.n_steps += s.n_steps;
+        tot.n_predicted += s.n_predicted;
+        tot.n_pred_hits += s.n_pred_hits;
+        tot.n_routed += s.n_routed;
+        tot.n_issued += s.n_issued;
+        tot.n_used += s.n_used;
+        tot.n_wasted += s.n_wasted;
+        tot.n_late += s.n_late;
+        tot.n_cancelled += s.n_cancelled;
+        tot.bytes_read += s.bytes_read;
+        tot.bytes_wasted += s.bytes_wasted;
+        tot.wait_us += s.wait_us;
+        tot.n_off_steps += s.n_off_steps;
+        tot.enabled += vm.layers[il].managed ? s.enabled : 0;
+    }
+}
+
+// estimate: the bytes of used reads ahead at this context's demand read rate, less the time waited for them
+static int64_t prefetch_saved_us(const vis_moe_context & vm, const llama_vis_moe_prefetch_stats & s) {
+    return stall_saved_us(vm, s.bytes_read - s.bytes_wasted) - s.wait_us;
+}
+
+static void print_prefetch_row(const vis_moe_context & vm, const std::string & label, const llama_vis_moe_prefetch_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %7" PRId64 " %7.1f%% %7.1f%% %8" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64
+                         " %6" PRId64 " %9.2f %9.2f %8.2f %9.2f %6" PRId64 " %3d\n",
+                 label.c_str(), s.n_steps, s.n_routed ? 100.0 * s.n_pred_hits / s.n_routed : 0.0,
+                 s.n_predicted ? 100.0 * s.n_pred_hits / s.n_predicted : 0.0, s.n_issued, s.n_used, s.n_wasted, s.n_late,
+                 s.n_cancelled, s.bytes_read / 1048576.0, s.bytes_wasted / 1048576.0, s.wait_us / 1000.0,
+                 prefetch_saved_us(vm, s) / 1000.0, s.n_off_steps, s.enabled);
+}
+
+static void print_prefetch_stats(const vis_moe_context & vm) {
+    std::fprintf(stderr, "vis-moe: prefetch (--moe-predict %s, lookahead %d, budget %d): the next layer's prediction "
+                         "and the reads ahead\n", vm.prefetch->name(), vm.prefetch->lookahead(), vm.prefetch->budget());
+    std::fprintf(stderr, "vis-moe: %5s %7s %8s %8s %8s %8s %8s %6s %6s %9s %9s %8s %9s %6s %3s\n", "layer", "steps",
+                 "recall", "prec", "issued", "used", "wasted", "late", "cancel", "MiB read", "MiB waste", "wait ms",
+                 "saved ms", "off", "on");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].stats.managed) {
+            print_prefetch_row(vm, std::to_string(il), vm.prefetch->stats((int) il));
+        }
+    }
+    llama_vis_moe_prefetch_stats t;
+    vis_moe_total_prefetch_stats(vm, t);
+    print_prefetch_row(vm, "total", t);
+}
+
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
                  label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
@@ -150,6 +205,9 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     print_row("total", "", t);
     if (vm.sub) {
         print_sub_stats(vm);
+    }
+    if (vm.prefetch) {
+        print_prefetch_stats(vm);
     }
     const llama_vis_moe_io_stats io = io_stats(vm);
     if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {
@@ -230,6 +288,30 @@ int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama
     return 0;
 }
 
+int32_t llama_vis_moe_get_prefetch_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prefetch_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_prefetch_stats: NULL output"
+                                : "llama_vis_moe_get_prefetch_stats: the context has no expert cache");
+        return -1;
+    }
+    if (il >= (int32_t) vm->layers.size() || il < -1) {
+        vis_set_last_error("llama_vis_moe_get_prefetch_stats: layer " + std::to_string(il) + " out of range -1.." +
+                           std::to_string(vm->layers.size() - 1));
+        return -1;
+    }
+    if (!vm->prefetch) {
+        *out = {};
+    } else if (il >= 0) {
+        *out = vm->prefetch->stats(il);
+    } else {
+        vis_moe_total_prefetch_stats(*vm, *out);
+    }
+    out->saved_us = vm->prefetch ? prefetch_saved_us(*vm, *out) : 0;
+    return 0;
+}
+
 int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_stats * out) {
     vis_clear_last_error();
     const vis_moe_context * vm = vis_moe_of(ctx);
@@ -256,6 +338,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     }
     for (auto & up : vm->uploads) {
         up->reset_counters();
+    }
+    if (vm->prefetch) {
+        vm->prefetch->reset_stats();
     }
     for (auto & L : vm->layers) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;

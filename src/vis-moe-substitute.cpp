@@ -302,34 +302,6 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
                    u.prefill ? "on" : "off", u.profile.empty() ? "" : ", profile ", u.profile.c_str());
 }
 
-// the background reads of layer il from the previous ubatch: their slots become resident
-static void collect(vis_moe_context & vm, vis_moe_layer & L, int il) {
-    if (!vm.fetch || vm.fetch->pending(il) == 0) {
-        return;
-    }
-    int64_t waited = 0;
-    auto jobs = vm.fetch->collect(il, waited);
-    L.sub_stats.bg_wait_us += waited;
-    L.stats.load_us += waited;  // a late background read is a (partial) stall
-    std::string error;  // the first failure, thrown once every job has released its slot
-    for (const auto & job : jobs) {
-        L.policy->hold(job->slot, false);
-        if (!job->error.empty()) {
-            L.expert_of[job->slot] = -1;
-            L.policy->forget(job->slot);
-            error = error.empty() ? job->error : error;
-            continue;
-        }
-        vis_moe_fetch_finish(L, *job);  // waits for this job's upload only (discrete GPU)
-        L.slot_of[job->expert] = job->slot;
-        L.policy->touch(job->slot);
-    }
-    if (!error.empty()) {
-        throw vis_io_error("background read of a substituted expert failed: " + error +
-                           " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
-    }
-}
-
 std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
                                              const ggml_tensor * weights, const ggml_tensor * scores) {
     L.sub_active = false;
@@ -337,7 +309,6 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     if (!vm.sub) {
         return background;
     }
-    collect(vm, L, il);
     const vis_sub_rule & rule = vm.sub->rule(il);
     vis_sub_input in;
     in.k        = (int) ids->ne[0];
@@ -375,21 +346,10 @@ void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, c
         return;  // several passes: every slot may serve a later pass of this ubatch
     }
     for (int e : experts) {
-        const int s = L.policy->victim();
-        if (s < 0 || L.policy->slot_class(s) == vis_slot_class::REQUIRED) {
+        const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);
+        if (r == VIS_FETCH_NO_SLOT) {
             return;  // every slot serves this pass
         }
-        vis_moe_evict_slot(vm, L, il, s);
-        std::unique_ptr<vis_fetch_job> job = vis_moe_fetch_job(vm, L, il, e, s);
-        if (!job) {  // served from the host cache on the spot
-            L.slot_of[e]   = s;
-            L.expert_of[s] = e;
-            L.policy->touch(s);
-            continue;
-        }
-        L.expert_of[s] = e;  // slot_of[e] stays -1 until collected: no id points at the slot meanwhile
-        L.policy->hold(s, true);
-        L.sub_stats.bg_fetches++;
-        vm.fetch->submit(std::move(job));
+        L.sub_stats.bg_fetches += r == VIS_FETCH_QUEUED ? 1 : 0;
     }
 }

@@ -79,7 +79,7 @@ private:
 // without a profile, ...).
 void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store);
 
-// pass 0 of a managed layer: collect the layer's background reads of the previous ubatch, then decide this
+// pass 0 of a managed layer, after its background reads were collected (vis_moe_fetch_collect): decide this
 // ubatch's stand-ins (L.exec, L.outcome, L.sub_active).  ids: [k, n_tokens]; weights [1, k, n_tokens];
 // scores [n_expert, n_tokens] or null.  Returns the experts to read in the background.
 std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,

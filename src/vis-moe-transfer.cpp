@@ -147,6 +147,7 @@ void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const s
         return;
     }
     try {
+        vis_fetch_demand demand(vm.fetch.get());  // reads ahead wait: this pass needs the disk now
         reqs.front().src->file->check_unchanged();
         vm.io->read(reqs);
     } catch (...) {

@@ -39,9 +39,11 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
 // pass whose ids and weights are upstream's: the graph is unchanged.
 class vis_moe_layer_graph {
 public:
-    // scores: what the router ranked the experts by [n_expert, n_tokens] (router substitution reads it)
+    // scores: what the router ranked the experts by [n_expert, n_tokens] (router substitution reads it);
+    // cur: the FFN input [n_embd, 1, n_tokens] (the routers of the layers ahead read it: --moe-predict)
     vis_moe_layer_graph(const vis_moe_context * vm, ggml_context * ctx, ggml_cgraph * gf, int il,
-                        ggml_tensor * selected_experts, ggml_tensor * weights, ggml_tensor * scores, int64_t n_tokens);
+                        ggml_tensor * selected_experts, ggml_tensor * weights, ggml_tensor * scores, ggml_tensor * cur,
+                        int64_t n_tokens);
 
     int n_passes() const { return n_pass; }
 
@@ -57,6 +59,9 @@ public:
     ggml_tensor * output();
 
 private:
+    // the predict op (vis-moe-prefetch.h), after `dep` (null: no ordering)
+    void add_predict(ggml_tensor * dep);
+
     vis_moe_context * vm = nullptr;
     ggml_context    * ctx;
     ggml_cgraph     * gf;
@@ -68,6 +73,8 @@ private:
     ggml_tensor     * weights  = nullptr;
     ggml_tensor     * scores   = nullptr;  // router substitution only, else null
     ggml_tensor     * last     = nullptr;  // ordering dependency between passes
+    ggml_tensor     * cur_in   = nullptr;  // the FFN input
+    bool              predicting = false;  // --moe-predict: the predict op follows pass 0 (managed) or the routing
     std::vector<ggml_tensor *> outs;
     size_t            n_merged = 0;  // passes merged in place (CPU layers)
 };

@@ -313,6 +313,52 @@ def llama_vis_moe_get_sub_stats(ctx, il: int, out) -> int:
     of range."""
 
 
+# struct llama_vis_moe_prefetch_stats {
+#     int64_t n_steps;        // steps (ubatches) the layer was predicted for
+#     int64_t n_predicted;    // experts predicted for the layer from the layer before it (top-B, d = 1)
+#     int64_t n_pred_hits;    // ... that the layer then routed (precision = n_pred_hits / n_predicted)
+#     int64_t n_routed;       // distinct experts the layer routed in those steps (recall = n_pred_hits / n_routed)
+#     int64_t n_issued;       // experts made resident ahead of need (background reads and host-cache copies)
+#     int64_t n_used;         // ... that the step they were read for routed
+#     int64_t n_wasted;       // ... that it did not route
+#     int64_t n_late;         // used ones still being read when the layer needed them (a partial stall)
+#     int64_t n_cancelled;    // background reads dropped before they started (the layer came first)
+#     int64_t bytes_read;     // bytes read ahead (issued and not cancelled)
+#     int64_t bytes_wasted;   // ... of wasted ones
+#     int64_t wait_us;        // time the layer waited for reads ahead still in flight
+#     int64_t saved_us;       // estimate: used reads at this context's measured read rate, minus wait_us
+#     int64_t n_off_steps;    // steps the self-tuning kept the layer's prefetch off (it wasted more than it used)
+#     int32_t enabled;        // prefetch is on for the layer now
+# };
+class llama_vis_moe_prefetch_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_steps", ctypes.c_int64),
+        ("n_predicted", ctypes.c_int64),
+        ("n_pred_hits", ctypes.c_int64),
+        ("n_routed", ctypes.c_int64),
+        ("n_issued", ctypes.c_int64),
+        ("n_used", ctypes.c_int64),
+        ("n_wasted", ctypes.c_int64),
+        ("n_late", ctypes.c_int64),
+        ("n_cancelled", ctypes.c_int64),
+        ("bytes_read", ctypes.c_int64),
+        ("bytes_wasted", ctypes.c_int64),
+        ("wait_us", ctypes.c_int64),
+        ("saved_us", ctypes.c_int64),
+        ("n_off_steps", ctypes.c_int64),
+        ("enabled", ctypes.c_int32),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_prefetch_stats(const struct llama_context * ctx, int32_t il,
+#                                                    struct llama_vis_moe_prefetch_stats * out);
+@ctypes_function("llama_vis_moe_get_prefetch_stats",
+                 [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_prefetch_stats)], ctypes.c_int32)
+def llama_vis_moe_get_prefetch_stats(ctx, il: int, out) -> int:
+    """Prefetch stats of layer il, or totals with il = -1. 0, or -1 if ctx has no expert cache or il is out of
+    range."""
+
+
 # LLAMA_API int32_t llama_vis_moe_router_hash(const struct llama_model * model, uint64_t * out);
 @ctypes_function("llama_vis_moe_router_hash", [llama_model_p, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int32)
 def llama_vis_moe_router_hash(model, out) -> int:

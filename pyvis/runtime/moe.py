@@ -13,29 +13,33 @@ from __future__ import annotations
 
 from . import native
 from .native import MoeStats, VisError, llama_cpp
-from .settings import MoeParams, SubParams, TierParams, applied
+from .settings import MoeParams, PredictParams, SubParams, TierParams, applied
 
-__all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "reset_stats", "MoeParams", "MoeStats", "SubParams",
-           "TierParams", "VisError"]
+__all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "prefetch_stats", "reset_stats", "MoeParams",
+           "MoeStats", "PredictParams", "SubParams", "TierParams", "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
          trace: str | None = None, store: str = "file", host_mib: int = -1, mem: int | str = 0, io_threads: int = 4,
          direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str = "off",
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
-         sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False, **llama_kwargs) -> "llama_cpp.Llama":
+         sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False,
+         predict: str = "off", lookahead: int = 1, prefetch_budget: int | str = "auto", prefetch_tune: bool = True,
+         **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
     direct_io, unified, mlock: the paging tiers (docs/paging.md); with store="file" (default) the managed
     experts are not loaded at start but read from the GGUF file on demand.  substitute and sub_*: substitution
-    on a miss (lossy, off by default; docs/substitution.md), as the --moe-substitute / --moe-sub-* flags.  A bad value raises VisError
-    naming the option and its range.
+    on a miss (lossy, off by default; docs/substitution.md), as the --moe-substitute / --moe-sub-* flags.  predict,
+    lookahead, prefetch_budget, prefetch_tune: lookahead prediction and prefetch (exact; docs/prediction.md), as
+    --moe-predict / --moe-lookahead / --moe-prefetch-*.  A bad value raises VisError naming the option and its range.
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
     sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
-    with applied(params, tier, sub):
+    pred = PredictParams(predict, lookahead, prefetch_budget, prefetch_tune)
+    with applied(params, tier, sub, pred):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         except ValueError as e:
@@ -62,6 +66,12 @@ def sub_stats(llm, layer: int = -1) -> dict | None:
     """Substitution on a miss: missing (token, expert) pairs by outcome, bytes and stall saved, background reads
     (docs/substitution.md); totals, or one layer."""
     return native.sub_stats(llm, layer)
+
+
+def prefetch_stats(llm, layer: int = -1) -> dict | None:
+    """Lookahead prefetch: the next layer's prediction, reads ahead used / wasted / late, bytes, wait and saved
+    time (docs/prediction.md); totals, or one layer."""
+    return native.prefetch_stats(llm, layer)
 
 
 def reset_stats(llm) -> None:

@@ -196,6 +196,16 @@ def sub_stats(ctx, layer: int = -1) -> dict | None:
     return d
 
 
+def prefetch_stats(ctx, layer: int = -1) -> dict | None:
+    """Lookahead prefetch stats of one layer, or totals (layer=-1): the next layer's prediction (recall and
+    precision counts), reads ahead issued / used / wasted / late / cancelled, bytes, wait and saved time
+    (docs/prediction.md); all zero when prediction is off; None without a cache."""
+    s = capi.llama_vis_moe_prefetch_stats()
+    if capi.llama_vis_moe_get_prefetch_stats(_ctx_ptr(ctx), c_int("layer", layer), ctypes.byref(s)) != 0:
+        return None
+    return _struct_dict(s)
+
+
 # ---------------------------------------------------------------------------
 # memory probe and planner
 # ---------------------------------------------------------------------------

@@ -125,19 +125,38 @@ class SubParams:
 
     def flags(self) -> list[tuple[str, str]]:
         """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
-        out = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name == "sub_profile":
-                if v is None:
-                    continue
-                v = str(v)
-            elif isinstance(v, bool):
-                v = "on" if v else "off"
-            elif isinstance(v, (int, float)):
-                v = repr(v)
-            out.append((flag_of(f.name), str(v)))
-        return out
+        return _table_flags(self, optional=("sub_profile",))
+
+
+@dataclass(frozen=True)
+class PredictParams:
+    """Lookahead prediction and prefetch (exact; docs/prediction.md).  Values as the flags take them."""
+    predict: str = "off"                 # off | next-router | coact | freq | random | auto
+    lookahead: int = 1                   # W: layers l+1 .. l+W
+    prefetch_budget: int | str = "auto"  # B: experts read ahead per layer and step (auto = top-k)
+    prefetch_tune: bool = True           # self-tuning: a layer that wastes more than it uses pauses
+
+    def flags(self) -> list[tuple[str, str]]:
+        """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
+        return _table_flags(self)
+
+
+def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """The fields of a settings class without a C struct as (flag, value) strings for llama_vis_moe_thread_apply;
+    `optional` fields are left out when None."""
+    out = []
+    for f in dataclasses.fields(params):
+        v = getattr(params, f.name)
+        if f.name in optional:
+            if v is None:
+                continue
+            v = str(v)
+        elif isinstance(v, bool):
+            v = "on" if v else "off"
+        elif isinstance(v, (int, float)):
+            v = repr(v)
+        out.append((flag_of(f.name), str(v)))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -185,35 +204,40 @@ def _set_thread(moe: MoeParams | None, tier: TierParams | None) -> None:
     _check(capi.llama_vis_moe_set_thread_params(_ref(m), _ref(t)), "llama_vis_moe_set_thread_params")
 
 
-_thread_sub = threading.local()   # the SubParams of this thread's innermost applied() block (C has no getter)
+_thread_table = threading.local()  # this thread's innermost applied() block's SubParams / PredictParams (C has no getter)
 
 
-def _apply_sub(sub: "SubParams | None") -> None:
-    for flag, value in (sub or SubParams()).flags():
+def _apply_table(params) -> None:
+    for flag, value in params.flags():
         _check(capi.llama_vis_moe_thread_apply(flag.encode(), value.encode()), "llama_vis_moe_thread_apply")
 
 
 @contextlib.contextmanager
-def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None):
-    """Within the block, models loaded and contexts created on this thread use ``moe`` and ``tier`` (None: the
-    settings in force on the thread now).  After it the thread has exactly what it had before: its own override
-    if it had one, else none (it follows the process-wide settings again, including changes made meanwhile).
-    The settings are checked on entry (VisError); on success the thread's last error is clear, so an error
-    read after a failed load or context creation inside the block belongs to it."""
+def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
+            predict: PredictParams | None = None):
+    """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub`` and
+    ``predict`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
+    before: its own override if it had one, else none (it follows the process-wide settings again, including
+    changes made meanwhile).  The settings are checked on entry (VisError); on success the thread's last error is
+    clear, so an error read after a failed load or context creation inside the block belongs to it."""
     previous = (get_params(), get_tier_params()) if capi.llama_vis_moe_thread_params_active() else None
-    prev_sub = getattr(_thread_sub, "value", None)
+    prev = getattr(_thread_table, "value", None) or {}
+    now = dict(prev)
+    for cls, p in ((SubParams, sub), (PredictParams, predict)):
+        if p is not None:
+            now[cls] = p
     _set_thread(moe or get_params(), tier or get_tier_params())
     try:
-        if sub is not None or prev_sub is not None:
-            _apply_sub(sub or prev_sub)   # None inside a block that set one: the outer block's
-        _thread_sub.value = sub or prev_sub
+        for p in now.values():   # a kind not given inside a block that set one: the outer block's
+            _apply_table(p)
+        _thread_table.value = now
         yield
     finally:
-        _thread_sub.value = prev_sub
+        _thread_table.value = prev
         if previous is not None:
             _set_thread(*previous)
-            if prev_sub is not None:
-                _apply_sub(prev_sub)
+            for p in prev.values():
+                _apply_table(p)
         else:
             _set_thread(None, None)
 

@@ -1,0 +1,189 @@
+// vis-moe-prefetch.cpp - lookahead prefetch (vis-moe-prefetch.h).
+#include "vis-moe-prefetch.h"
+#include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+
+namespace {
+constexpr int TUNE_WINDOW = 16;  // reads ahead judged together
+constexpr int TUNE_OFF    = 32;  // steps a wasteful layer's prefetch stays off
+}
+
+vis_moe_prefetcher::vis_moe_prefetcher(const vis_moe_predict_settings & s, std::unique_ptr<vis_moe_predictor> p,
+                                       int n_layer, int budget)
+    : pred(std::move(p)), W(s.lookahead), B(budget), tune(s.tune != 0), layers(n_layer) {
+    for (auto & ls : layers) {
+        ls.st.enabled = 1;
+    }
+}
+
+void vis_moe_prefetcher::begin_ubatch(bool decode_) {
+    decode = decode_;
+    cur_step++;
+}
+
+void vis_moe_prefetcher::reset_stats() {
+    for (auto & ls : layers) {
+        const int32_t on = ls.st.enabled;
+        ls.st = {};
+        ls.st.enabled = on;
+    }
+}
+
+void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
+    in.step = cur_step;
+    pred->observe(in);
+    if (!decode || in.n_tokens == 0) {
+        return;
+    }
+    const int n_layer = (int) vm.layers.size();
+    for (int d = 1; d <= W && in.il + d < n_layer; ++d) {
+        const int T = in.il + d;
+        vis_moe_layer & L = vm.layers[T];
+        layer_state & ls = layers[T];
+        if (!L.managed || !L.deferred || ls.off_left > 0) {
+            continue;
+        }
+        if (!pred->predict(in, d, L.n_expert, score)) {
+            continue;
+        }
+        const std::vector<int32_t> top = vis_predict_top(score, B);
+        if (d == 1) {
+            ls.pred      = top;
+            ls.pred_step = cur_step;
+        }
+        // the predicted experts already resident are not victims of the reads below
+        std::vector<int> held;
+        for (int e : top) {
+            const int s = L.slot_of[e];
+            if (s >= 0 && L.policy->slot_class(s) != vis_slot_class::REQUIRED) {
+                L.policy->hold(s, true);
+                held.push_back(s);
+            }
+        }
+        for (int e : top) {
+            if (L.slot_of[e] >= 0 || std::find(L.expert_of.begin(), L.expert_of.end(), e) != L.expert_of.end()) {
+                continue;  // resident, or already being read
+            }
+            const vis_fetch_result r = vis_moe_fetch_submit(vm, L, T, e, true);
+            if (r == VIS_FETCH_NO_SLOT) {
+                break;
+            }
+            ls.ahead.push_back({ e, r == VIS_FETCH_QUEUED });
+            ls.st.n_issued++;
+        }
+        for (int s : held) {
+            L.policy->hold(s, false);
+        }
+    }
+}
+
+void vis_moe_prefetcher::collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                   const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                                   int64_t n_pairs) {
+    (void) vm;
+    layer_state & ls = layers[il];
+    std::vector<uint8_t> routed(L.n_expert, 0);
+    int64_t n_distinct = 0;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        if (ids[j] >= 0 && ids[j] < L.n_expert && !routed[ids[j]]) {
+            routed[ids[j]] = 1;
+            n_distinct++;
+        }
+    }
+    if (ls.pred_step == cur_step && !ls.pred.empty()) {
+        ls.st.n_steps++;
+        ls.st.n_predicted += (int64_t) ls.pred.size();
+        ls.st.n_routed += n_distinct;
+        for (int e : ls.pred) {
+            ls.st.n_pred_hits += routed[e];
+        }
+    }
+    ls.pred.clear();
+    // reads ahead: cancelled ones read nothing; the others were used if this step routed them
+    std::vector<uint8_t> cancelled(L.n_expert, 0);
+    for (const auto & d : done) {
+        if (d.speculative && d.cancelled) {
+            cancelled[d.expert] = 1;
+            ls.st.n_cancelled++;
+        }
+    }
+    if (!ls.ahead.empty()) {
+        ls.st.wait_us += waited_us;
+    }
+    int used = 0, wasted = 0;
+    for (const auto & a : ls.ahead) {
+        if (a.queued && cancelled[a.expert]) {
+            continue;
+        }
+        if (a.queued) {
+            ls.st.bytes_read += L.expert_bytes;
+        }
+        if (routed[a.expert]) {
+            used++;
+            ls.st.n_late += a.queued && waited_us > 0 ? 1 : 0;
+        } else {
+            wasted++;
+            ls.st.bytes_wasted += a.queued ? L.expert_bytes : 0;
+        }
+    }
+    ls.st.n_used += used;
+    ls.st.n_wasted += wasted;
+    ls.ahead.clear();
+    if (ls.off_left > 0) {
+        ls.st.n_off_steps++;
+        if (--ls.off_left == 0) {
+            ls.st.enabled = 1;
+        }
+    }
+    if (!tune) {
+        return;
+    }
+    ls.win_used += used;
+    ls.win_wasted += wasted;
+    if (ls.win_used + ls.win_wasted >= TUNE_WINDOW) {
+        if (ls.win_wasted > ls.win_used) {
+            ls.off_left   = TUNE_OFF;
+            ls.st.enabled = 0;
+        }
+        ls.win_used = ls.win_wasted = 0;
+    }
+}
+
+void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store) {
+    int mode = s.predict.mode;
+    if (mode == VIS_PRED_OFF || vm.n_managed == 0) {
+        return;
+    }
+    if (mode == VIS_PRED_AUTO) {
+        // docs/prediction.md#the-shipped-default
+        LLAMA_LOG_INFO("vis-moe: --moe-predict auto: off (no predictor measured faster than none on every benchmark "
+                       "yet; choose next-router, coact or freq explicitly)\n");
+        return;
+    }
+    if (!file_store) {
+        LLAMA_LOG_INFO("vis-moe: --moe-predict %s: off, the experts are not read from the file (--moe-store model, or "
+                       "every managed expert loaded): there is nothing to read ahead\n",
+                       mode == VIS_PRED_NEXT_ROUTER ? "next-router" : mode == VIS_PRED_COACT ? "coact" :
+                       mode == VIS_PRED_FREQ ? "freq" : "random");
+        return;
+    }
+    std::vector<int> n_expert(vm.layers.size(), 0);
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        n_expert[il] = model.layers[il].ffn_gate_inp ? (int) model.hparams.n_expert : 0;
+    }
+    const int budget = s.predict.budget > 0 ? std::min<int>(s.predict.budget, (int) model.hparams.n_expert)
+                                            : vm.n_expert_used;
+    vm.prefetch = std::make_unique<vis_moe_prefetcher>(s.predict, vis_moe_predictor_make(mode, n_expert, s.predict.lookahead),
+                                                       (int) vm.layers.size(), budget);
+    if (!vm.fetch) {
+        vm.fetch = std::make_unique<vis_moe_fetcher>(s.tier.direct_io);
+    }
+    LLAMA_LOG_INFO("vis-moe: prefetch (exact): --moe-predict %s, lookahead %d layer%s, budget %d experts per layer and "
+                   "step, self-tuning %s; decode steps\n", vm.prefetch->name(), s.predict.lookahead,
+                   s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off");
+}

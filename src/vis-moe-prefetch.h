@@ -1,0 +1,84 @@
+// vis-moe-prefetch.h - lookahead prefetch: layer l predicts the experts of layers l+1 .. l+W (vis-moe-predict.h)
+// and reads the best ones in the background while it computes (src/vis-moe-prefetch.cpp; docs/prediction.md).
+//
+// Where it runs.  Each MoE layer l of the graph gets one "predict" op (vis-moe-graph.cpp) once layer l has
+// routed and, when l is managed, loaded what its own ubatch needs: demand reads come first.  For each later
+// managed layer T = l+d it takes the predictor's top-B experts (--moe-prefetch-budget) and starts background
+// reads (vis-moe-fetch.h) of those not resident into victim slots of T that are Empty or Expired: a read ahead
+// never evicts a slot the running step uses (Required), a protected Speculative one, or an expert it predicted
+// itself.  Layer T's pass 0 collects them before it plans: reads not started yet are dropped (the layer's own
+// demand reads are faster), the others are waited for (a late read is a partial stall, not a miss), and the
+// arrived experts are Speculative for the step; one the step does not use goes first (vis-moe-policy.h).
+// Demand reads pre-empt reads ahead: the background worker starts none while a pass reads.
+//
+// Exactness: a read ahead writes only a held slot no id points at; it changes which experts are resident and
+// when, never what is computed.
+//
+// Self-tuning (--moe-prefetch-tune): per layer, over windows of 16 reads ahead, when more were wasted than used,
+// the layer's prefetch is off for the next 32 steps, then tried again; the stats say how long it was off.
+// Decode steps only (every sequence of the ubatch has one token): a prefill ubatch routes nearly every expert.
+#pragma once
+
+#include "llama-vis.h"
+#include "vis-moe-predict.h"
+#include "vis-moe-settings.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct llama_model;
+struct vis_moe_context;
+struct vis_moe_layer;
+struct vis_fetch_done;
+
+class vis_moe_prefetcher {
+public:
+    vis_moe_prefetcher(const vis_moe_predict_settings & s, std::unique_ptr<vis_moe_predictor> pred, int n_layer,
+                       int budget);
+
+    const char * name() const { return pred->name(); }
+    int  lookahead() const { return W; }
+    int  budget() const { return B; }
+    bool wants_logits() const { return pred->wants_logits(); }
+
+    // a ubatch starts (decode: every sequence has one token)
+    void begin_ubatch(bool decode);
+    // the predict op of layer in.il: learn from its routing, then (decode) read ahead for il+1 .. il+W
+    void step(vis_moe_context & vm, vis_predict_input & in);
+    // pass 0 of layer il, after vis_moe_fetch_collect: score the step's prediction and reads ahead against the
+    // routed ids [n_pairs]
+    void collected(const vis_moe_context & vm, const vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+                   int64_t waited_us, const int32_t * ids, int64_t n_pairs);
+
+    // counters of layer il (saved_us is left to the stats code, which knows the read rate)
+    const llama_vis_moe_prefetch_stats & stats(int il) const { return layers[il].st; }
+    void reset_stats();
+
+private:
+    struct ahead_read {
+        int32_t expert;
+        bool    queued;  // a background read (else served on the spot from the host cache)
+    };
+    struct layer_state {
+        llama_vis_moe_prefetch_stats st = {};
+        std::vector<int32_t>    pred;           // the d = 1 prediction for this step
+        uint64_t                pred_step = 0;
+        std::vector<ahead_read> ahead;          // made resident (or in flight) ahead of this step
+        int win_used = 0, win_wasted = 0;       // self-tuning window
+        int off_left = 0;                       // steps the layer's prefetch stays off
+    };
+
+    std::unique_ptr<vis_moe_predictor> pred;
+    int  W;
+    int  B;
+    bool tune;
+    bool decode = false;
+    uint64_t cur_step = 0;
+    std::vector<layer_state> layers;
+    std::vector<float> score;  // scratch
+};
+
+// context creation (vis-moe-attach.cpp): the prefetcher of --moe-predict, and the background reader it needs.
+// Logs what it chose; nothing when prediction is off or the experts are not read from the file.
+void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store);
