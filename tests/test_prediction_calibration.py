@@ -84,6 +84,20 @@ def test_recall_precision_wasted_by_hand():
     assert rc["coact"]["d1"]["recall"]["2"] == co["d1"]["recall"]["2"]
 
 
+def test_recall_of_new_experts_by_hand():
+    r = pr.evaluate(fitted(), [(EVAL, LAYERS)], [1, 2])
+    rn = r["coact"]["d1"]["recall_new"]
+    # only t1 counts (t0 has no previous token).  l = 0 -> 1: t1 needs {0,3}, t0 used {1,3}: new {0}; scores
+    # [1,0,0,1] without {1,3} -> 0 first: found at B = 1 and 2 (counting t0 too would give 2/3 at B = 2)
+    assert rn["1"][0] == 1.0 and rn["2"][0] == 1.0
+    # l = 1 -> 2: t1 needs {1,2}, t0 used {2,3}: new {1}; scores [1,1,0,0] without {2,3}: 0 then 1
+    assert rn["1"][1] == 0.0 and rn["2"][1] == 1.0
+    # l = 0 -> 2: same target as above, scores P2[2] + P2[3] = [1,1,0,0]
+    assert r["coact"]["d2"]["recall_new"]["1"][0] == 0.0 and r["coact"]["d2"]["recall_new"]["2"][0] == 1.0
+    with pytest.raises(pr.PredictError, match="budgets"):
+        pr.evaluate(fitted(), [(EVAL, LAYERS)], [5])
+
+
 def test_frequency_prefers_the_most_used():
     m = pr.Model(np.array([[0, 0, 0, 0], [0.1, 0.9, 0.2, 0.8]]), np.zeros((1, 2, 4, 4)))
     r = pr.evaluate(m, [(np.array([[[0], [1]], [[1], [0]]]), np.array([0, 1]))], [1, 2])
@@ -221,7 +235,7 @@ def test_calibrate_predictor_cli(tmp_path, capsys):
                "--out", str(out), "--lookahead", "2", "--budgets", "8", "12", "--json", str(js)])
     o = capsys.readouterr()
     assert rc == 0, o.err
-    assert re.search(r"^coact\s+d1\s+8\s+1\.000\s+1\.000\s+0\.0$", o.out, re.M), o.out     # planted: exact
+    assert re.search(r"^coact\s+d1\s+8\s+1\.000\s+1\.000\s+0\.0\s+1\.000$", o.out, re.M), o.out     # planted: exact
     assert re.search(r"^coact\s+d2\s+8\s+1\.000", o.out, re.M)
     m = re.search(r"^frequency\s+d1\s+8\s+([\d.]+)", o.out, re.M)
     assert float(m.group(1)) < 0.5

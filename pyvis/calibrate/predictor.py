@@ -89,7 +89,8 @@ def format_eval(r: dict) -> str:
     W, k, preds = r["lookahead"], r["k"], [p for p in predict.PREDICTORS if p in r]
     out = [f"held-out accuracy: {r['tokens']} tokens, top-{k}, lookahead {W}, gamma {r['gamma']:g} "
            f"(means over the {len(r['layers'])} source layers)",
-           "predictor   d        B  recall  precision  wasted KiB per token and layer"]
+           "predictor   d        B  recall  precision  wasted KiB  recall(new)",
+           "(wasted: per token and layer; recall(new): of the experts the previous token did not use there)"]
     for p in preds:
         for d in [f"d{i}" for i in range(1, W + 1)] + ["decayed"]:
             for B in r["budgets"]:
@@ -99,7 +100,7 @@ def format_eval(r: dict) -> str:
                     out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}")
                     continue
                 out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}  {_m(x['precision'][str(B)]):9.3f}  "
-                           f"{_m(x['wasted_bytes'][str(B)]) / 1024:9.1f}")
+                           f"{_m(x['wasted_bytes'][str(B)]) / 1024:10.1f}  {_m(x['recall_new'][str(B)]):11.3f}")
     ds = [f"d{i}" for i in range(1, W + 1)] + ["decayed"]
     out += ["", f"recall@{k} per source layer l (target l+d)",
             "layer  " + "  ".join(f"{p[:5]}:{d:7s}" for p in preds for d in ds)]

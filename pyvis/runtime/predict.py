@@ -18,7 +18,9 @@ target is layer l+d; model layer numbers, so a layer whose l+d is not a traced M
   (``tiebreak=None``: the lower id only).
 * **accuracy** per token, averaged over tokens (a token's set at l+d has k experts):
   recall@B = |pred & S_{l+d}(t)| / k, precision@B = |pred & S_{l+d}(t)| / B, wasted = B - |pred & S_{l+d}(t)|
-  experts read for nothing (times the layer's expert bytes: bytes wasted per token).
+  experts read for nothing (times the layer's expert bytes: bytes wasted per token); recall of new experts =
+  sum_t |pred'(t) & N(t)| / sum_t |N(t)| with ``N(t) = S_{l+d}(t) - S_{l+d}(t-1)`` and pred' the top-B outside
+  ``S_{l+d}(t-1)`` (the experts a cache of the previous token's set would miss; t-1 = the previous trace row).
 * **decayed target** (VisMMOE §3.3.2 eq. 9, ``../shared/papers/vismmoe-visual-expert-affinity.txt``):
   ``g_l(t)[e] = max_{1<=d<=W} gamma^(d-1) [e in S_{l+d}(t)]`` over the expert index e (the window's layers fold onto
   one pool of E ids, as in the paper); d stops at the last traced layer.  Its prediction = the B highest of
@@ -191,56 +193,81 @@ def decayed_recall(pred: np.ndarray, g: np.ndarray) -> np.ndarray:
         return np.where(tot > 0, (pred * g).sum(1) / tot, np.nan)
 
 
+def _gather(routes: list, E: int) -> tuple[dict, np.ndarray]:
+    """``({layer: [T, E] masks}, first [T])`` of the layers that routed the most tokens; ``first`` marks each route's
+    first token (it has no previous token)."""
+    by_layer: dict[int, list[np.ndarray]] = {}
+    first = []
+    for ids, layers in routes:
+        for a, il in enumerate(layers):
+            by_layer.setdefault(int(il), []).append(masks(ids[a], E))
+        first.append(np.arange(ids.shape[1]) == 0)
+    n = {il: sum(len(m) for m in ms) for il, ms in by_layer.items()}
+    M = {il: np.concatenate(ms) for il, ms in by_layer.items() if n[il] == max(n.values())}
+    return M, np.concatenate(first) if first else np.zeros(0, bool)
+
+
+def _distance(r: dict, s: np.ndarray, truth: np.ndarray, tiebreak: np.ndarray, first: np.ndarray, k: int,
+              budgets: list[int], eb: float) -> None:
+    """Append one layer's metrics at one distance to ``r`` (scores ``s``, target masks ``truth``)."""
+    order = rank(s, tiebreak)
+    prev = np.vstack([np.zeros((1, truth.shape[1]), bool), truth[:-1]])     # the previous row's set
+    prev[first] = False
+    new = truth & ~prev                                              # needed now, not used by the previous token
+    order_new = rank(np.where(prev, -np.inf, s), tiebreak)           # the previous set is resident: not predicted
+    keep = ~first
+    for B in budgets:
+        h = hits(top(order, B), truth)
+        r["recall"][str(B)].append(float(h.mean() / k))
+        r["precision"][str(B)].append(float(h.mean() / B))
+        r["wasted_bytes"][str(B)].append(float((B - h).mean() * eb))
+        hn = hits(top(order_new, B), new)[keep]
+        n_new = new[keep].sum()
+        r["recall_new"][str(B)].append(float(hn.sum() / n_new) if n_new else float("nan"))
+
+
 def evaluate(model: Model, routes: list[tuple[np.ndarray, np.ndarray]], budgets: list[int],
              predictors: tuple[str, ...] = PREDICTORS, gamma: float = DEFAULT_GAMMA,
              expert_bytes: np.ndarray | None = None, lookahead: int | None = None) -> dict:
     """Accuracy of each predictor on held-out routing.
 
-    Returns ``{"budgets", "gamma", "lookahead", "layers", "tokens", predictor: {"d1".."dW": {"recall", "precision",
-    "wasted_bytes"}, "decayed": {"recall"}}}``, where each leaf maps ``str(B)`` to a per-layer list (NaN where the
-    layer has no target at that distance) and ``layers`` are the source layers.  ``wasted_bytes`` is per token:
-    ``(B - hits) * expert_bytes[l+d]`` (0 without ``expert_bytes``)."""
+    Returns ``{"budgets", "gamma", "lookahead", "layers", "tokens", "k", predictor: {"d1".."dW": {"recall",
+    "precision", "wasted_bytes", "recall_new"}, "decayed": {"recall"}}}``, where each leaf maps ``str(B)`` to a
+    per-layer list (NaN where the layer has no target at that distance) and ``layers`` are the source layers.
+    ``wasted_bytes`` is per token: ``(B - hits) * expert_bytes[l+d]`` (0 without ``expert_bytes``).  ``recall_new``:
+    of the experts a token needs at l+d that the previous token (the previous row of the route) did not use there,
+    the share predicted when the previous token's set is left out of the prediction (what a cache holding the last
+    token's experts would still miss), summed over tokens."""
     W = int(lookahead or model.lookahead)
     if W > model.lookahead:
         raise PredictError(f"lookahead {W}: the tables hold only {model.lookahead}")
     L, E = model.freq.shape
+    if not budgets or min(budgets) < 1 or max(budgets) > E:
+        raise PredictError(f"budgets {budgets}: each B must be in 1..{E}")
     eb = np.zeros(L) if expert_bytes is None else np.asarray(expert_bytes, np.float64)
-    by_layer: dict[int, list[np.ndarray]] = {}
-    for ids, layers in routes:
-        for a, il in enumerate(layers):
-            by_layer.setdefault(int(il), []).append(masks(ids[a], E))
-    n = {il: sum(len(m) for m in ms) for il, ms in by_layer.items()}
-    M = {il: np.concatenate(ms) for il, ms in by_layer.items() if n[il] == max(n.values())}
+    M, first = _gather(routes, E)
     src_layers = sorted(il for il in M if il + 1 in M)
     if not src_layers:
         raise PredictError("the routing holds no pair of adjacent MoE layers to predict")
     k = int(next(iter(M.values())).sum(1).max())
     out: dict = {"budgets": [int(B) for B in budgets], "gamma": gamma, "lookahead": W, "layers": src_layers,
                  "tokens": int(len(M[src_layers[0]])), "k": k}
-    nan = float("nan")
+    metrics = ("recall", "precision", "wasted_bytes", "recall_new")
     for p in predictors:
-        res = {f"d{d}": {m: {str(B): [] for B in budgets} for m in ("recall", "precision", "wasted_bytes")}
-               for d in range(1, W + 1)}
+        res = {f"d{d}": {m: {str(B): [] for B in budgets} for m in metrics} for d in range(1, W + 1)}
         res["decayed"] = {"recall": {str(B): [] for B in budgets}}
         for il in src_layers:
-            src, per_d, truths = M[il], [], []
+            per_d, truths = [], []
             for d in range(1, W + 1):
                 r = res[f"d{d}"]
                 if il + d not in M:
-                    for m in r:
+                    for m in metrics:
                         for B in budgets:
-                            r[m][str(B)].append(nan)
+                            r[m][str(B)].append(float("nan"))
                     continue
-                s = model.scores(p, src, il, d)
-                truth = M[il + d]
-                order = rank(s, model.freq[il + d])
-                per_d.append(s)
-                truths.append(truth)
-                for B in budgets:
-                    h = hits(top(order, B), truth)
-                    r["recall"][str(B)].append(float(h.mean() / k))
-                    r["precision"][str(B)].append(float(h.mean() / B))
-                    r["wasted_bytes"][str(B)].append(float((B - h).mean() * eb[il + d]))
+                per_d.append(model.scores(p, M[il], il, d))
+                truths.append(M[il + d])
+                _distance(r, per_d[-1], truths[-1], model.freq[il + d], first, k, budgets, eb[il + d])
             g = decayed_target(truths, gamma)
             u_order = rank(decayed_scores(per_d, gamma), model.freq[il + 1])
             for B in budgets:
