@@ -16,7 +16,7 @@ from pyvis.runtime import predict as pr
 from pyvis.runtime import profile as prof
 from pyvis.runtime import predict_profile as pp
 from pyvis.runtime.trace import Trace
-from test_substitution_profile import router, tiny_model
+from test_substitution_profile import corpus_text, router, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "models" / "fixtures" / "qwen3moe.gguf"      # 3 layers x 32 experts, top-8
@@ -272,17 +272,9 @@ def test_calibrate_predictor_cli_errors(tmp_path, capsys, model):
 
 def test_calibrate_predictor_from_corpora(tmp_path, capsys):
     """--corpus / --eval-corpus at -k 4: our llama-perplexity writes both traces (needs the native build)."""
-    from pyvis import _paths
     from pyvis.cli import main
     from pyvis.runtime.trace import read
-    try:
-        _paths.bin_path("llama-perplexity")
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(str(e))
-    words = "the expert router selects tokens for each layer of the model and its cache".split()
-    cal, ev = tmp_path / "cal.txt", tmp_path / "ev.txt"
-    cal.write_text(" ".join(words[i % len(words)] if i % 7 else words[(3 * i) % len(words)] for i in range(2500)))
-    ev.write_text(" ".join(words[(5 * i) % len(words)] for i in range(1200)))
+    cal, ev = corpus_text(tmp_path / "cal.txt"), corpus_text(tmp_path / "ev.txt", 1200, 5)
     out = tmp_path / "p.gguf"
     rc = main(["calibrate", "predictor", "-m", str(FIXTURE), "--corpus", str(cal), "--eval-corpus", str(ev),
                "-k", "4", "-c", "128", "--chunks", "2", "-t", "2", "--out", str(out), "--trace-out",

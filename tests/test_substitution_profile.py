@@ -473,17 +473,25 @@ def test_calibrate_cli_errors(tmp_path, capsys, model):
     assert "trace not found" in capsys.readouterr().err and not (tmp_path / "p").exists()
 
 
-def test_calibrate_from_a_corpus(tmp_path, capsys):
-    """--corpus: our llama-perplexity writes the trace (needs the native build)."""
+WORDS = "the expert router selects tokens for each layer of the model and its cache".split()
+
+
+def corpus_text(path: Path, n_words: int = 2500, step: int = 3) -> Path:
+    """A toy text for --corpus runs; skips the test when our llama-perplexity is not built."""
     from pyvis import _paths
-    from pyvis.cli import main
     try:
         _paths.bin_path("llama-perplexity")
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
-    words = "the expert router selects tokens for each layer of the model and its cache".split()
-    text = tmp_path / "corpus.txt"
-    text.write_text(" ".join(words[i % len(words)] if i % 7 else words[(3 * i) % len(words)] for i in range(2500)))
+    path.write_text(" ".join(WORDS[i % len(WORDS)] if i % 7 else WORDS[(step * i) % len(WORDS)]
+                             for i in range(n_words)))
+    return path
+
+
+def test_calibrate_from_a_corpus(tmp_path, capsys):
+    """--corpus: our llama-perplexity writes the trace (needs the native build)."""
+    from pyvis.cli import main
+    text = corpus_text(tmp_path / "corpus.txt")
     out = tmp_path / "c.gguf"
     rc = main(["calibrate", "buddies", "-m", str(FIXTURE), "--corpus", str(text), "--out", str(out), "-c", "128",
                "--chunks", "2", "-t", "2", "--trace-out", str(tmp_path / "c.trace")])
