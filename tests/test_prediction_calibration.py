@@ -265,6 +265,9 @@ def test_calibrate_predictor_cli_errors(tmp_path, capsys, model):
     assert main(["calibrate", "predictor", "-m", str(FIXTURE), "--trace", str(cal), "--eval-trace", str(other),
                  "--out", str(tmp_path / "p")]) == 1
     assert "the evaluation routes top-1, the calibration top-8" in capsys.readouterr().err
+    assert main(["calibrate", "predictor", "-m", str(FIXTURE), "--trace", str(cal), "--eval-trace", str(cal),
+                 "--out", str(tmp_path / "p")]) == 1
+    assert "is the calibration trace" in capsys.readouterr().err
     assert main(["calibrate", "predictor", "-m", str(FIXTURE), "--trace", str(cal), "--out", str(tmp_path / "p"),
                  "--holdout", "1.5"]) == 1
     assert "--holdout 1.5" in capsys.readouterr().err and not (tmp_path / "p").exists()

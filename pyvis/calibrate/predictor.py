@@ -117,6 +117,7 @@ def _eval_routes(args, traces: list[Trace], n_layer: int, n_expert: int) -> tupl
     fit_routes = routes_of(traces)
     if args.eval_trace or args.eval_corpus:
         if args.eval_trace:
+            _refuse_same_traces(args.trace or [], args.eval_trace)
             ev, src = traces_from_files(args.eval_trace)
         else:
             ev, src = traces_from_corpus(args.model, args.eval_corpus, args.ctx, args.chunks, args.threads,
@@ -129,6 +130,15 @@ def _eval_routes(args, traces: list[Trace], n_layer: int, n_expert: int) -> tupl
         return fit_routes, [], ""
     f, e = split(fit_routes, args.holdout)
     return f, e, f"the last {args.holdout:g} of the calibration tokens"
+
+
+def _refuse_same_traces(cal: list[str], ev: list[str]) -> None:
+    from ..assets import sha256_file
+    seen = {sha256_file(Path(p)): p for p in cal if Path(p).is_file()}
+    for p in ev:
+        if Path(p).is_file() and sha256_file(Path(p)) in seen:
+            raise CalibrationError(f"--eval-trace {p} is the calibration trace {seen[sha256_file(Path(p))]}: "
+                                   "evaluate on routing the tables never saw")
 
 
 def _json_safe(x):
