@@ -8,8 +8,14 @@
 #include <chrono>
 #include <exception>
 
-vis_moe_fetcher::vis_moe_fetcher(int direct_io) : io(1, direct_io) {
-    worker = std::thread([this] { worker_main(); });
+vis_moe_fetcher::vis_moe_fetcher(int n_workers, int direct_io) {
+    for (int i = 0; i < std::max(1, n_workers); ++i) {
+        ios.push_back(std::make_unique<vis_io_pool>(1, direct_io));
+    }
+    for (auto & io : ios) {
+        vis_io_pool * p = io.get();
+        workers.emplace_back([this, p] { worker_main(*p); });
+    }
 }
 
 vis_moe_fetcher::~vis_moe_fetcher() {
@@ -18,7 +24,9 @@ vis_moe_fetcher::~vis_moe_fetcher() {
         stop = true;
     }
     cv_work.notify_all();
-    worker.join();
+    for (auto & w : workers) {
+        w.join();
+    }
 }
 
 void vis_moe_fetcher::submit(std::unique_ptr<vis_fetch_job> job) {
@@ -86,7 +94,7 @@ std::vector<std::unique_ptr<vis_fetch_job>> vis_moe_fetcher::collect(int il, int
     return out;
 }
 
-void vis_moe_fetcher::worker_main() {
+void vis_moe_fetcher::worker_main(vis_io_pool & io) {
     for (;;) {
         std::unique_ptr<vis_fetch_job> job;
         {

@@ -68,7 +68,8 @@ struct vis_fetch_done {
 
 class vis_moe_fetcher {
 public:
-    explicit vis_moe_fetcher(int direct_io);
+    // n_workers jobs read at a time (each its own positioned reads: a queue depth of n_workers)
+    vis_moe_fetcher(int n_workers, int direct_io);
     ~vis_moe_fetcher();  // finishes the jobs in flight (they write memory the context owns)
     vis_moe_fetcher(const vis_moe_fetcher &) = delete;
     vis_moe_fetcher & operator=(const vis_moe_fetcher &) = delete;
@@ -86,9 +87,9 @@ public:
     void demand_end();
 
 private:
-    void worker_main();
+    void worker_main(vis_io_pool & io);
 
-    vis_io_pool io;  // one thread: the worker's own reads
+    std::vector<std::unique_ptr<vis_io_pool>> ios;  // one per worker, one thread each: its own reads
     std::mutex mtx;
     std::condition_variable cv_work, cv_done;
     std::deque<std::unique_ptr<vis_fetch_job>>  queue;
@@ -96,7 +97,7 @@ private:
     std::vector<int> in_flight;  // per layer: submitted, not finished
     int  demand = 0;             // demand reads running
     bool stop = false;
-    std::thread worker;
+    std::vector<std::thread> workers;
 };
 
 // Read expert e of layer il in the background into the policy's victim slot (evicted first), held until

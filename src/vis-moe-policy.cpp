@@ -5,7 +5,8 @@ namespace {
 
 class lru_policy final : public vis_moe_policy {
 public:
-    explicit lru_policy(int n_slots) : last_use(n_slots, 0), spec_left(n_slots, 0), filled(n_slots, false), held(n_slots, false) {}
+    explicit lru_policy(int n_slots)
+        : last_use(n_slots, 0), last_touch(n_slots, 0), spec_left(n_slots, 0), filled(n_slots, false), held(n_slots, false) {}
 
     const char * name() const override { return "lru"; }
 
@@ -13,6 +14,7 @@ public:
 
     void touch(int s) override {
         last_use[s]  = ++tick;
+        last_touch[s] = tick;
         spec_left[s] = 0;
         filled[s]    = true;
     }
@@ -46,7 +48,7 @@ public:
         if (!filled[s]) {
             return vis_slot_class::EMPTY;
         }
-        if (last_use[s] >= pass_start) {
+        if (last_touch[s] >= pass_start) {
             return vis_slot_class::REQUIRED;
         }
         return spec_left[s] > 0 ? vis_slot_class::SPECULATIVE : vis_slot_class::EXPIRED;
@@ -76,7 +78,8 @@ public:
     }
 
 private:
-    std::vector<uint64_t> last_use;   // tick of the last touch
+    std::vector<uint64_t> last_use;   // tick of the last touch or fill ahead (recency)
+    std::vector<uint64_t> last_touch; // tick of the last touch (a pass used it)
     std::vector<int>      spec_left;  // steps of protection left (Speculative)
     std::vector<bool>     filled;
     std::vector<bool>     held;       // filled in the background: never a victim

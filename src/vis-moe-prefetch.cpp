@@ -56,18 +56,19 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
             ls.pred      = top;
             ls.pred_step = cur_step;
         }
-        // the predicted experts already resident are not victims of the reads below
+        // best first; a resident expert is kept from the victims of the reads for the experts ranked below it
         std::vector<int> held;
         for (int e : top) {
             const int s = L.slot_of[e];
-            if (s >= 0 && L.policy->slot_class(s) != vis_slot_class::REQUIRED) {
-                L.policy->hold(s, true);
-                held.push_back(s);
+            if (s >= 0) {
+                if (L.policy->slot_class(s) != vis_slot_class::REQUIRED) {
+                    L.policy->hold(s, true);
+                    held.push_back(s);
+                }
+                continue;
             }
-        }
-        for (int e : top) {
-            if (L.slot_of[e] >= 0 || std::find(L.expert_of.begin(), L.expert_of.end(), e) != L.expert_of.end()) {
-                continue;  // resident, or already being read
+            if (std::find(L.expert_of.begin(), L.expert_of.end(), e) != L.expert_of.end()) {
+                continue;  // already being read
             }
             const vis_fetch_result r = vis_moe_fetch_submit(vm, L, T, e, true);
             if (r == VIS_FETCH_NO_SLOT) {
@@ -181,7 +182,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
     vm.prefetch = std::make_unique<vis_moe_prefetcher>(s.predict, vis_moe_predictor_make(mode, n_expert, s.predict.lookahead),
                                                        (int) vm.layers.size(), budget);
     if (!vm.fetch) {
-        vm.fetch = std::make_unique<vis_moe_fetcher>(s.tier.direct_io);
+        vm.fetch = std::make_unique<vis_moe_fetcher>(s.tier.io_threads, s.tier.direct_io);
     }
     LLAMA_LOG_INFO("vis-moe: prefetch (exact): --moe-predict %s, lookahead %d layer%s, budget %d experts per layer and "
                    "step, self-tuning %s; decode steps\n", vm.prefetch->name(), s.predict.lookahead,

@@ -287,7 +287,7 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
     }
     vm.sub = std::make_unique<vis_moe_substitute>(s.sub, model, managed);
     if (file_store) {
-        vm.fetch = std::make_unique<vis_moe_fetcher>(s.tier.direct_io);
+        vm.fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
     }
     const auto & u = s.sub;
     char tae[48];

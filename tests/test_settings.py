@@ -12,7 +12,7 @@ import pytest
 
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
-from pyvis.runtime.settings import MoeParams, SubParams, TierParams, applied
+from pyvis.runtime.settings import MoeParams, PredictParams, SubParams, TierParams, applied
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "const char *": ctypes.c_char_p}
@@ -49,7 +49,8 @@ def test_the_mirror_is_the_header():
 
 def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
-    fields = [f.name for cls in (MoeParams, TierParams, SubParams) for f in __import__("dataclasses").fields(cls)]
+    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams)
+              for f in __import__("dataclasses").fields(cls)]
     assert {settings.flag_of(f) for f in fields} == set(rows) - {"--moe-stream-passes", "--moe-pin-mib"}   # env/flag only
     assert all(rows[n].env.startswith("VIS_MOE_") and rows[n].help for n in rows)
 

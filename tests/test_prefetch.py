@@ -1,0 +1,237 @@
+"""Lookahead prediction and prefetch (issue #16, docs/prediction.md).
+
+Prefetch changes only *when* expert bytes arrive: logits are byte-identical with every predictor on or off, at
+every cache size down to one slot per layer, on every fixture architecture, with one sequence and with several
+decoding in one batch.  The reads ahead really happen (counted), the stats agree with the --moe-stats table,
+bad values are clear errors, and the store without a file tier says prefetch is off.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from pyvis import fixtures as fx
+from pyvis.runtime import moe
+from pyvis.runtime import native as _native
+from pyvis.runtime.native import VisError
+from pyvis.runtime.settings import MoeParams, PredictParams, TierParams, applied
+from conftest import run
+
+ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral"]
+PREDICTORS = ["next-router", "coact", "freq", "random"]
+PROMPT = "Reading experts ahead of need must not change a single bit of the output."
+N_DECODE = 10
+KW = dict(n_ctx=256, n_batch=512, n_ubatch=512, logits_all=True, n_threads=2, verbose=False, seed=1)
+
+
+def _run(path, **moe_kw):
+    llm = moe.load(path, **moe_kw, **KW) if moe_kw else _native.llama_cpp.Llama(str(path), **KW)
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    for _ in range(N_DECODE):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return np.array(llm.scores[: llm.n_tokens], copy=True), llm
+
+
+def _same(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _configs(spec, predictor):
+    k = spec.n_expert_used
+    out = [
+        dict(slots=1),                                           # one slot per layer: k passes a step
+        dict(slots=k, lookahead=2, io_threads=1),                # exactly top-k, two layers ahead
+        dict(slots=min(k + 2, spec.n_expert - 1), host_mib=1, direct_io="off"),  # host tier, buffered reads
+    ]
+    if predictor == "random":                                    # mostly wrong: many reads ahead wasted
+        out.append(dict(slots=max(1, k - 1), lookahead=3, prefetch_budget=spec.n_expert, prefetch_tune=False))
+    return out
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_prefetch_is_byte_identical(fixture_dir, name):
+    spec = fx.FIXTURES[name]()
+    path = fixture_dir / f"{name}.gguf"
+    ref, _ = _run(path)
+    for predictor in PREDICTORS:
+        issued = 0
+        for cfg in _configs(spec, predictor):
+            logits, llm = _run(path, predict=predictor, **cfg)
+            assert _same(logits, ref), (predictor, cfg)
+            st = moe.prefetch_stats(llm)
+            issued += st["n_issued"]
+            # every read ahead is accounted for once: used, wasted or cancelled before it started
+            assert st["n_used"] + st["n_wasted"] + st["n_cancelled"] == st["n_issued"], (predictor, cfg, st)
+            assert 0 <= st["n_pred_hits"] <= min(st["n_predicted"], st["n_routed"]), st
+            del llm
+        assert issued > 0, predictor   # the comparison is not vacuous: bytes did arrive ahead of need
+
+
+def test_prediction_off_reads_nothing_ahead(fixture_dir):
+    spec = fx.FIXTURES["qwen3moe"]()
+    _, llm = _run(fixture_dir / "qwen3moe.gguf", slots=spec.n_expert_used)
+    st = moe.prefetch_stats(llm)
+    assert st["n_issued"] == 0 and st["n_steps"] == 0
+
+
+# ---------------------------------------------------------------------------
+# several sequences decoding in one batch: concurrent demand reads and reads ahead, random predictions
+# ---------------------------------------------------------------------------
+SEQ_PROMPTS = [b"The first sequence talks about caches", b"A second one, about disks and pages",
+               b"Third: routers, experts and slots of memory"]
+
+
+def _parallel_logits(path, steps=16, moe_kw=None, pred_kw=None):
+    """Prefill three sequences, then decode them together (one token each per batch); the logits of every step."""
+    import llama_cpp as L
+    cm = applied(MoeParams(**moe_kw.get("moe", {})), TierParams(**moe_kw.get("tier", {})),
+                 predict=PredictParams(**(pred_kw or {}))) if moe_kw else contextlib.nullcontext()
+    with cm:
+        mp = L.llama_model_default_params()
+        model = L.llama_model_load_from_file(str(path).encode(), mp)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_threads, cp.n_threads_batch, cp.n_seq_max = 512, 2, 2, len(SEQ_PROMPTS)
+        ctx = L.llama_init_from_model(model, cp)
+    assert model and ctx
+    vocab = L.llama_model_get_vocab(model)
+    nv = L.llama_vocab_n_tokens(vocab)
+    b = L.llama_batch_init(256, 0, len(SEQ_PROMPTS))
+    out, pos, last = [], [], []
+    try:
+        for s, p in enumerate(SEQ_PROMPTS):
+            toks = (L.llama_token * 64)()
+            n = L.llama_tokenize(vocab, p, len(p), toks, 64, True, False)
+            for i in range(n):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = toks[i], i, 1, int(i == n - 1)
+                b.seq_id[i][0] = s
+            b.n_tokens = n
+            assert L.llama_decode(ctx, b) == 0
+            pos.append(n)
+            last.append(int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), (nv,)))))
+        for _ in range(steps):
+            for s in range(len(SEQ_PROMPTS)):
+                b.token[s], b.pos[s], b.n_seq_id[s], b.logits[s] = last[s], pos[s], 1, 1
+                b.seq_id[s][0] = s
+                pos[s] += 1
+            b.n_tokens = len(SEQ_PROMPTS)
+            assert L.llama_decode(ctx, b) == 0
+            rows = np.array([np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, s), (nv,)).copy()
+                             for s in range(len(SEQ_PROMPTS))])
+            out.append(rows)
+            last = [int(np.argmax(r)) for r in rows]
+        st = _native.prefetch_stats(ctx) if moe_kw else None
+        return np.array(out), st
+    finally:
+        L.llama_batch_free(b)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
+def test_parallel_sequences_with_random_predictions(fixture_dir, name):
+    """A stress test: three sequences per decode step, random predictions with a large budget, tiny caches, every
+    distance up to 4 layers ahead.  No deadlock (the suite's timeout), no use-after-evict (bit-identical logits)."""
+    spec = fx.FIXTURES[name]()
+    path = fixture_dir / f"{name}.gguf"
+    ref, _ = _parallel_logits(path)
+    k = spec.n_expert_used
+    issued = steps = 0
+    # one slot: 3 tokens x k experts need more passes than --moe-stream-passes, so layers stream while reads
+    # ahead are held in their slots
+    for slots, la, tier in ((1, 4, {}), (max(1, k // 2), 4, {}), (k, 2, {"host_mib": 1}),
+                            (k + 1, 3, {"io_threads": 1, "direct_io": "off"})):
+        got, st = _parallel_logits(path, moe_kw={"moe": {"slots": slots}, "tier": tier},
+                                   pred_kw=dict(predict="random", lookahead=la, prefetch_budget=spec.n_expert,
+                                                prefetch_tune=False))
+        assert _same(got, ref), (slots, la, tier)
+        issued, steps = issued + st["n_issued"], steps + st["n_steps"]
+    assert issued > 0 and steps > 0
+
+
+# ---------------------------------------------------------------------------
+# self-tuning, stats table, errors
+# ---------------------------------------------------------------------------
+def _cli(bindir, model, *extra, n=16):
+    r = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", str(n), "-st", "--temp", "0", "-c", "256",
+             "-t", "2", "--no-warmup", "-lv", "4", *extra], timeout=180)   # -lv 4: the info lines
+    return r, r.stdout + r.stderr
+
+
+def _prefetch_rows(out: str) -> dict[str, list[float]]:
+    """The --moe-stats prefetch table: label -> its numbers (steps, recall%, prec%, issued, used, wasted, late,
+    cancel, MiB read, MiB waste, wait ms, saved ms, off, on)."""
+    lines = out.splitlines()
+    i = next(j for j, ln in enumerate(lines) if "vis-moe: prefetch (--moe-predict" in ln)
+    rows = {}
+    for ln in lines[i + 2:]:
+        f = ln.split()
+        if len(f) != 16 or f[0] != "vis-moe:":
+            break
+        rows[f[1]] = [float(x.rstrip("%")) for x in f[2:]]
+    return rows
+
+
+def test_self_tuning_switches_wasteful_layers_off(bindir, fixture_dir):
+    """Random predictions with a budget of every expert waste far more than they use: with tuning on, layers
+    pause (off steps > 0) and read less than with tuning off; the output stays the same."""
+    spec = fx.FIXTURES["qwen3moe"]()
+    model = fixture_dir / "qwen3moe.gguf"
+    base = ["--moe-slots", str(spec.n_expert_used + 2), "--moe-stats", "--moe-predict", "random",
+            "--moe-prefetch-budget", str(spec.n_expert)]
+    r_on, on = _cli(bindir, model, *base, n=40)
+    r_off, off = _cli(bindir, model, *base, "--moe-prefetch-tune", "off", n=40)
+    assert r_on.returncode == 0 and r_off.returncode == 0, on[-2000:] + off[-2000:]
+    t_on, t_off = _prefetch_rows(on)["total"], _prefetch_rows(off)["total"]
+    assert t_on[12] > 0, t_on          # off steps
+    assert t_off[12] == 0, t_off
+    assert t_on[3] < t_off[3], (t_on, t_off)  # fewer reads ahead issued
+    gen = lambda o: o[o.find("> " + PROMPT[:20]):o.find("[ Prompt:")]
+    assert gen(on) == gen(off) and len(gen(on)) > len(PROMPT)
+
+
+def test_stats_table_matches_the_api(fixture_dir, bindir):
+    spec = fx.FIXTURES["deepseek2"]()
+    model = fixture_dir / "deepseek2.gguf"
+    r, out = _cli(bindir, model, "--moe-slots", str(spec.n_expert_used), "--moe-stats", "--moe-predict", "coact")
+    assert r.returncode == 0, out[-2000:]
+    rows = _prefetch_rows(out)
+    assert "total" in rows and len(rows) >= 2
+    per_layer = [v for k, v in rows.items() if k != "total"]
+    for col in (0, 3, 4, 5, 6, 7):   # steps, issued, used, wasted, late, cancel add up to the total
+        assert sum(v[col] for v in per_layer) == rows["total"][col], col
+    t = rows["total"]
+    assert t[3] == t[4] + t[5] + t[7], t      # issued = used + wasted + cancelled
+    assert "prefetch (exact): --moe-predict coact, lookahead 1" in out
+    _, llm = _run(model, slots=spec.n_expert_used, predict="coact")
+    api = moe.prefetch_stats(llm)
+    assert api["n_steps"] > 0 and api["n_predicted"] == api["n_steps"] * spec.n_expert_used
+
+
+def test_model_store_and_auto_say_prefetch_is_off(bindir, fixture_dir):
+    model = fixture_dir / "qwen3moe.gguf"
+    r, out = _cli(bindir, model, "--moe-slots", "8", "--moe-store", "model", "--moe-predict", "next-router", n=2)
+    assert r.returncode == 0 and "--moe-predict next-router: off, the experts are not read from the file" in out
+    r, out = _cli(bindir, model, "--moe-slots", "8", "--moe-predict", "auto", n=2)
+    assert r.returncode == 0 and "--moe-predict auto: off" in out
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--moe-predict", "oracle", "expected off, next-router, coact, freq, random or auto"),
+    ("--moe-lookahead", "0", "expected an integer in 1..4"),
+    ("--moe-lookahead", "5", "expected an integer in 1..4"),
+    ("--moe-prefetch-budget", "0", "expected an integer in 1..65536 (or auto)"),
+    ("--moe-prefetch-budget", "8x", "expected an integer in 1..65536 (or auto)"),
+    ("--moe-prefetch-tune", "maybe", "expected on or off"),
+])
+def test_bad_values_are_clear_errors(bindir, fixture_dir, flag, value, expect):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "8", flag, value, n=1)
+    assert r.returncode != 0 and flag in out and expect in out, out[-1500:]
+
+
+def test_bad_values_through_python(fixture_dir):
+    with pytest.raises(VisError, match="--moe-lookahead"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="coact", lookahead=9, **KW)
+    with pytest.raises(VisError, match="--moe-predict"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="psychic", **KW)
