@@ -474,6 +474,10 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (s.predict.on() && !hp.no_alloc) {
         vis_moe_prefetch_attach(*vm, model, s, ap.any_deferred);
     }
+    vm->stream_ahead = s.stream_ahead && s.stream_passes > 0 && ap.any_deferred && vm->n_managed > 0 && !hp.no_alloc;
+    if (vm->stream_ahead && !vm->fetch) {
+        vm->fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
+    }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {
             if (t->buffer && std::strstr(ggml_backend_buffer_name(t->buffer), "REPACK")) {

@@ -140,6 +140,8 @@ struct vis_moe_context {
     int64_t n_streamed = 0, bytes_streamed = 0;
     int     stream_passes = 8;      // a ubatch that would need more passes than this in a layer streams it
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
+    bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
+    int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
 
     // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <exception>
 
+#include <fcntl.h>
+
 vis_moe_fetcher::vis_moe_fetcher(int n_workers, int direct_io) {
     for (int i = 0; i < std::max(1, n_workers); ++i) {
         ios.push_back(std::make_unique<vis_io_pool>(1, direct_io));
@@ -36,6 +38,19 @@ void vis_moe_fetcher::submit(std::unique_ptr<vis_fetch_job> job) {
             in_flight.resize(job->il + 1, 0);
         }
         in_flight[job->il]++;
+        queue.push_back(std::move(job));
+    }
+    cv_work.notify_one();
+}
+
+void vis_moe_fetcher::read_ahead(std::vector<vis_fetch_job::range> ranges) {
+    if (ranges.empty()) {
+        return;
+    }
+    auto job = std::make_unique<vis_fetch_job>();
+    job->advise = std::move(ranges);
+    {
+        std::lock_guard<std::mutex> lock(mtx);
         queue.push_back(std::move(job));
     }
     cv_work.notify_one();
@@ -108,6 +123,12 @@ void vis_moe_fetcher::worker_main(vis_io_pool & io) {
             job = std::move(queue.front());
             queue.pop_front();
             job->started = true;
+        }
+        if (!job->advise.empty()) {
+            for (const auto & r : job->advise) {
+                posix_fadvise(r.fd, r.off, r.len, POSIX_FADV_WILLNEED);  // a hint: its failure changes nothing
+            }
+            continue;
         }
         try {
             job->reqs.front().src->file->check_unchanged();

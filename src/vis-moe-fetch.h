@@ -39,6 +39,13 @@ struct vis_fetch_job {
     // asynchronous upload (discrete GPU with events): the worker issues `copies` after the read; `event`
     // completes when they did
     vis_moe_uploader *           upload = nullptr;
+    // a read-ahead hint instead of a read (il = -1): file ranges the kernel reads into the page cache
+    struct range {
+        int   fd;
+        off_t off;
+        off_t len;
+    };
+    std::vector<range> advise;
     std::vector<vis_upload_copy> copies;
     ggml_backend_event_t         event  = nullptr;
 
@@ -75,6 +82,9 @@ public:
     vis_moe_fetcher & operator=(const vis_moe_fetcher &) = delete;
 
     void submit(std::unique_ptr<vis_fetch_job> job);
+    // ask the kernel to read these ranges into the page cache (posix_fadvise WILLNEED), from a worker: the
+    // caller does not wait for the submission of the reads; nothing to collect
+    void read_ahead(std::vector<vis_fetch_job::range> ranges);
     // the jobs of layer il, all finished (waits for those in flight); waited_us: how long it waited
     std::vector<std::unique_ptr<vis_fetch_job>> collect(int il, int64_t & waited_us);
     // jobs of layer il submitted and not collected

@@ -145,6 +145,27 @@ static void stream_advise(const vis_moe_layer & L, bool before) {
     }
 }
 
+// Prefill read-ahead: while this streamed layer computes, the kernel reads the next managed layer's experts into the
+// page cache (a worker submits the hint; the compute thread does not wait), so that layer's faults find them there
+static void read_next_layer_ahead(vis_moe_context & vm, int il) {
+    for (int T = il + 1; T < (int) vm.layers.size(); ++T) {
+        const vis_moe_layer & L = vm.layers[T];
+        if (!L.managed) {
+            continue;
+        }
+        std::vector<vis_fetch_job::range> ranges;
+        for (const vis_deferred_tensor * f : L.file) {
+            if (f) {
+                ranges.push_back({ f->file->fd, (off_t) f->offs, (off_t) (f->nb2 * (size_t) f->n_expert) });
+                vm.bytes_stream_ahead += ranges.back().len;
+            }
+        }
+        vm.n_stream_ahead++;
+        vm.fetch->read_ahead(std::move(ranges));
+        return;
+    }
+}
+
 void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * weights, int ith, int nth,
                        void * userdata) {
     (void) nth;
@@ -174,6 +195,9 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         }
         stream_advise(L, true);
         vm.ub_streamed = true;
+        if (vm.stream_ahead) {
+            read_next_layer_ahead(vm, a.ud.il);
+        }
     }, [&](int64_t j) { return ids[j]; });
 }
 

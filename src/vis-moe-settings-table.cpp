@@ -136,6 +136,11 @@ const flag_row ROWS[] = {
       "through the mapping instead (prefill streaming; 0 = never; default: 8)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_passes = (int32_t) parse_int(w, v, 0, MAX_STREAM, " (0 = never)"); } },
+    { "--moe-stream-ahead", "VIS_MOE_STREAM_AHEAD", "on|off",
+      "vis-moe: while a streamed layer computes, have the kernel read the next managed layer's experts into the\n"
+      "page cache from a background thread (prefill read-ahead; default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.stream_ahead = parse_switch(w, v, false); } },
     { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|auto",
       "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
       "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
@@ -265,6 +270,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-direct-io",     t.direct_io,  -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-unified",       t.unified,    -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-mlock",         t.mlock,       0, 1, "");
+    range("--moe-stream-ahead",  s.stream_ahead, 0, 1, "");
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");

@@ -33,7 +33,7 @@ enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
-    if (n == "--moe-stream-passes") return G_STREAM;
+    if (n == "--moe-stream-passes" || n == "--moe-stream-ahead") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     if (n == "--moe-predict" || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
@@ -90,6 +90,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_STREAM) {
         s.stream_passes = o.stream_passes;
+        s.stream_ahead  = o.stream_ahead;
     }
     if (groups & G_SUB) {
         s.sub = o.sub;

@@ -55,6 +55,7 @@ struct vis_moe_settings {
     llama_vis_moe_tier_params tier   = {};
     std::string trace_path;                 // routing trace file, "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
+    int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
     vis_moe_predict_settings predict;       // --moe-predict, --moe-lookahead, --moe-prefetch-*

@@ -221,8 +221,10 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                  io.model_copies);
     if (io.streamed > 0) {
         std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) read through the mapping by "
-                             "ubatches needing more than %d passes, pages dropped after each layer\n",
-                     io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes);
+                             "ubatches needing more than %d passes, pages dropped after each layer; %" PRId64
+                             " layers (%.2f MiB) read ahead while the layer before them computed\n",
+                     io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes, vm.n_stream_ahead,
+                     vm.bytes_stream_ahead / 1048576.0);
     }
     std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
                          "peak RSS %.2f MiB, major faults %" PRId64 "\n",
@@ -330,6 +332,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     }
     vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
     vm->n_streamed = vm->bytes_streamed = 0;
+    vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
     if (vm->io) {
         vm->io->reset_counters();
     }

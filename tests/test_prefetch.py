@@ -235,3 +235,17 @@ def test_bad_values_through_python(fixture_dir):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="coact", lookahead=9, **KW)
     with pytest.raises(VisError, match="--moe-predict"):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="psychic", **KW)
+
+
+def test_prefill_read_ahead_of_streamed_layers(bindir, fixture_dir):
+    """A prompt that streams its layers (one slot: more passes than --moe-stream-passes) has each next managed layer
+    read ahead while the one before computes; off, nothing is; the text is the same either way."""
+    model = fixture_dir / "qwen3moe.gguf"
+    outs = {}
+    for mode in ("on", "off"):
+        r, out = _cli(bindir, model, "--moe-slots", "1", "--moe-stats", "--moe-stream-ahead", mode, n=4)
+        assert r.returncode == 0, out[-2000:]
+        line = next(ln for ln in out.splitlines() if "vis-moe: prefill streaming:" in ln)
+        outs[mode] = (int(line.split("; ")[1].split()[0]), out[out.find("> " + PROMPT[:20]):out.find("[ Prompt:")])
+    assert outs["on"][0] > 0 and outs["off"][0] == 0, outs
+    assert outs["on"][1] == outs["off"][1]
