@@ -153,9 +153,19 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         mm = re.findall(pat, out)
         if mm:
             r[key] = int(mm[-1])
-    mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+%", out)  # the cache table's total row
+    # the cache table's total row: routed, hits, misses, hit%, MiB loaded, stall ms
+    mm = re.findall(r"vis-moe: total\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+%\s+[\d.]+\s+([\d.]+)", out)
     if mm:
-        r["routed"], r["hits"], r["misses"] = map(int, mm[-1])
+        r["routed"], r["hits"], r["misses"] = map(int, mm[-1][:3])
+        r["stall_ms"] = float(mm[-1][3])
+    # the prefetch table's total row: steps, recall%, prec%, issued, used, wasted, late, cancel, MiB read, MiB
+    # waste, wait ms, saved ms, off, on
+    mm = re.findall(r"vis-moe: total\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%((?:\s+[\d.]+){11})\s*$", out, re.M)
+    if mm:
+        c = mm[-1][3].split()
+        r.update(pf_recall=float(mm[-1][1]), pf_prec=float(mm[-1][2]), pf_issued=int(c[0]), pf_used=int(c[1]),
+                 pf_wasted=int(c[2]), pf_late=int(c[3]), pf_cancel=int(c[4]), pf_mib_read=float(c[5]),
+                 pf_wait_ms=float(c[7]), pf_off=int(c[9]))
     mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){15})\s*$", out, re.M)        # the substitution table's
     if mm:
         c = mm[-1].split()

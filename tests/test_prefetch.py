@@ -8,6 +8,7 @@ bad values are clear errors, and the store without a file tier says prefetch is 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 import pytest
@@ -249,3 +250,30 @@ def test_prefill_read_ahead_of_streamed_layers(bindir, fixture_dir):
         outs[mode] = (int(line.split("; ")[1].split()[0]), out[out.find("> " + PROMPT[:20]):out.find("[ Prompt:")])
     assert outs["on"][0] > 0 and outs["off"][0] == 0, outs
     assert outs["on"][1] == outs["off"][1]
+
+
+def test_report_prefetch_reads_the_logs_and_plots(bindir, fixture_dir, tmp_path):
+    from pyvis.testbed import prefetch_report as pr
+    model = fixture_dir / "qwen3moe.gguf"
+    logs = {}
+    for name, extra in (("off", []), ("coact", ["--moe-predict", "coact"])):
+        r, out = _cli(bindir, model, "--moe-slots", "8", "--moe-stats", *extra)
+        assert r.returncode == 0, out[-2000:]
+        logs[name] = tmp_path / f"{name}.log"
+        logs[name].write_text(out)
+    off, on = pr.parse_log(logs["off"].read_text()), pr.parse_log(logs["coact"].read_text())
+    assert off["layers"] == on["layers"] == [0, 1, 2] and not off["prefetch"]
+    assert sorted(on["prefetch"]) == on["layers"]
+    tot = _prefetch_rows(logs["coact"].read_text())["total"]
+    assert sum(v["issued"] for v in on["prefetch"].values()) == tot[3]
+    png = tmp_path / "stall.png"
+    r = run([sys.executable, "-m", "pyvis", "report-prefetch", f"off={logs['off']}", f"coact={logs['coact']}",
+             "-o", png])
+    assert r.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr
+    assert "coact: stall" in r.stdout and "reads ahead used" in r.stdout
+    r = run([sys.executable, "-m", "pyvis", "report-prefetch", str(logs["off"]), "-o", logs["off"]])
+    assert r.returncode == 1 and "is one of the input logs" in r.stderr
+    bare = tmp_path / "bare.log"
+    bare.write_text("no tables here\n")
+    r = run([sys.executable, "-m", "pyvis", "report-prefetch", str(bare)])
+    assert r.returncode == 1 and "run with --moe-stats" in r.stderr
