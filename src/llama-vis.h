@@ -203,6 +203,13 @@ struct llama_vis_moe_prefetch_stats {
     int64_t saved_us;       // estimate: used reads at this context's measured read rate, minus wait_us
     int64_t n_off_steps;    // steps the self-tuning kept the layer's prefetch off (it wasted more than it used)
     int32_t enabled;        // prefetch is on for the layer now
+    // totals only (il = -1): the measured on/off choice of --moe-prefetch-tune (median decode step time of the
+    // last probe with reads ahead on and off; probes decided, and how many chose on; the setting now)
+    int32_t ab_probes;
+    int64_t ab_on_us;
+    int64_t ab_off_us;
+    int32_t ab_chose_on;
+    int32_t ab_running_on;
 };
 // Layer il, or totals with il = -1.  0, or -1 if ctx has no expert cache or il is out of range.
 LLAMA_API int32_t llama_vis_moe_get_prefetch_stats(const struct llama_context * ctx, int32_t il,

@@ -105,6 +105,7 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         }
     }
     if (vm->prefetch) {
+        vm->prefetch->end_ubatch();
         for (auto & L : vm->layers) {
             if (L.managed) {
                 L.policy->end_step();  // speculative horizons count down; unused reads ahead go first

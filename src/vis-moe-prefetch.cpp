@@ -7,6 +7,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace {
 constexpr int TUNE_WINDOW = 16;  // reads ahead judged together
@@ -21,9 +22,24 @@ vis_moe_prefetcher::vis_moe_prefetcher(const vis_moe_predict_settings & s, std::
     }
 }
 
+static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 void vis_moe_prefetcher::begin_ubatch(bool decode_) {
     decode = decode_;
     cur_step++;
+    if (tune) {
+        ab.begin(decode);
+        issuing = ab.on();
+    }
+    t_begin_us = now_us();
+}
+
+void vis_moe_prefetcher::end_ubatch() {
+    if (tune) {
+        ab.end(now_us() - t_begin_us);
+    }
 }
 
 void vis_moe_prefetcher::reset_stats() {
@@ -55,6 +71,9 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
         if (d == 1) {
             ls.pred      = top;
             ls.pred_step = cur_step;
+        }
+        if (!issuing) {
+            continue;  // measured slower with reads ahead: predictions are still scored
         }
         // best first; a resident expert is kept from the victims of the reads for the experts ranked below it
         std::vector<int> held;

@@ -15,12 +15,15 @@
 // when, never what is computed.
 //
 // Self-tuning (--moe-prefetch-tune): per layer, over windows of 16 reads ahead, when more were wasted than used,
-// the layer's prefetch is off for the next 32 steps, then tried again; the stats say how long it was off.
+// the layer's prefetch is off for the next 32 steps, then tried again; the stats say how long it was off.  And
+// globally, measured: decode steps alternate between reads ahead on and off, and the faster setting runs
+// (vis-moe-prefetch-ab.h).
 // Decode steps only (every sequence of the ubatch has one token): a prefill ubatch routes nearly every expert.
 #pragma once
 
 #include "llama-vis.h"
 #include "vis-moe-predict.h"
+#include "vis-moe-prefetch-ab.h"
 #include "vis-moe-settings.h"
 
 #include <cstdint>
@@ -42,8 +45,10 @@ public:
     int  budget() const { return B; }
     bool wants_logits() const { return pred->wants_logits(); }
 
-    // a ubatch starts (decode: every sequence has one token)
+    // a ubatch starts (decode: every sequence has one token) / ended (the measured on/off choice times it)
     void begin_ubatch(bool decode);
+    void end_ubatch();
+    const vis_prefetch_ab::result & ab_result() const { return ab.last(); }
     // the predict op of layer in.il: learn from its routing, then (decode) read ahead for il+1 .. il+W
     void step(vis_moe_context & vm, vis_predict_input & in);
     // pass 0 of layer il, after vis_moe_fetch_collect: score the step's prediction and reads ahead against the
@@ -74,7 +79,10 @@ private:
     int  B;
     bool tune;
     bool decode = false;
+    bool issuing = true;       // reads ahead in this step (the measured choice, vis-moe-prefetch-ab.h)
     uint64_t cur_step = 0;
+    int64_t  t_begin_us = 0;
+    vis_prefetch_ab ab;
     std::vector<layer_state> layers;
     std::vector<float> score;  // scratch
 };

@@ -153,6 +153,12 @@ void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_pref
         tot.n_off_steps += s.n_off_steps;
         tot.enabled += vm.layers[il].managed ? s.enabled : 0;
     }
+    const auto & ab = vm.prefetch->ab_result();
+    tot.ab_probes     = ab.probes;
+    tot.ab_on_us      = ab.median_on_us;
+    tot.ab_off_us     = ab.median_off_us;
+    tot.ab_chose_on   = ab.chose_on;
+    tot.ab_running_on = ab.running_on;
 }
 
 // estimate: the bytes of used reads ahead at this context's demand read rate, less the time waited for them
@@ -183,6 +189,11 @@ static void print_prefetch_stats(const vis_moe_context & vm) {
     llama_vis_moe_prefetch_stats t;
     vis_moe_total_prefetch_stats(vm, t);
     print_prefetch_row(vm, "total", t);
+    if (t.ab_probes > 0) {
+        std::fprintf(stderr, "vis-moe: prefetch measured: last probe %.2f ms per decode step with reads ahead, %.2f ms "
+                             "without; %d of %d probes chose reads ahead; now %s\n", t.ab_on_us / 1000.0,
+                     t.ab_off_us / 1000.0, t.ab_chose_on, t.ab_probes, t.ab_running_on ? "on" : "off");
+    }
 }
 
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {

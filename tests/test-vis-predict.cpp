@@ -9,6 +9,7 @@
 #include "vis-check.h"
 #include "vis-moe-policy.h"
 #include "vis-moe-predict.h"
+#include "vis-moe-prefetch-ab.h"
 
 #include <cmath>
 #include <vector>
@@ -122,7 +123,43 @@ static void test_policy_reads_ahead() {
     CHECK(p->victim() == 0);
 }
 
+// drive the measured choice through one probe: steps with reads ahead take on_us, without off_us
+static void probe(vis_prefetch_ab & ab, int64_t on_us, int64_t off_us, int & n_on, int & n_off) {
+    ab.begin(false);  // a prompt: the next decode step is not timed
+    ab.end(999999);
+    ab.begin(true);
+    ab.end(999999);
+    for (int i = 0; i < 4 * vis_prefetch_ab::EPOCH; ++i) {
+        ab.begin(true);
+        (ab.on() ? n_on : n_off)++;
+        ab.end(ab.on() ? on_us : off_us);
+    }
+}
+
+static void test_measured_choice() {
+    vis_prefetch_ab ab;
+    CHECK(ab.on() && ab.last().running_on == 1 && ab.last().probes == 0);
+    int n_on = 0, n_off = 0;
+    probe(ab, 900, 1000, n_on, n_off);
+    CHECK(n_on == 2 * vis_prefetch_ab::EPOCH && n_off == 2 * vis_prefetch_ab::EPOCH);  // alternating epochs
+    CHECK(ab.last().probes == 1 && ab.last().chose_on == 1 && ab.on());
+    CHECK(ab.last().median_on_us == 900 && ab.last().median_off_us == 1000);
+    // the run: RUN decode steps with the choice, prefill steps do not count, then a new probe
+    for (int i = 0; i < vis_prefetch_ab::RUN; ++i) {
+        ab.begin(true);
+        CHECK(ab.on());
+        ab.end(1);
+    }
+    n_on = n_off = 0;
+    probe(ab, 990, 1000, n_on, n_off);  // 1 % faster: within the margin, off wins
+    CHECK(ab.last().probes == 2 && ab.last().chose_on == 1 && !ab.on() && ab.last().running_on == 0);
+    ab.begin(true);
+    CHECK(!ab.on());
+    ab.end(1);
+}
+
 int main() {
+    test_measured_choice();
     test_top_and_recall();
     test_coact();
     test_freq();

@@ -329,6 +329,13 @@ def llama_vis_moe_get_sub_stats(ctx, il: int, out) -> int:
 #     int64_t saved_us;       // estimate: used reads at this context's measured read rate, minus wait_us
 #     int64_t n_off_steps;    // steps the self-tuning kept the layer's prefetch off (it wasted more than it used)
 #     int32_t enabled;        // prefetch is on for the layer now
+#     // totals only (il = -1): the measured on/off choice of --moe-prefetch-tune (median decode step time of the
+#     // last probe with reads ahead on and off; probes decided, and how many chose on; the setting now)
+#     int32_t ab_probes;
+#     int64_t ab_on_us;
+#     int64_t ab_off_us;
+#     int32_t ab_chose_on;
+#     int32_t ab_running_on;
 # };
 class llama_vis_moe_prefetch_stats(ctypes.Structure):
     _fields_ = [
@@ -347,6 +354,11 @@ class llama_vis_moe_prefetch_stats(ctypes.Structure):
         ("saved_us", ctypes.c_int64),
         ("n_off_steps", ctypes.c_int64),
         ("enabled", ctypes.c_int32),
+        ("ab_probes", ctypes.c_int32),
+        ("ab_on_us", ctypes.c_int64),
+        ("ab_off_us", ctypes.c_int64),
+        ("ab_chose_on", ctypes.c_int32),
+        ("ab_running_on", ctypes.c_int32),
     ]
 
 
