@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT_FIXTURES = ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"]
 
 
+LOGITS_KW = dict(n_ctx=256, n_batch=512, n_ubatch=512, logits_all=True, n_threads=2, verbose=False, seed=1)
+
+
+def greedy_logits(path, prompt: str, n_decode: int, **moe_kw):
+    """Logits of a prompt and n_decode greedy steps, and the Llama: through pyvis.moe.load with these --moe-*
+    keywords, or upstream's path without any."""
+    import numpy as np
+    from pyvis.runtime import moe, native
+    llm = moe.load(path, **moe_kw, **LOGITS_KW) if moe_kw else native.llama_cpp.Llama(str(path), **LOGITS_KW)
+    llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
+    for _ in range(n_decode):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return np.array(llm.scores[: llm.n_tokens], copy=True), llm
+
+
 @pytest.fixture(scope="session")
 def bindir() -> Path:
     return _paths.lib_dir()

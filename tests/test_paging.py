@@ -22,20 +22,16 @@ from pyvis.runtime import moe
 from pyvis.runtime import native as _native
 from pyvis.runtime.settings import MoeParams, applied
 from pyvis import fixtures as fx
-from conftest import MEDIUM, run
+from conftest import LOGITS_KW, MEDIUM, greedy_logits, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"]
 PROMPT = "Paging experts from the file must not change a single bit of the output."
 N_DECODE = 5
-KW = dict(n_ctx=256, n_batch=512, n_ubatch=512, logits_all=True, n_threads=2, verbose=False, seed=1)
+KW = LOGITS_KW
 
 
 def _run(path, **moe_kw):
-    llm = moe.load(path, **moe_kw, **KW) if moe_kw else _native.llama_cpp.Llama(str(path), **KW)
-    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
-    for _ in range(N_DECODE):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    return np.array(llm.scores[: llm.n_tokens], copy=True), llm
+    return greedy_logits(path, PROMPT, N_DECODE, **moe_kw)
 
 
 @pytest.fixture(scope="module")
