@@ -224,7 +224,7 @@ LLAMA_API int32_t llama_vis_moe_get_prefetch_stats(const struct llama_context * 
 LLAMA_API int32_t llama_vis_moe_router_hash(const struct llama_model * model, uint64_t * out);
 
 // ---------------------------------------------------------------------------
-// Paging tiers (src/vis-moe-store.cpp, src/vis-moe-plan.cpp, docs/paging.md)
+// Paging tiers (src/vis-moe-host-cache.cpp, src/vis-moe-io-pool.cpp, src/vis-moe-plan.cpp, docs/paging.md)
 //
 //   tier 1  the slabs above (device memory; host memory on CPU / Jetson)
 //   tier 2  a host-RAM expert cache with its own byte budget and LRU

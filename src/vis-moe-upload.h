@@ -20,7 +20,7 @@
 // unchanged until its event completed: the owner of the event waits before releasing or reusing them.
 #pragma once
 
-#include "vis-moe-store.h"  // vis_alloc_pinned
+#include "vis-moe-host-cache.h"  // vis_alloc_pinned
 
 #include "ggml.h"
 #include "ggml-backend.h"

@@ -1,0 +1,176 @@
+// vis-moe-deferred.cpp - deferral at model load and the registry of deferred expert tensors: which tensors are
+// deferred, the GGUF file each one is read from (opened once per file, checked for changes), its offsets.
+#include "vis-moe-deferred.h"
+#include "vis-moe-settings.h"
+
+#include "llama-model-loader.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+// ---------------------------------------------------------------------------
+// deferral at model load
+// ---------------------------------------------------------------------------
+namespace {
+struct load_state {
+    const void *     loader  = nullptr;
+    bool             fits    = false;  // --moe-mem: the whole model fits the budget, nothing is deferred
+    int              last_bid = -1;
+    std::vector<int> moe_bids;  // layers with routed-expert tensors seen so far, in order
+};
+std::mutex                                                             g_store_mutex;
+load_state                                                             g_load;
+std::map<const ggml_tensor *, std::unique_ptr<vis_deferred_tensor>>    g_deferred;
+std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<vis_gguf_file>>  g_files;  // (dev, ino) -> open file
+}
+
+static const char * const VIS_EXPS_SUFFIX[] = {
+    ".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight", ".ffn_gate_up_exps.weight",
+};
+
+static bool is_routed_expert_weight(const char * name) {
+    if (std::strncmp(name, "blk.", 4) != 0) {
+        return false;
+    }
+    for (const char * suf : VIS_EXPS_SUFFIX) {
+        const size_t n = std::strlen(name), m = std::strlen(suf);
+        if (n > m && std::strcmp(name + n - m, suf) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64_t n_expert) {
+    if (bid < 0 || !is_routed_expert_weight(name)) {
+        return false;
+    }
+    int n_pinned = 0;
+    if (!vis_moe_settings_deferral(n_pinned, n_expert)) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(g_store_mutex);
+    if (g_load.loader != loader || bid < g_load.last_bid) {
+        g_load = {};  // a new model load starts
+        g_load.loader = loader;
+        g_load.fits   = vis_moe_settings_model_fits((int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes);
+    }
+    if (g_load.fits) {
+        return false;  // upstream's load, unchanged (repacking included)
+    }
+    g_load.last_bid = bid;
+    if (g_load.moe_bids.empty() || g_load.moe_bids.back() != bid) {
+        g_load.moe_bids.push_back(bid);
+    }
+    const int moe_index = (int) g_load.moe_bids.size() - 1;
+    return n_pinned >= 0 && moe_index >= n_pinned;
+}
+
+vis_gguf_file::~vis_gguf_file() {
+    if (fd >= 0) {
+        close(fd);
+    }
+    if (fd_direct >= 0) {
+        close(fd_direct);
+    }
+}
+
+static int64_t stat_mtime_ns(const struct stat & st) {
+    return (int64_t) st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+}
+
+static int64_t stat_ctime_ns(const struct stat & st) {
+    return (int64_t) st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+}
+
+void vis_gguf_file::check_unchanged() const {
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        throw vis_io_error("vis-moe: cannot stat " + path + ": " + std::strerror(errno));
+    }
+    // an in-place rewrite may keep the size and restore the mtime, but it always moves the ctime
+    const char * what = (uint64_t) st.st_size != size ? "size"
+                      : stat_mtime_ns(st) != mtime_ns  ? "modification time"
+                      : stat_ctime_ns(st) != ctime_ns  ? "change time (rewritten in place)"
+                      : (uint64_t) st.st_ino != ino    ? "inode" : nullptr;
+    if (what) {
+        throw vis_io_error("vis-moe: " + path + " changed since the model was loaded (" + what + ": size " +
+                           std::to_string(size) + " -> " + std::to_string((uint64_t) st.st_size) +
+                           " bytes); experts read now would not match the loaded model - restart with the intended file");
+    }
+}
+
+static std::shared_ptr<vis_gguf_file> open_gguf_file(int loader_fd) {
+    struct stat st;
+    if (fstat(loader_fd, &st) != 0) {
+        throw std::runtime_error(std::string("vis-moe: cannot stat the model file: ") + std::strerror(errno));
+    }
+    const auto key = std::make_pair((uint64_t) st.st_dev, (uint64_t) st.st_ino);
+    auto it = g_files.find(key);
+    if (it != g_files.end()) {
+        if (auto f = it->second.lock()) {
+            return f;
+        }
+    }
+    char link[64], path[4096];
+    std::snprintf(link, sizeof(link), "/proc/self/fd/%d", loader_fd);
+    const ssize_t n = readlink(link, path, sizeof(path) - 1);
+    if (n <= 0) {
+        throw std::runtime_error(std::string("vis-moe: cannot resolve the path of the model file: ") + std::strerror(errno));
+    }
+    path[n] = '\0';
+    auto f = std::make_shared<vis_gguf_file>();
+    f->path = path;
+    // our own descriptors: the loader closes its files after loading
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0) {
+        throw std::runtime_error("vis-moe: cannot open " + f->path + " for expert reads: " + std::strerror(errno));
+    }
+    struct stat st2;
+    if (fstat(f->fd, &st2) != 0 || st2.st_ino != st.st_ino || st2.st_dev != st.st_dev) {
+        throw std::runtime_error("vis-moe: " + f->path + " was replaced while the model was loading");
+    }
+    f->size     = (uint64_t) st2.st_size;
+    f->mtime_ns = stat_mtime_ns(st2);
+    f->ctime_ns = stat_ctime_ns(st2);
+    f->ino      = (uint64_t) st2.st_ino;
+#ifdef O_DIRECT
+    f->fd_direct = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
+#endif
+    posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
+    g_files[key] = f;
+    return f;
+}
+
+void vis_moe_tensor_created(const ggml_tensor * t, bool deferred, int fd, uint64_t offs) {
+    std::lock_guard<std::mutex> lock(g_store_mutex);
+    g_deferred.erase(t);
+    if (!deferred) {
+        return;
+    }
+    auto d = std::make_unique<vis_deferred_tensor>();
+    d->file     = open_gguf_file(fd);
+    d->name     = ggml_get_name(t);
+    d->offs     = offs;
+    d->nb2      = t->nb[2];
+    d->n_expert = t->ne[2];
+    if (d->offs + d->nb2 * (uint64_t) d->n_expert > d->file->size) {
+        throw std::runtime_error("vis-moe: tensor " + d->name + " extends past the end of " + d->file->path +
+                                 " (truncated or corrupt GGUF)");
+    }
+    g_deferred[t] = std::move(d);
+}
+
+const vis_deferred_tensor * vis_moe_deferred(const ggml_tensor * t) {
+    std::lock_guard<std::mutex> lock(g_store_mutex);
+    auto it = g_deferred.find(t);
+    return it == g_deferred.end() ? nullptr : it->second.get();
+}

@@ -1,0 +1,228 @@
+// vis-moe-io-pool.cpp - tier 3 reads: expert slices from the GGUF file, O_DIRECT through an aligned bounce
+// buffer per I/O thread (buffered with the pages dropped where refused), the I/O thread pool, and the read
+// fault injection the tests use.
+#include "vis-moe-io-pool.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+static constexpr size_t VIS_DIO_ALIGN = 4096;
+
+// ---------------------------------------------------------------------------
+// fault injection (tests)
+// ---------------------------------------------------------------------------
+bool vis_fault_injected(int il, int e) {
+    static const char * spec = std::getenv("VIS_MOE_FAULT_READ");
+    if (spec == nullptr || *spec == '\0') {
+        return false;
+    }
+    if (std::strcmp(spec, "*") == 0) {
+        return true;
+    }
+    int fil = -1, fe = -1;
+    if (std::sscanf(spec, "%d:%d", &fil, &fe) == 2) {
+        return fil == il && fe == e;
+    }
+    return false;
+}
+
+// ---------------------------------------------------------------------------
+// I/O pool
+// ---------------------------------------------------------------------------
+vis_io_pool::vis_io_pool(int n_threads, int direct_io_) : direct_io(direct_io_) {
+    n_threads = std::max(1, n_threads);
+    bounces.resize(n_threads);
+    for (int i = 1; i < n_threads; ++i) {
+        workers.emplace_back([this, i] { worker_main(i); });
+    }
+}
+
+vis_io_pool::~vis_io_pool() {
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        stop = true;
+    }
+    cv_work.notify_all();
+    for (auto & w : workers) {
+        w.join();
+    }
+}
+
+static uint8_t * aligned_region(std::vector<uint8_t> & v, size_t n) {
+    if (v.size() < n + VIS_DIO_ALIGN) {
+        v.resize(n + VIS_DIO_ALIGN);
+    }
+    const uintptr_t p = (uintptr_t) v.data();
+    return (uint8_t *) ((p + VIS_DIO_ALIGN - 1) & ~(uintptr_t) (VIS_DIO_ALIGN - 1));
+}
+
+static std::string read_error(const vis_read_req & r, const std::string & what) {
+    return "vis-moe: failed to read expert " + std::to_string(r.expert) + " of tensor " + r.src->name + " from " +
+           r.src->file->path + " (offset " + std::to_string(r.src->offs + (uint64_t) r.expert * r.src->nb2) + ", " +
+           std::to_string(r.src->nb2) + " bytes): " + what;
+}
+
+// read exactly n bytes at off; returns bytes read (< n only at end of file)
+static size_t pread_full(int fd, void * dst, size_t n, uint64_t off, int & err) {
+    size_t done = 0;
+    err = 0;
+    while (done < n) {
+        const ssize_t r = pread(fd, (uint8_t *) dst + done, n - done, (off_t) (off + done));
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = errno;
+            return done;
+        }
+        if (r == 0) {
+            break;
+        }
+        done += (size_t) r;
+    }
+    return done;
+}
+
+void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct) {
+    const vis_gguf_file & f = *r.src->file;
+    const uint64_t off = r.src->offs + (uint64_t) r.expert * r.src->nb2;
+    const size_t   n   = r.src->nb2;
+    used_direct = false;
+    if (vis_fault_injected(r.il, r.expert)) {
+        throw vis_io_error(read_error(r, std::string(std::strerror(EIO)) + " (injected by VIS_MOE_FAULT_READ)"));
+    }
+    if (off + n > f.size) {
+        throw vis_io_error(read_error(r, "past the end of the file (truncated GGUF?)"));
+    }
+    int err = 0;
+    if (direct_io != 0 && f.fd_direct >= 0) {
+        const uint64_t a0 = off & ~(uint64_t) (VIS_DIO_ALIGN - 1);
+        const uint64_t a1 = (off + n + VIS_DIO_ALIGN - 1) & ~(uint64_t) (VIS_DIO_ALIGN - 1);
+        uint8_t * buf = aligned_region(bounce, a1 - a0);
+        const size_t got = pread_full(f.fd_direct, buf, a1 - a0, a0, err);
+        if (err == 0 || err != EINVAL) {
+            if (err != 0) {
+                throw vis_io_error(read_error(r, std::strerror(err)));
+            }
+            if (got < (off - a0) + n) {
+                throw vis_io_error(read_error(r, "short read (" + std::to_string(got) + " of " +
+                                                 std::to_string(a1 - a0) + " bytes): the file is shorter than when it was loaded"));
+            }
+            std::memcpy(r.dst, buf + (off - a0), n);
+            dev_bytes += (int64_t) (a1 - a0);
+            used_direct = true;
+            return;
+        }
+        // EINVAL: this filesystem refuses O_DIRECT after all; buffered from now on
+        direct_io = 0;
+        LLAMA_LOG_WARN("vis-moe: O_DIRECT reads refused on %s; using buffered reads and dropping their pages\n", f.path.c_str());
+    }
+    const size_t got = pread_full(f.fd, r.dst, n, off, err);
+    if (err != 0) {
+        throw vis_io_error(read_error(r, std::strerror(err)));
+    }
+    if (got < n) {
+        throw vis_io_error(read_error(r, "short read (" + std::to_string(got) + " of " + std::to_string(n) +
+                                         " bytes): the file is shorter than when it was loaded"));
+    }
+    // do not let the page cache keep a second copy of what the cache now holds
+    posix_fadvise(f.fd, (off_t) off, (off_t) n, POSIX_FADV_DONTNEED);
+    dev_bytes += (int64_t) n;
+}
+
+void vis_io_pool::run_jobs(int idx) {
+    for (;;) {
+        size_t i;
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            if (jobs == nullptr || next >= jobs->size()) {
+                return;
+            }
+            i = next++;
+        }
+        const vis_read_req & r = (*jobs)[i];
+        int64_t dev = 0;
+        bool direct = false;
+        std::string err;
+        try {
+            read_one(r, bounces[idx], dev, direct);
+        } catch (const std::exception & e) {
+            err = e.what();
+        }
+        std::lock_guard<std::mutex> lock(mtx);
+        dev_bytes_acc += dev;
+        n_direct_acc += direct ? 1 : 0;
+        if (!err.empty() && first_error.empty()) {
+            first_error = err;
+        }
+        if (++n_done == jobs->size()) {
+            cv_done.notify_all();
+        }
+    }
+}
+
+void vis_io_pool::worker_main(int idx) {
+    uint64_t seen = 0;
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lock(mtx);
+            cv_work.wait(lock, [&] { return stop || generation != seen; });
+            if (stop) {
+                return;
+            }
+            seen = generation;
+        }
+        run_jobs(idx);
+    }
+}
+
+void vis_io_pool::read(const std::vector<vis_read_req> & reqs) {
+    if (reqs.empty()) {
+        return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        jobs   = &reqs;
+        next   = 0;
+        n_done = 0;
+        first_error.clear();
+        dev_bytes_acc = 0;
+        n_direct_acc  = 0;
+        generation++;
+    }
+    if (reqs.size() > 1) {
+        cv_work.notify_all();
+    }
+    run_jobs(0);
+    std::string err;
+    {
+        std::unique_lock<std::mutex> lock(mtx);
+        cv_done.wait(lock, [&] { return n_done == reqs.size(); });
+        jobs = nullptr;
+        err  = first_error;
+        cnt.bytes_device += dev_bytes_acc;
+        cnt.n_direct     += n_direct_acc;
+    }
+    cnt.n_reads += (int64_t) reqs.size();
+    for (const auto & r : reqs) {
+        cnt.bytes_read += (int64_t) r.src->nb2;
+    }
+    cnt.wait_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+    if (!err.empty()) {
+        // a read error is often the file changing under us: say so when it did
+        for (const auto & r : reqs) {
+            r.src->file->check_unchanged();
+        }
+        throw vis_io_error(err);
+    }
+}
