@@ -48,16 +48,20 @@ if [ "$PRESET" = cuda ] && ! ls "$TOOLKIT"/lib64/stubs/libcuda.so "$TOOLKIT"/tar
    ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
     # the cuda preset links the driver (CUDA::cuda_driver, for the VMM pool; the jetson preset has no VMM) and
     # this machine has neither a driver nor the toolkit's link stub: make the stub, as NVIDIA's stubs/libcuda.so
-    # is one (every function of cuda.h, soname libcuda.so.1, no libcuda.so.1 file beside it, so on a GPU machine
-    # the driver's library is the one loaded)
+    # is one (every function of cuda.h, soname libcuda.so.1).  The executables' link looks for libcuda.so.1 (the
+    # soname libggml-cuda.so needs): a copy under that name in link-only/, given to ld with -rpath-link only, so
+    # no binary's run path ever leads to it and on a GPU machine the driver's library is the one loaded
     STUB="$ROOT/.venv/lib/vis-cuda-stubs"
-    mkdir -p "$STUB"
+    mkdir -p "$STUB/link-only"
     gcc -E -P -I"$TOOLKIT/include" "$TOOLKIT/include/cuda.h" | grep -oE '\bcu[A-Z][A-Za-z0-9_]*[[:space:]]*\(' |
         tr -d ' (' | sort -u | sed 's/.*/void &(void) {}/' > "$STUB/libcuda-stub.c"
     gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUB/libcuda.so" "$STUB/libcuda-stub.c" ||
         die "could not build the libcuda.so link stub"
+    cp "$STUB/libcuda.so" "$STUB/link-only/libcuda.so.1"
+    rm -f "$STUB/libcuda.so.1"
     echo "libcuda.so link stub (no driver here): $STUB/libcuda.so, $(wc -l < "$STUB/libcuda-stub.c") functions"
-    extra+=(-DCUDA_cuda_driver_LIBRARY="$STUB/libcuda.so")
+    extra+=(-DCUDA_cuda_driver_LIBRARY="$STUB/libcuda.so"
+            "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$STUB/link-only" "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath-link,$STUB/link-only")
 fi
 [ -n "$ARCHS" ] && extra+=(-DCMAKE_CUDA_ARCHITECTURES="$ARCHS")
 
