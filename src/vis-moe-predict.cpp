@@ -1,5 +1,6 @@
 // vis-moe-predict.cpp - the expert predictors (vis-moe-predict.h).
 #include "vis-moe-predict.h"
+#include "vis-moe-profile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +56,35 @@ public:
 
     const char * name() const override { return "coact"; }
 
+    // the profile's tables as counts (vis_moe_predictor_make); layers whose expert count differs are left empty
+    void seed(const vis_predict_profile & p) {
+        count_weighting = p.weighting == "count";
+        const double n = (double) p.n_tokens;
+        const int n_layer = std::min<int>((int) n_expert.size(), p.n_layer);
+        for (int il = 0; il < n_layer; ++il) {
+            if (n_expert[il] != p.n_expert) {
+                continue;
+            }
+            const int E = p.n_expert;
+            for (int e = 0; e < E; ++e) {
+                uses[il][e] += (float) (p.freq_at(il, e) * n);
+            }
+            for (int d = 1; d <= std::min(W, p.lookahead) && il + d < n_layer; ++d) {
+                if (counts[il][d].size() != (size_t) E * E) {
+                    continue;
+                }
+                std::vector<float> & c = counts[il][d];
+                for (int i = 0; i < E; ++i) {
+                    const double base = (double) p.k * p.freq_at(il, i) * n;
+                    const float * row = p.row(d, il, i);
+                    for (int j = 0; j < E; ++j) {
+                        c[(size_t) i * E + j] += (float) (row[j] * base);
+                    }
+                }
+            }
+        }
+    }
+
     void observe(const vis_predict_input & in) override {
         const int il = in.il;
         for (int d = 1; d <= W && il - d >= 0; ++d) {
@@ -98,18 +128,21 @@ public:
             if (i < 0 || i >= n_expert[il] || uses[il][i] <= 0) {
                 continue;
             }
-            const float inv = 1.0f / uses[il][i];
+            // count weighting: raw counts, frequent sources weigh more
+            const float inv = count_weighting ? 1.0f : 1.0f / uses[il][i];
             for (int j = 0; j < ne; ++j) {
                 score[j] += c[(size_t) i * ne + j] * inv;
             }
             any = true;
         }
-        return any;
+        // all zero: nothing counted for this distance yet (e.g. beyond a profile's W), no prediction
+        return any && *std::max_element(score.begin(), score.end()) > 0.0f;
     }
 
 private:
     std::vector<int> n_expert;
     int W;
+    bool count_weighting = false;                         // a profile's "count" weighting: sum raw counts
     std::vector<std::vector<std::vector<float>>> counts;  // [il][d] -> [n_expert(il)][n_expert(il+d)]
     std::vector<std::vector<float>> uses;                 // [il][e] routings of e at il
     std::vector<std::vector<int32_t>> last;               // the ids layer il routed in step last_step[il]
@@ -126,6 +159,16 @@ public:
         }
     }
     const char * name() const override { return "freq"; }
+    void seed(const vis_predict_profile & p) {
+        for (size_t il = 0; il < uses.size() && (int) il < p.n_layer; ++il) {
+            if ((int) uses[il].size() != p.n_expert) {
+                continue;
+            }
+            for (int e = 0; e < p.n_expert; ++e) {
+                uses[il][e] += (float) ((double) p.freq_at((int) il, e) * (double) p.n_tokens);
+            }
+        }
+    }
     void observe(const vis_predict_input & in) override {
         std::vector<float> & u = uses[in.il];
         for (int64_t x = 0; x < in.n_tokens * in.k; ++x) {
@@ -169,11 +212,23 @@ private:
 } // namespace
 
 std::unique_ptr<vis_moe_predictor> vis_moe_predictor_make(int mode, const std::vector<int> & n_expert, int lookahead,
-                                                          uint32_t seed) {
+                                                          uint32_t seed, const vis_predict_profile * profile) {
     switch (mode) {
         case VIS_PRED_NEXT_ROUTER: return std::make_unique<next_router_predictor>();
-        case VIS_PRED_COACT:       return std::make_unique<coact_predictor>(n_expert, lookahead);
-        case VIS_PRED_FREQ:        return std::make_unique<freq_predictor>(n_expert);
+        case VIS_PRED_COACT: {
+            auto p = std::make_unique<coact_predictor>(n_expert, lookahead);
+            if (profile) {
+                p->seed(*profile);
+            }
+            return p;
+        }
+        case VIS_PRED_FREQ: {
+            auto p = std::make_unique<freq_predictor>(n_expert);
+            if (profile) {
+                p->seed(*profile);
+            }
+            return p;
+        }
         case VIS_PRED_RANDOM:      return std::make_unique<random_predictor>(seed);
         default:                   return nullptr;
     }

@@ -11,6 +11,8 @@
 //   freq         the most used experts of the target layer so far (the baseline every predictor is reported
 //                against)
 //   random       random scores, for tests (stress: predictions that are mostly wrong)
+// coact and freq can start from a calibrated predictor profile (--moe-predict-profile, vis-moe-profile.h): its
+// tables are turned back into counts and online learning goes on counting on top of them.
 #pragma once
 
 #include "vis-moe-settings.h"
@@ -19,6 +21,8 @@
 #include <memory>
 #include <random>
 #include <vector>
+
+struct vis_predict_profile;
 
 // what a predictor sees when layer il has routed a ubatch
 struct vis_predict_input {
@@ -45,9 +49,12 @@ public:
     virtual bool predict(const vis_predict_input & in, int d, int n_expert, std::vector<float> & score) = 0;
 };
 
-// n_expert[il]: experts of layer il (0: not a MoE layer); lookahead: W
+// n_expert[il]: experts of layer il (0: not a MoE layer); lookahead: W; profile: seeds coact and freq (their counts
+// start as the profile's: C_d[l][i, j] = P_d[l][i, j] * k * freq[l][i] * n_tokens for d = 1..min(W, the profile's W),
+// uses[l][e] = freq[l][e] * n_tokens; coact sums the rows by the profile's weighting); the others ignore it
 std::unique_ptr<vis_moe_predictor> vis_moe_predictor_make(int mode, const std::vector<int> & n_expert, int lookahead,
-                                                          uint32_t seed = 1234);
+                                                          uint32_t seed = 1234,
+                                                          const vis_predict_profile * profile = nullptr);
 
 // the indices of the `b` largest scores (ties: lower index first), best first
 std::vector<int32_t> vis_predict_top(const std::vector<float> & score, int b);

@@ -2,12 +2,14 @@
 #include "vis-moe-prefetch.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-profile.h"
 
 #include "llama-impl.h"
 #include "llama-model.h"
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 namespace {
 constexpr int TUNE_WINDOW = 16;  // reads ahead judged together
@@ -196,14 +198,32 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
     for (size_t il = 0; il < vm.layers.size(); ++il) {
         n_expert[il] = model.layers[il].ffn_gate_inp ? (int) model.hparams.n_expert : 0;
     }
+    // --moe-predict-profile: seeds coact and freq (docs/prediction.md#loading-a-profile); throws on a bad file
+    std::unique_ptr<vis_predict_profile> profile;
+    std::string seeded;
+    const std::string & pf = s.predict.profile;
+    if (!pf.empty() && (mode == VIS_PRED_COACT || mode == VIS_PRED_FREQ)) {
+        profile = std::make_unique<vis_predict_profile>(vis_predict_profile_load(pf, model));
+        seeded = ", profile " + pf + " (" + std::to_string(profile->n_tokens) + " tokens)";
+        if (mode == VIS_PRED_COACT && profile->lookahead < s.predict.lookahead) {
+            LLAMA_LOG_INFO("vis-moe: --moe-predict-profile %s covers distances 1..%d, --moe-lookahead is %d: the "
+                           "tables of distances %d..%d start empty and are learned online only\n", pf.c_str(),
+                           profile->lookahead, s.predict.lookahead, profile->lookahead + 1, s.predict.lookahead);
+        }
+    } else if (!pf.empty()) {
+        LLAMA_LOG_WARN("vis-moe: --moe-predict-profile %s is not used: --moe-predict %s does not learn from counts "
+                       "(only coact and freq start from a profile)\n", pf.c_str(),
+                       mode == VIS_PRED_NEXT_ROUTER ? "next-router" : "random");
+    }
     const int budget = s.predict.budget > 0 ? std::min<int>(s.predict.budget, (int) model.hparams.n_expert)
                                             : vm.n_expert_used;
-    vm.prefetch = std::make_unique<vis_moe_prefetcher>(s.predict, vis_moe_predictor_make(mode, n_expert, s.predict.lookahead),
-                                                       (int) vm.layers.size(), budget);
+    vm.prefetch = std::make_unique<vis_moe_prefetcher>(
+        s.predict, vis_moe_predictor_make(mode, n_expert, s.predict.lookahead, 1234, profile.get()),
+        (int) vm.layers.size(), budget);
     if (!vm.fetch) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(s.tier.io_threads, s.tier.direct_io);
     }
     LLAMA_LOG_INFO("vis-moe: prefetch (exact): --moe-predict %s, lookahead %d layer%s, budget %d experts per layer and "
-                   "step, self-tuning %s; decode steps\n", vm.prefetch->name(), s.predict.lookahead,
-                   s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off");
+                   "step, self-tuning %s%s; decode steps\n", vm.prefetch->name(), s.predict.lookahead,
+                   s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off", seeded.c_str());
 }

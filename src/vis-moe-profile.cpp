@@ -10,20 +10,39 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <memory>
 #include <stdexcept>
+
+#include <sys/stat.h>
 
 namespace {
 
 constexpr uint32_t PROFILE_VERSION = 1;
 
-struct gguf_holder {
+// the kinds of profile: the flag that reads each and the command that makes one
+struct profile_kind {
+    const char * kind;   // vis.profile.kind
+    const char * flag;
+    const char * make;   // the fix: how to make one for this model
+};
+const profile_kind BUDDY   = { "buddies", "--moe-sub-profile", "pyvis calibrate buddies -m MODEL --out FILE" };
+const profile_kind PREDICT = { "predictor", "--moe-predict-profile",
+                               "pyvis calibrate predictor -m MODEL --trace FILE (or --corpus TEXT) --out FILE" };
+
+// an open profile file: its GGUF contexts, and errors that name the flag, the file and the fix
+struct profile_file {
+    const profile_kind & pk;
+    std::string path;
     gguf_context * g   = nullptr;
     ggml_context * ctx = nullptr;
-    ~gguf_holder() {
+
+    profile_file(const profile_kind & k, const std::string & p) : pk(k), path(p) {}
+    profile_file(const profile_file &) = delete;
+    profile_file & operator=(const profile_file &) = delete;
+    ~profile_file() {
         if (g) {
             gguf_free(g);
         }
@@ -31,43 +50,119 @@ struct gguf_holder {
             ggml_free(ctx);
         }
     }
+
+    std::runtime_error error(const std::string & what) const {
+        return std::runtime_error("vis-moe: " + std::string(pk.flag) + " " + path + ": " + what +
+                                  "; make one for this model with: " + pk.make);
+    }
+
+    std::string str(const char * key) const {
+        const int64_t id = gguf_find_key(g, key);
+        if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) {
+            throw error(std::string("missing key ") + key + " (not a vis profile, or a damaged one)");
+        }
+        return gguf_get_val_str(g, id);
+    }
+
+    uint64_t uint(const char * key) const {
+        const int64_t id = gguf_find_key(g, key);
+        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT32) {
+            return gguf_get_val_u32(g, id);
+        }
+        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT64) {
+            return gguf_get_val_u64(g, id);
+        }
+        throw error(std::string("missing key ") + key + " (not a vis profile, or a damaged one)");
+    }
+
+    const ggml_tensor * tensor(const char * name, ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2,
+                               int64_t ne3 = 1) const {
+        const ggml_tensor * t = ggml_get_tensor(ctx, name);
+        if (!t || t->type != type || t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != ne3) {
+            char buf[320];
+            std::snprintf(buf, sizeof(buf), "tensor %s missing or not %s ne = [%lld, %lld, %lld, %lld]", name,
+                          ggml_type_name(type), (long long) ne0, (long long) ne1, (long long) ne2, (long long) ne3);
+            std::string got = " (the file has ";
+            if (t) {
+                char b2[200];
+                std::snprintf(b2, sizeof(b2), "%s [%lld, %lld, %lld, %lld])", ggml_type_name(t->type),
+                              (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3]);
+                got += b2;
+            } else {
+                got += "no such tensor)";
+            }
+            throw error(buf + got);
+        }
+        return t;
+    }
 };
 
-std::runtime_error profile_error(const std::string & path, const std::string & what) {
-    return std::runtime_error("vis-moe: --moe-sub-profile " + path + ": " + what);
+// why `path` cannot be read as GGUF, for the error: missing, a directory, unreadable, no GGUF magic, or truncated
+std::string why_unreadable(const std::string & path) {
+    struct stat st = {};
+    if (stat(path.c_str(), &st) != 0) {
+        return std::string("cannot read it as GGUF: ") + std::strerror(errno);
+    }
+    if (S_ISDIR(st.st_mode)) {
+        return "cannot read it as GGUF: it is a directory, not a file";
+    }
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (!f) {
+        return std::string("cannot read it as GGUF: cannot open it: ") + std::strerror(errno);
+    }
+    char magic[4] = {};
+    const size_t n = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (n < 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+        return "cannot read it as GGUF: not a GGUF file";
+    }
+    return "cannot read it as GGUF: truncated or damaged";
 }
 
-const char * const FIX = "; make one for this model with: pyvis calibrate buddies -m MODEL --out FILE";
-
-std::string get_str(const gguf_holder & h, const std::string & path, const char * key) {
-    const int64_t id = gguf_find_key(h.g, key);
-    if (id < 0 || gguf_get_kv_type(h.g, id) != GGUF_TYPE_STRING) {
-        throw profile_error(path, std::string("missing key ") + key + " (not a vis profile, or a damaged one)" + FIX);
+// open `f.path` and check it: a GGUF, a profile of kind f.pk, this build's version, made for `model` (architecture,
+// layers, experts, router hash: the first that differs is named)
+void profile_open(profile_file & f, const llama_model & model) {
+    gguf_init_params ip = { /*no_alloc =*/ false, /*ctx =*/ &f.ctx };
+    f.g = gguf_init_from_file(f.path.c_str(), ip);
+    if (!f.g) {
+        throw f.error(why_unreadable(f.path));
     }
-    return gguf_get_val_str(h.g, id);
-}
-
-uint64_t get_uint(const gguf_holder & h, const std::string & path, const char * key) {
-    const int64_t id = gguf_find_key(h.g, key);
-    if (id >= 0 && gguf_get_kv_type(h.g, id) == GGUF_TYPE_UINT32) {
-        return gguf_get_val_u32(h.g, id);
+    const std::string kind = f.str("vis.profile.kind");
+    if (kind != f.pk.kind) {
+        std::string where;
+        for (const profile_kind * o : { &BUDDY, &PREDICT }) {
+            if (kind == o->kind) {
+                where = " (it goes to " + std::string(o->flag) + ")";
+            }
+        }
+        throw f.error("is a '" + kind + "' profile, not a '" + f.pk.kind + "' one" + where);
     }
-    if (id >= 0 && gguf_get_kv_type(h.g, id) == GGUF_TYPE_UINT64) {
-        return gguf_get_val_u64(h.g, id);
+    const uint64_t version = f.uint("vis.profile.version");
+    if (version != PROFILE_VERSION) {
+        throw f.error("profile version " + std::to_string(version) + ", this build reads version " +
+                      std::to_string(PROFILE_VERSION));
     }
-    throw profile_error(path, std::string("missing key ") + key + " (not a vis profile, or a damaged one)" + FIX);
-}
-
-const ggml_tensor * get_tensor(const gguf_holder & h, const std::string & path, const char * name, ggml_type type,
-                               int64_t ne0, int64_t ne1, int64_t ne2) {
-    const ggml_tensor * t = ggml_get_tensor(h.ctx, name);
-    if (!t || t->type != type || t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != 1) {
-        char buf[256];
-        std::snprintf(buf, sizeof(buf), "tensor %s missing or not %s [%lld, %lld, %lld]", name, ggml_type_name(type),
-                      (long long) ne0, (long long) ne1, (long long) ne2);
-        throw profile_error(path, buf + std::string(FIX));
+    const auto & hp = model.hparams;
+    const std::string arch = llm_arch_name(model.arch);
+    const std::string p_arch = f.str("vis.model.arch");
+    const uint64_t p_layer = f.uint("vis.model.n_layer");
+    const uint64_t p_expert = f.uint("vis.model.n_expert");
+    auto other_model = [&](const std::string & what) { return f.error("was made for another model (" + what + ")"); };
+    if (p_arch != arch) {
+        throw other_model("architecture " + p_arch + ", this model is " + arch);
     }
-    return t;
+    if (p_layer != hp.n_layer()) {
+        throw other_model(std::to_string(p_layer) + " layers, this model has " + std::to_string(hp.n_layer()));
+    }
+    if (p_expert != hp.n_expert) {
+        throw other_model(std::to_string(p_expert) + " experts, this model has " + std::to_string(hp.n_expert));
+    }
+    const std::string p_hash = f.str("vis.model.router_hash");
+    char hash[17];
+    std::snprintf(hash, sizeof(hash), "%016llx", (unsigned long long) vis_moe_router_hash(model));
+    if (p_hash != hash) {
+        throw other_model("router hash " + p_hash + ", this model's is " + hash);
+    }
 }
 
 } // namespace
@@ -103,7 +198,7 @@ uint64_t vis_moe_router_hash(const llama_model & model) {
     }
     if (!any) {
         throw std::runtime_error("vis-moe: the model has no routers (ffn_gate_inp) to fingerprint: profiles are for MoE models; "
-                                 "drop --moe-sub-profile for this one");
+                                 "drop --moe-sub-profile / --moe-predict-profile for this one");
     }
     return h;
 }
@@ -118,65 +213,76 @@ double vis_buddy_profile::tae_percentile(int il, double pct) const {
 }
 
 vis_buddy_profile vis_buddy_profile_load(const std::string & path, const llama_model & model) {
-    gguf_holder h;
-    gguf_init_params ip = { /*no_alloc =*/ false, /*ctx =*/ &h.ctx };
-    h.g = gguf_init_from_file(path.c_str(), ip);
-    if (!h.g) {
-        throw profile_error(path, "cannot read it as GGUF (missing, unreadable, truncated or not a GGUF file)" +
-                                      std::string(FIX));
-    }
-    const std::string kind = get_str(h, path, "vis.profile.kind");
-    if (kind != "buddies") {
-        throw profile_error(path, "is a '" + kind + "' profile, not a buddy profile" + FIX);
-    }
-    const uint64_t version = get_uint(h, path, "vis.profile.version");
-    if (version != PROFILE_VERSION) {
-        throw profile_error(path, "profile version " + std::to_string(version) + ", this build reads version " +
-                                      std::to_string(PROFILE_VERSION) + FIX);
-    }
-    const auto & hp = model.hparams;
-    const std::string arch = llm_arch_name(model.arch);
-    const std::string p_arch = get_str(h, path, "vis.model.arch");
-    const uint64_t p_layer = get_uint(h, path, "vis.model.n_layer");
-    const uint64_t p_expert = get_uint(h, path, "vis.model.n_expert");
-    auto other_model = [&](const std::string & what) {
-        return profile_error(path, "was made for another model (" + what + ")" + FIX);
-    };
-    if (p_arch != arch) {
-        throw other_model("architecture " + p_arch + ", this model is " + arch);
-    }
-    if (p_layer != hp.n_layer()) {
-        throw other_model(std::to_string(p_layer) + " layers, this model has " + std::to_string(hp.n_layer()));
-    }
-    if (p_expert != hp.n_expert) {
-        throw other_model(std::to_string(p_expert) + " experts, this model has " + std::to_string(hp.n_expert));
-    }
-    const std::string p_hash = get_str(h, path, "vis.model.router_hash");
-    char hash[17];
-    std::snprintf(hash, sizeof(hash), "%016llx", (unsigned long long) vis_moe_router_hash(model));
-    if (p_hash != hash) {
-        throw other_model("router hash " + p_hash + ", this model's is " + hash);
-    }
-
+    profile_file f(BUDDY, path);
+    profile_open(f, model);
     vis_buddy_profile p;
-    p.n_layer  = (int) p_layer;
-    p.n_expert = (int) p_expert;
-    p.k_max    = (int) get_uint(h, path, "vis.buddy.k_max");
-    p.k        = (int) get_uint(h, path, "vis.profile.k");
+    p.n_layer  = (int) f.uint("vis.model.n_layer");
+    p.n_expert = (int) f.uint("vis.model.n_expert");
+    p.k_max    = (int) f.uint("vis.buddy.k_max");
+    p.k        = (int) f.uint("vis.profile.k");
     if (p.k_max < 1 || p.k_max > p.n_expert) {
-        throw profile_error(path, "vis.buddy.k_max " + std::to_string(p.k_max) + " outside 1.." +
-                                      std::to_string(p.n_expert) + FIX);
+        throw f.error("vis.buddy.k_max " + std::to_string(p.k_max) + " outside 1.." + std::to_string(p.n_expert));
     }
-    const ggml_tensor * ids = get_tensor(h, path, "buddy.ids", GGML_TYPE_I32, p.k_max, p.n_expert, p.n_layer);
-    const ggml_tensor * q   = get_tensor(h, path, "buddy.q", GGML_TYPE_F32, p.k_max, p.n_expert, p.n_layer);
-    const ggml_tensor * tq  = get_tensor(h, path, "tae.quantiles", GGML_TYPE_F64, 101, p.n_layer, 1);
+    const ggml_tensor * ids = f.tensor("buddy.ids", GGML_TYPE_I32, p.k_max, p.n_expert, p.n_layer);
+    const ggml_tensor * q   = f.tensor("buddy.q", GGML_TYPE_F32, p.k_max, p.n_expert, p.n_layer);
+    const ggml_tensor * tq  = f.tensor("tae.quantiles", GGML_TYPE_F64, 101, p.n_layer, 1);
     const size_t n = (size_t) p.n_layer * p.n_expert * p.k_max;
     p.ids.assign((const int32_t *) ids->data, (const int32_t *) ids->data + n);
     p.q.assign((const float *) q->data, (const float *) q->data + n);
     p.tae_quantiles.assign((const double *) tq->data, (const double *) tq->data + (size_t) p.n_layer * 101);
     for (size_t i = 0; i < n; ++i) {
         if (p.ids[i] < -1 || p.ids[i] >= p.n_expert) {
-            throw profile_error(path, "buddy id " + std::to_string(p.ids[i]) + " out of range (damaged file)" + FIX);
+            throw f.error("buddy id " + std::to_string(p.ids[i]) + " out of range (damaged file)");
+        }
+    }
+    return p;
+}
+
+vis_predict_profile vis_predict_profile_load(const std::string & path, const llama_model & model) {
+    profile_file f(PREDICT, path);
+    profile_open(f, model);
+    vis_predict_profile p;
+    p.path      = path;
+    p.n_layer   = (int) f.uint("vis.model.n_layer");
+    p.n_expert  = (int) f.uint("vis.model.n_expert");
+    p.k         = (int) f.uint("vis.profile.k");
+    p.n_tokens  = f.uint("vis.profile.n_tokens");
+    const uint64_t W = f.uint("vis.predict.lookahead");
+    if (W < 1 || W > 64) {
+        throw f.error("vis.predict.lookahead " + std::to_string(W) + " outside 1..64 (damaged file)");
+    }
+    p.lookahead = (int) W;
+    p.weighting = f.str("vis.predict.weighting");
+    if (p.weighting != "conditional" && p.weighting != "count") {
+        throw f.error("vis.predict.weighting '" + p.weighting + "': expected conditional or count (damaged file)");
+    }
+    if (p.k < 1 || p.k > p.n_expert) {
+        throw f.error("vis.profile.k " + std::to_string(p.k) + " outside 1.." + std::to_string(p.n_expert));
+    }
+    const int64_t L = p.n_layer, E = p.n_expert;
+    const ggml_tensor * fr = f.tensor("expert.freq", GGML_TYPE_F32, E, L, 1);
+    const ggml_tensor * co = f.tensor("predict.coact", GGML_TYPE_F32, E, E, L, p.lookahead);
+    p.freq.assign((const float *) fr->data, (const float *) fr->data + L * E);
+    p.coact.assign((const float *) co->data, (const float *) co->data + (size_t) p.lookahead * L * E * E);
+    for (size_t i = 0; i < p.freq.size(); ++i) {
+        if (!(p.freq[i] >= 0.0f && p.freq[i] <= 1.0f + 1e-3f)) {
+            throw f.error("expert.freq[" + std::to_string(i / E) + ", " + std::to_string(i % E) + "] = " +
+                          std::to_string(p.freq[i]) + " is not a share in 0..1 (damaged file)");
+        }
+    }
+    for (size_t r = 0; r < p.coact.size() / E; ++r) {
+        double sum = 0;
+        bool neg = false;
+        for (int64_t j = 0; j < E; ++j) {
+            const float v = p.coact[r * E + j];
+            sum += v;
+            neg = neg || !(v >= 0.0f);
+        }
+        if (neg || !(sum == 0.0 || std::fabs(sum - 1.0) <= 1e-3)) {
+            const size_t i = r % E, il = (r / E) % L, d = r / E / L;
+            throw f.error("predict.coact[" + std::to_string(d) + ", " + std::to_string(il) + ", " + std::to_string(i) +
+                          "] is not a distribution (sums to " + std::to_string(sum) + ", or has a negative entry; "
+                          "damaged file)");
         }
     }
     return p;

@@ -3,8 +3,10 @@
 //
 // The buddy profile (pyvis calibrate buddies) holds, per MoE layer, each expert's buddy list (BuddyMoE's
 // CFT lists, best first) and the percentiles of the layer's token routing entropy (TAE) on the calibration
-// text.  A profile made for another model, a truncated or foreign file: std::runtime_error naming the file,
-// what differs, and the fix.
+// text.  The predictor profile (pyvis calibrate predictor; docs/prediction.md#profile-format) holds the expert
+// frequencies and the co-activation tables P_d[l][i, j] that seed --moe-predict coact / freq.  Both share one
+// header and fingerprint check: a profile made for another model, of the other kind, a truncated, unreadable or
+// foreign file: std::runtime_error naming the flag, the file, what differs, and the command that makes one.
 #pragma once
 
 #include <cstdint>
@@ -32,3 +34,24 @@ struct vis_buddy_profile {
 
 // load and check `path` against `model`
 vis_buddy_profile vis_buddy_profile_load(const std::string & path, const llama_model & model);
+
+struct vis_predict_profile {
+    std::string path;
+    int n_layer   = 0;
+    int n_expert  = 0;
+    int k         = 0;                       // top-k of the calibration routing
+    uint64_t n_tokens = 0;                   // tokens the tables were fitted on
+    int lookahead = 0;                       // W: the tables cover d = 1..W
+    std::string weighting;                   // "conditional" or "count"
+    std::vector<float> freq;                 // [n_layer][n_expert]: share of layer l's tokens that selected e
+    std::vector<float> coact;                // [W][n_layer][n_expert][n_expert]: P_d[l][i, j], rows sum to 1 or 0
+
+    float freq_at(int il, int e) const { return freq[(size_t) il * n_expert + e]; }
+    // P_d[l][i, :], d = 1..lookahead
+    const float * row(int d, int il, int i) const {
+        return coact.data() + (((size_t) (d - 1) * n_layer + il) * n_expert + i) * n_expert;
+    }
+};
+
+// load and check `path` against `model` (--moe-predict-profile)
+vis_predict_profile vis_predict_profile_load(const std::string & path, const llama_model & model);

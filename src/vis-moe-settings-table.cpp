@@ -213,6 +213,14 @@ const flag_row ROWS[] = {
           else if (v == "random")      s.predict.mode = VIS_PRED_RANDOM;
           else if (v == "auto")        s.predict.mode = VIS_PRED_AUTO;
           else throw vis_error(w + ": expected off, next-router, coact, freq, random or auto, got '" + v + "'"); } },
+    { "--moe-predict-profile", "VIS_MOE_PREDICT_PROFILE", "FILE",
+      "vis-moe: start --moe-predict coact / freq from this model's calibrated co-activation tables and expert\n"
+      "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online; default: none)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if (v.empty()) {
+              throw vis_error(w + ": expected a file path, got ''");
+          }
+          s.predict.profile = v; } },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {

@@ -36,7 +36,8 @@ unsigned group_of(const flag_row & r) {
     if (n == "--moe-stream-passes" || n == "--moe-stream-ahead") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
-    if (n == "--moe-predict" || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
+    // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
+    if (n.rfind("--moe-predict", 0) == 0 || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
     if (n == "--moe-slots" || n == "--moe-cache-mib" || n == "--moe-pinned-layers" || n == "--moe-stats" ||
         n == "--moe-trace") return G_PARAMS;
     return G_TIER;

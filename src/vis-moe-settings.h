@@ -46,6 +46,7 @@ struct vis_moe_predict_settings {
     int32_t lookahead = 1;             // W: predict layers l+1 .. l+W
     int32_t budget    = -1;            // B: experts prefetched per layer per step, -1 = the model's top-k
     int32_t tune      = 1;             // self-tuning: switch a layer's prefetch off while it wastes more than it uses
+    std::string profile;               // predictor profile seeding coact / freq (pyvis calibrate predictor), "" = none
 
     bool on() const { return mode != VIS_PRED_OFF; }
 };
@@ -58,7 +59,7 @@ struct vis_moe_settings {
     int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
-    vis_moe_predict_settings predict;       // --moe-predict, --moe-lookahead, --moe-prefetch-*
+    vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

@@ -135,10 +135,11 @@ class PredictParams:
     lookahead: int = 1                   # W: layers l+1 .. l+W
     prefetch_budget: int | str = "auto"  # B: experts read ahead per layer and step (auto = top-k)
     prefetch_tune: bool = True           # self-tuning: a layer that wastes more than it uses pauses
+    predict_profile: str | None = None   # seeds coact / freq (pyvis calibrate predictor)
 
     def flags(self) -> list[tuple[str, str]]:
         """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
-        return _table_flags(self)
+        return _table_flags(self, optional=("predict_profile",))
 
 
 def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
