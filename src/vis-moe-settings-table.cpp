@@ -48,6 +48,14 @@ int32_t parse_switch(const std::string & what, const std::string & v, bool allow
 }
 
 // a finite decimal number and nothing else, within [lo, hi]
+// a file path: any string but the empty one
+std::string parse_path(const std::string & what, const std::string & v) {
+    if (v.empty()) {
+        throw vis_error(what + ": expected a file path, got ''");
+    }
+    return v;
+}
+
 double parse_real(const std::string & what, const std::string & v, double lo, double hi, const char * note = "") {
     char * end = nullptr;
     errno = 0;
@@ -157,10 +165,7 @@ const flag_row ROWS[] = {
       "vis-moe: buddy lists and routing-entropy percentiles of this model, from\n"
       "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          if (v.empty()) {
-              throw vis_error(w + ": expected a file path, got ''");
-          }
-          s.sub.profile = v; } },
+          s.sub.profile = parse_path(w, v); } },
     { "--moe-sub-tae", "VIS_MOE_SUB_TAE", "off|TAU|pN",
       "vis-moe: never substitute for a token whose normalised top-k routing entropy is <= TAU (0..1), or <= the\n"
       "N-th percentile (0..100) of its layer in --moe-sub-profile with pN (default: off)",
@@ -217,10 +222,7 @@ const flag_row ROWS[] = {
       "vis-moe: start --moe-predict coact / freq from this model's calibrated co-activation tables and expert\n"
       "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online; default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          if (v.empty()) {
-              throw vis_error(w + ": expected a file path, got ''");
-          }
-          s.predict.profile = v; } },
+          s.predict.profile = parse_path(w, v); } },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {

@@ -7,22 +7,13 @@
 //   - freq starts from the profile's frequencies; next-router and random ignore a profile.
 #include "vis-check.h"
 #include "vis-moe-predict.h"
+#include "vis-predict-input.h"
 #include "vis-moe-profile.h"
 
 #include <cmath>
 #include <vector>
 
 static bool near(float a, float b) { return std::fabs(a - b) < 1e-4f; }
-
-static vis_predict_input input(int il, uint64_t step, const std::vector<int32_t> & ids, int k) {
-    vis_predict_input in;
-    in.il       = il;
-    in.step     = step;
-    in.k        = k;
-    in.n_tokens = (int64_t) ids.size() / k;
-    in.ids      = ids.data();
-    return in;
-}
 
 // 3 layers of 4 experts, top-2, fitted on 10 tokens, W = 1; only layer 0 -> 1 has rows
 static vis_predict_profile profile(const char * weighting = "conditional") {

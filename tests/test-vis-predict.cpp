@@ -9,22 +9,13 @@
 #include "vis-check.h"
 #include "vis-moe-policy.h"
 #include "vis-moe-predict.h"
+#include "vis-predict-input.h"
 #include "vis-moe-prefetch-ab.h"
 
 #include <cmath>
 #include <vector>
 
 static bool near(float a, float b) { return std::fabs(a - b) < 1e-5f; }
-
-static vis_predict_input input(int il, uint64_t step, const std::vector<int32_t> & ids, int k) {
-    vis_predict_input in;
-    in.il       = il;
-    in.step     = step;
-    in.k        = k;
-    in.n_tokens = (int64_t) ids.size() / k;
-    in.ids      = ids.data();
-    return in;
-}
 
 static void test_top_and_recall() {
     const std::vector<float> s = { 0.5f, 2.0f, 2.0f, -1.0f, 3.0f };
