@@ -160,7 +160,7 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         r["stall_ms"] = float(mm[-1][3])
     # the prefetch table's total row: steps, recall%, prec%, issued, used, wasted, late, cancel, MiB read, MiB
     # waste, wait ms, saved ms, off, on
-    mm = re.findall(r"vis-moe: total\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%((?:\s+[\d.]+){11})\s*$", out, re.M)
+    mm = re.findall(r"vis-moe: total\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%((?:\s+-?[\d.]+){11})\s*$", out, re.M)
     if mm:
         c = mm[-1][3].split()
         r.update(pf_recall=float(mm[-1][1]), pf_prec=float(mm[-1][2]), pf_issued=int(c[0]), pf_used=int(c[1]),

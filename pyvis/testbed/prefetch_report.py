@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 CACHE_ROW = re.compile(r"^vis-moe:\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s*$")
-PREFETCH_ROW = re.compile(r"^vis-moe:\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%((?:\s+[\d.]+){11})\s*$")
+PREFETCH_ROW = re.compile(r"^vis-moe:\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%((?:\s+-?[\d.]+){11})\s*$")  # saved ms may be < 0
 
 
 class ReportError(ValueError):
