@@ -1,0 +1,243 @@
+"""Part of the 1:1 ctypes mirror of src/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
+header's paging-tier section (tier parameters, I/O stats, the memory probe and planner), in the header's order."""
+from __future__ import annotations
+
+import ctypes
+
+from .capi import ctypes_function, llama_context_p, llama_vis_moe_params  # noqa: F401
+
+# ---------------------------------------------------------------------------
+# Paging tiers
+# ---------------------------------------------------------------------------
+# struct llama_vis_moe_tier_params {
+#     int32_t store;       // 0 = file (tier 3; default), 1 = model (experts loaded by llama.cpp, copied from RAM/mmap)
+#     int64_t host_mib;    // tier-2 budget in MiB; -1 = planned by --moe-mem (else 0), 0 = none
+#     int64_t mem_mib;     // total memory budget of the process for --moe-mem: 0 = off, -1 = auto (cgroup, MemAvailable)
+#     int32_t io_threads;  // parallel expert reads (default 4)
+#     int32_t direct_io;   // -1 = auto (O_DIRECT where allowed), 0 = buffered reads (pages dropped after), 1 = O_DIRECT
+#     int32_t unified;     // -1 = auto, 0 = off, 1 = on: slabs are written straight from the file
+#     int32_t mlock;       // 1 = lock slabs and the host cache in memory (default), 0 = don't
+# };
+class llama_vis_moe_tier_params(ctypes.Structure):
+    _fields_ = [
+        ("store", ctypes.c_int32),
+        ("host_mib", ctypes.c_int64),
+        ("mem_mib", ctypes.c_int64),
+        ("io_threads", ctypes.c_int32),
+        ("direct_io", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("mlock", ctypes.c_int32),
+    ]
+
+
+# LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_tier_default_params(void);
+@ctypes_function("llama_vis_moe_tier_default_params", [], llama_vis_moe_tier_params)
+def llama_vis_moe_tier_default_params() -> llama_vis_moe_tier_params:
+    """Defaults from VIS_MOE_STORE, VIS_MOE_HOST_MIB, VIS_MOE_MEM, ... else the built-in values."""
+
+
+# LLAMA_API struct llama_vis_moe_tier_params llama_vis_moe_get_tier_params(void);
+@ctypes_function("llama_vis_moe_get_tier_params", [], llama_vis_moe_tier_params)
+def llama_vis_moe_get_tier_params() -> llama_vis_moe_tier_params:
+    """In force on the calling thread (its override, else the process-wide ones)."""
+
+
+# LLAMA_API int32_t llama_vis_moe_set_tier_params(const struct llama_vis_moe_tier_params * params);
+@ctypes_function("llama_vis_moe_set_tier_params", [ctypes.POINTER(llama_vis_moe_tier_params)], ctypes.c_int32)
+def llama_vis_moe_set_tier_params(params) -> int:
+    """Process-wide, for models loaded and contexts created from now on; NULL resets. 0, or -1."""
+
+
+# LLAMA_API int32_t llama_vis_moe_set_thread_params(const struct llama_vis_moe_params * params,
+#                                                   const struct llama_vis_moe_tier_params * tier);
+@ctypes_function("llama_vis_moe_set_thread_params",
+                 [ctypes.POINTER(llama_vis_moe_params), ctypes.POINTER(llama_vis_moe_tier_params)], ctypes.c_int32)
+def llama_vis_moe_set_thread_params(params, tier) -> int:
+    """Override both settings structs for the calling thread only (NULL for one: the process-wide value at the
+    time of the call).  Both NULL: drop the override.  0, or -1 with llama_vis_last_error()."""
+
+
+# LLAMA_API int32_t llama_vis_moe_thread_params_active(void);
+@ctypes_function("llama_vis_moe_thread_params_active", [], ctypes.c_int32)
+def llama_vis_moe_thread_params_active() -> int:
+    """1 if the calling thread has an override, else 0."""
+
+
+# struct llama_vis_moe_io_stats {
+#     int64_t slab_hits;      // tier 1: routed experts found in a slab
+#     int64_t host_hits;      // tier 2: misses served from the host cache
+#     int64_t file_reads;     // tier 3: misses read from the file (experts)
+#     int64_t model_copies;   // misses copied from llama.cpp's own copy (store = model)
+#     int64_t bytes_read;     // payload bytes read from the file
+#     int64_t bytes_storage;  // bytes requested from storage (O_DIRECT reads are 4 KiB-aligned supersets)
+#     int64_t read_us;        // wall time compute waited for file reads
+#     int64_t host_bytes;     // tier-2 capacity in bytes
+#     int64_t host_used;      // bytes in tier 2 now
+#     int64_t host_evictions;
+#     int64_t slab_bytes;     // tier-1 bytes
+#     int32_t direct_io;      // 1 if reads use O_DIRECT
+#     int32_t unified;        // 1 if slabs are filled straight from the file
+#     int32_t locked;         // 1 if slabs and host cache are locked in memory
+#     int32_t io_threads;
+#     int64_t major_faults;   // major page faults of the process since the context was created
+#     int64_t rss_peak;       // peak resident set of the process (VmHWM), bytes
+#     int64_t streamed;       // experts a large ubatch read through the mapping instead of the slabs
+#     int64_t bytes_streamed; // their bytes
+# };
+class llama_vis_moe_io_stats(ctypes.Structure):
+    _fields_ = [
+        ("slab_hits", ctypes.c_int64),
+        ("host_hits", ctypes.c_int64),
+        ("file_reads", ctypes.c_int64),
+        ("model_copies", ctypes.c_int64),
+        ("bytes_read", ctypes.c_int64),
+        ("bytes_storage", ctypes.c_int64),
+        ("read_us", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
+        ("host_used", ctypes.c_int64),
+        ("host_evictions", ctypes.c_int64),
+        ("slab_bytes", ctypes.c_int64),
+        ("direct_io", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("locked", ctypes.c_int32),
+        ("io_threads", ctypes.c_int32),
+        ("major_faults", ctypes.c_int64),
+        ("rss_peak", ctypes.c_int64),
+        ("streamed", ctypes.c_int64),
+        ("bytes_streamed", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);
+@ctypes_function("llama_vis_moe_get_io_stats", [llama_context_p, ctypes.POINTER(llama_vis_moe_io_stats)],
+                 ctypes.c_int32)
+def llama_vis_moe_get_io_stats(ctx, out) -> int:
+    """Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache."""
+
+
+# struct llama_vis_mem_info {
+#     int64_t mem_total;       // MemTotal
+#     int64_t mem_available;   // MemAvailable
+#     int64_t swap_total;      // SwapTotal
+#     int64_t swap_free;       // SwapFree
+#     int64_t zram_bytes;      // memory used by zram swap devices (0 if none)
+#     int64_t cgroup_limit;    // tightest memory limit over our cgroup and its parents (v1 or v2), -1 if none
+#     int64_t cgroup_usage;    // usage of the cgroup holding that limit (page cache included), -1 if unknown
+#     int32_t cgroup_version;  // 2, 1, or 0 if no memory cgroup was found
+#     int64_t rss;             // VmRSS of this process
+#     int64_t rss_peak;        // VmHWM of this process
+#     int64_t major_faults;    // major page faults of this process so far
+#     int64_t limit;           // min(cgroup_limit, MemTotal): what the process may ever use
+#     int64_t available;       // min(cgroup_limit - cgroup_usage + rss, MemAvailable + rss): what it may use now
+# };
+class llama_vis_mem_info(ctypes.Structure):
+    _fields_ = [
+        ("mem_total", ctypes.c_int64),
+        ("mem_available", ctypes.c_int64),
+        ("swap_total", ctypes.c_int64),
+        ("swap_free", ctypes.c_int64),
+        ("zram_bytes", ctypes.c_int64),
+        ("cgroup_limit", ctypes.c_int64),
+        ("cgroup_usage", ctypes.c_int64),
+        ("cgroup_version", ctypes.c_int32),
+        ("rss", ctypes.c_int64),
+        ("rss_peak", ctypes.c_int64),
+        ("major_faults", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("available", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out);
+@ctypes_function("llama_vis_mem_probe", [ctypes.POINTER(llama_vis_mem_info)], ctypes.c_int32)
+def llama_vis_mem_probe(out) -> int:
+    """What this machine gives us."""
+
+
+# struct llama_vis_moe_plan_request {
+#     int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available)
+#     int64_t resident_bytes;    // weights that stay resident (everything but the managed experts)
+#     int64_t kv_bytes;          // KV cache
+#     int64_t reserve_bytes;     // compute buffers, runtime and slack
+#     int64_t expert_bytes;      // one expert of one managed layer (gate + up + down)
+#     int32_t n_managed_layers;  // MoE layers after the pinned prefix
+#     int32_t n_expert;
+#     int32_t n_expert_used;     // top-k
+#     int32_t unified;           // 1: slabs live in the same memory (CPU, Jetson); 0: discrete GPU
+#     int64_t device_bytes;      // discrete GPU: device memory for slabs (ignored when unified)
+#     int64_t host_mib;          // explicit tier-2 budget; -1: plan it
+#     int32_t n_slots;           // explicit slots per layer; 0: plan them
+#     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
+# };
+class llama_vis_moe_plan_request(ctypes.Structure):
+    _fields_ = [
+        ("budget", ctypes.c_int64),
+        ("resident_bytes", ctypes.c_int64),
+        ("kv_bytes", ctypes.c_int64),
+        ("reserve_bytes", ctypes.c_int64),
+        ("expert_bytes", ctypes.c_int64),
+        ("n_managed_layers", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("unified", ctypes.c_int32),
+        ("device_bytes", ctypes.c_int64),
+        ("host_mib", ctypes.c_int64),
+        ("n_slots", ctypes.c_int32),
+        ("no_staging", ctypes.c_int32),
+    ]
+
+
+# struct llama_vis_moe_plan {
+#     int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
+#     int32_t n_slots;           // slots per managed layer (n_expert: everything resident)
+#     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
+#     int64_t host_bytes;        // tier 2
+#     int64_t budget;            // the budget planned for
+#     int64_t fixed_bytes;       // resident weights + KV + reserve
+#     int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
+#     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
+#     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
+#     int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs
+# };
+# (the struct shares its name with the function below: in Python it is struct_llama_vis_moe_plan)
+class struct_llama_vis_moe_plan(ctypes.Structure):
+    _fields_ = [
+        ("ok", ctypes.c_int32),
+        ("n_slots", ctypes.c_int32),
+        ("slab_bytes", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
+        ("budget", ctypes.c_int64),
+        ("fixed_bytes", ctypes.c_int64),
+        ("min_budget", ctypes.c_int64),
+        ("file_only_bytes", ctypes.c_int64),
+        ("tight_budget", ctypes.c_int64),
+        ("pageable_bytes", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
+@ctypes_function("llama_vis_moe_plan", [ctypes.POINTER(llama_vis_moe_plan_request),
+                                        ctypes.POINTER(struct_llama_vis_moe_plan)], ctypes.c_int32)
+def llama_vis_moe_plan(req, out) -> int:
+    """How one memory budget splits over resident weights, KV cache, compute, slabs and the host cache."""
+
+
+# LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,
+#                                                  int64_t n_expert_used, int64_t n_ff_exp);
+@ctypes_function("llama_vis_moe_estimate_reserve",
+                 [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)
+def llama_vis_moe_estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int,
+                                   n_ff_exp: int) -> int:
+    """The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes): bytes."""
+
+
+# LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_context_reserve", [llama_context_p], ctypes.c_int64)
+def llama_vis_moe_context_reserve(ctx) -> int:
+    """The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan."""
+
+
+# LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget_bytes);
+@ctypes_function("llama_vis_moe_whole_model_fits", [ctypes.c_int64, ctypes.c_int64], ctypes.c_int32)
+def llama_vis_moe_whole_model_fits(model_bytes: int, budget_bytes: int) -> int:
+    """1 if the whole model fits the budget (<= 0: the machine's): --moe-mem alone then runs upstream's path."""
