@@ -53,7 +53,7 @@ static void collect_background(vis_moe_context & vm, vis_moe_layer & L, int il, 
         L.sub_stats.bg_wait_us += waited;
     }
     if (vm.prefetch) {
-        vm.prefetch->collected(vm, L, il, done, any_sub ? 0 : waited, ids, n_pairs);
+        vm.prefetch->collected(L, il, done, any_sub ? 0 : waited, ids, n_pairs);
     }
 }
 

@@ -258,3 +258,15 @@ double vis_predict_recall(const std::vector<int32_t> & pred, const int32_t * act
     }
     return (double) hit / (double) a.size();
 }
+
+const char * vis_predict_mode_name(int mode) {
+    switch (mode) {
+        case VIS_PRED_OFF:         return "off";
+        case VIS_PRED_NEXT_ROUTER: return "next-router";
+        case VIS_PRED_COACT:       return "coact";
+        case VIS_PRED_FREQ:        return "freq";
+        case VIS_PRED_RANDOM:      return "random";
+        case VIS_PRED_AUTO:        return "auto";
+        default:                   return "?";
+    }
+}

@@ -56,6 +56,9 @@ std::unique_ptr<vis_moe_predictor> vis_moe_predictor_make(int mode, const std::v
                                                           uint32_t seed = 1234,
                                                           const vis_predict_profile * profile = nullptr);
 
+// the --moe-predict value of a mode ("next-router", ...)
+const char * vis_predict_mode_name(int mode);
+
 // the indices of the `b` largest scores (ties: lower index first), best first
 std::vector<int32_t> vis_predict_top(const std::vector<float> & score, int b);
 

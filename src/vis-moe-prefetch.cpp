@@ -104,10 +104,9 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
     }
 }
 
-void vis_moe_prefetcher::collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+void vis_moe_prefetcher::collected(const vis_moe_layer & L, int il,
                                    const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
                                    int64_t n_pairs) {
-    (void) vm;
     layer_state & ls = layers[il];
     std::vector<uint8_t> routed(L.n_expert, 0);
     int64_t n_distinct = 0;
@@ -189,9 +188,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
     }
     if (!file_store) {
         LLAMA_LOG_INFO("vis-moe: --moe-predict %s: off, the experts are not read from the file (--moe-store model, or "
-                       "every managed expert loaded): there is nothing to read ahead\n",
-                       mode == VIS_PRED_NEXT_ROUTER ? "next-router" : mode == VIS_PRED_COACT ? "coact" :
-                       mode == VIS_PRED_FREQ ? "freq" : "random");
+                       "every managed expert loaded): there is nothing to read ahead\n", vis_predict_mode_name(mode));
         return;
     }
     std::vector<int> n_expert(vm.layers.size(), 0);
@@ -212,8 +209,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
         }
     } else if (!pf.empty()) {
         LLAMA_LOG_WARN("vis-moe: --moe-predict-profile %s is not used: --moe-predict %s does not learn from counts "
-                       "(only coact and freq start from a profile)\n", pf.c_str(),
-                       mode == VIS_PRED_NEXT_ROUTER ? "next-router" : "random");
+                       "(only coact and freq start from a profile)\n", pf.c_str(), vis_predict_mode_name(mode));
     }
     const int budget = s.predict.budget > 0 ? std::min<int>(s.predict.budget, (int) model.hparams.n_expert)
                                             : vm.n_expert_used;

@@ -53,7 +53,7 @@ public:
     void step(vis_moe_context & vm, vis_predict_input & in);
     // pass 0 of layer il, after vis_moe_fetch_collect: score the step's prediction and reads ahead against the
     // routed ids [n_pairs]
-    void collected(const vis_moe_context & vm, const vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+    void collected(const vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
                    int64_t waited_us, const int32_t * ids, int64_t n_pairs);
 
     // counters of layer il (saved_us is left to the stats code, which knows the read rate)
