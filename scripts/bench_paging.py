@@ -121,7 +121,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, errors="replace", timeout=timeout,
+                           stdin=subprocess.DEVNULL,
                            env={**os.environ, **(env or {})})
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:

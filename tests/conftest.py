@@ -47,12 +47,14 @@ def text_model(request, fixture_dir) -> Path:
 
 
 def run(cmd: list, timeout: float = 120, extra_env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    """Run a command with a hard timeout; never hangs the suite."""
+    """Run a command with a hard timeout; never hangs the suite. Output is decoded losslessly: a random-weights model
+    may print half of a multi-byte character, which surrogateescape keeps as its raw byte (two outputs compare equal
+    only if their bytes do)."""
     env = dict(os.environ)
     env.setdefault("LLAMA_LOG_COLORS", "0")
     env.update(extra_env or {})
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env=env, **kw)
+                          stdin=subprocess.DEVNULL, env=env, **{"errors": "surrogateescape", **kw})
 
 
 MEDIUM = fx.ModelSpec(name="paging-medium", arch="qwen3moe", n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,

@@ -84,7 +84,8 @@ def _run(args: list[str], timeout: float | None) -> tuple[str, float]:
     env.setdefault("LLAMA_LOG_COLORS", "0")
     t0 = time.monotonic()
     try:
-        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
+        p = subprocess.run(args, capture_output=True, text=True, errors="surrogateescape", timeout=timeout,
+                           stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired as e:
         raise QualityError(f"llama-perplexity timed out after {timeout} s: {' '.join(args)}") from e
     dt = time.monotonic() - t0
