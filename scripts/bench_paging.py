@@ -150,7 +150,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     # the stats of the last context (llama-bench makes one per test; the trace file holds the last one)
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
                      ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB"),
-                     ("rss_peak_mib", r"peak RSS (\d+)"), ("streamed", r"prefill streaming: (\d+) experts")):
+                     ("rss_peak_mib", r"peak RSS (\d+)"), ("streamed", r"prefill streaming: (\d+) experts"),
+                     ("lent", r"slab lending: (\d+) streamed ubatches")):
         mm = re.findall(pat, out)
         if mm:
             r[key] = int(mm[-1])
@@ -181,9 +182,10 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     return r
 
 
-def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
+def belady_ratio(trace_path: Path, slots: int, misses: int, lent: bool = False) -> dict:
     """Our misses against Belady's optimum for the same slots, from our own routing trace; and the misses of the
-    decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy."""
+    decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy.
+    lent: the run lent its slabs to streamed ubatches (both simulations empty the cache there, as the runtime did)."""
     import numpy as np
     from pyvis.runtime import trace as vtrace
     from pyvis.runtime.cachesim import belady_misses, layer_requests, lru_misses, stream_flags, ubatch_tokens
@@ -195,8 +197,8 @@ def belady_ratio(trace_path: Path, slots: int, misses: int) -> dict:
         per_lru: list[int] = []
         per_opt: list[int] = []
         streamed = stream_flags(t, il, slots)
-        opt += belady_misses(req, slots, per_opt, streamed)
-        lru += lru_misses(req, slots, per_lru, streamed)
+        opt += belady_misses(req, slots, per_opt, streamed, lent)
+        lru += lru_misses(req, slots, per_lru, streamed, lent)
         dec = rows == 1
         dec_lru += int(np.asarray(per_lru)[dec].sum())
         dec_opt += int(np.asarray(per_opt)[dec].sum())
@@ -211,7 +213,7 @@ def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
     trace = out / f"ours-{r['fraction']}-{r.get('rep', 0)}.trace"
     if r["name"] != "ours" or r.get("misses") is None or not r.get("slots") or not trace.exists():
         return None
-    r.update(belady_ratio(trace, r["slots"], r["misses"]))
+    r.update(belady_ratio(trace, r["slots"], r["misses"], bool(r.get("lent"))))
     line = (f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
             f"LRU simulated {r['lru_sim_misses']}")
     if r.get("decode_tps") and r.get("decode_steps"):

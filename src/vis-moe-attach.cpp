@@ -3,6 +3,7 @@
 // the slabs, the paging tiers and what gets locked in memory.
 #include "vis-moe.h"
 #include "vis-moe-context.h"
+#include "vis-moe-lend.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
 #include "vis-moe-settings.h"
@@ -183,6 +184,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
+    vm.plan_free    = std::max<int64_t>(0, plan.budget - plan.fixed_bytes - plan.slab_bytes - plan.host_bytes);
     llama_vis_mem_info mi;
     llama_vis_mem_probe(&mi);
     if (s.tier.mem_mib > 0 && mi.cgroup_limit > 0 && (s.tier.mem_mib << 20) > mi.cgroup_limit) {
@@ -477,6 +479,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vm->stream_ahead = s.stream_ahead && s.stream_passes > 0 && ap.any_deferred && vm->n_managed > 0 && !hp.no_alloc;
     if (vm->stream_ahead && !vm->fetch) {
         vm->fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
+    }
+    if (!hp.no_alloc) {
+        vis_moe_lend_decide(*vm, s.stream_lend, vm->plan_budget > 0 ? vm->plan_free : -1);
     }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {

@@ -3,6 +3,7 @@
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-lend.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
@@ -121,6 +122,7 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         if (vm->ub_streamed) {
             vm->ub_streamed = false;
             drop_streamed_pages(*vm);
+            vis_moe_return_slabs(*vm);
         } else if (d >= 256 && !vm->warned_faults) {
             vm->warned_faults = true;
             LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "

@@ -142,6 +142,10 @@ struct vis_moe_context {
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
     bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
+    // slab lending (vis-moe-lend.h): streamed ubatches give the slabs' pages to the page cache
+    bool    lend_slabs    = false;  // decided at attach
+    bool    slabs_lent    = false;  // the current ubatch lent them
+    int64_t n_lent = 0, bytes_lent = 0;
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
 
     // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced
@@ -153,6 +157,7 @@ struct vis_moe_context {
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
     int64_t     plan_reserve  = -1;  // compute/runtime reserve it used
+    int64_t     plan_free     = 0;   // budget bytes it left unplaced (page cache for streaming, slack)
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
 

@@ -2,6 +2,7 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-lend.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
@@ -193,6 +194,7 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         if (const vis_gguf_file * f = L.any_file()) {
             f->check_unchanged();  // never compute on a file replaced under us
         }
+        vis_moe_lend_slabs(vm);  // tight plans: the page cache gets the slabs' memory for this ubatch
         stream_advise(L, true);
         vm.ub_streamed = true;
         if (vm.stream_ahead) {

@@ -149,6 +149,12 @@ const flag_row ROWS[] = {
       "page cache from a background thread (prefill read-ahead; default: on)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_ahead = parse_switch(w, v, false); } },
+    { "--moe-stream-lend", "VIS_MOE_STREAM_LEND", "auto|on|off",
+      "vis-moe: a ubatch that streams a layer first gives the slabs' memory to the page cache (their slots are\n"
+      "emptied and refill on demand). auto = when the --moe-mem plan leaves the page cache less than the\n"
+      "streamed layers need (default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.stream_lend = parse_switch(w, v, true); } },
     { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|auto",
       "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
       "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
@@ -281,6 +287,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-unified",       t.unified,    -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-mlock",         t.mlock,       0, 1, "");
     range("--moe-stream-ahead",  s.stream_ahead, 0, 1, "");
+    range("--moe-stream-lend",   s.stream_lend, -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");

@@ -33,7 +33,7 @@ enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
-    if (n == "--moe-stream-passes" || n == "--moe-stream-ahead") return G_STREAM;
+    if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
@@ -92,6 +92,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     if (groups & G_STREAM) {
         s.stream_passes = o.stream_passes;
         s.stream_ahead  = o.stream_ahead;
+        s.stream_lend   = o.stream_lend;
     }
     if (groups & G_SUB) {
         s.sub = o.sub;
@@ -332,6 +333,23 @@ int32_t llama_vis_moe_thread_apply(const char * flag, const char * value) {
 
 int32_t llama_vis_moe_n_flags(void) {
     return n_rows();
+}
+
+const char * llama_vis_moe_env_brief(void) {
+    static thread_local std::string out;
+    out.clear();
+    int n = 0;
+    const flag_row * rows = vis_moe_flag_rows(n);
+    for (int i = 0; i < n; ++i) {
+        const char * v = std::getenv(rows[i].env);
+        if (!v) {
+            continue;
+        }
+        std::string name = rows[i].name;
+        name = name.rfind("--moe-", 0) == 0 ? name.substr(6) : name;
+        out += (out.empty() ? "" : " ") + name + "=" + v;
+    }
+    return out.c_str();
 }
 
 int32_t llama_vis_moe_get_flag(int32_t i, llama_vis_moe_flag * out) {

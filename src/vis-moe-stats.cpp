@@ -237,6 +237,11 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                      io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes, vm.n_stream_ahead,
                      vm.bytes_stream_ahead / 1048576.0);
     }
+    if (vm.n_lent > 0) {
+        std::fprintf(stderr, "vis-moe: slab lending: %" PRId64 " streamed ubatches gave the slabs' %.2f MiB to the page "
+                             "cache (the slots emptied, refilled on demand)\n", vm.n_lent,
+                     vm.bytes_lent / 1048576.0 / (double) vm.n_lent);
+    }
     std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
                          "peak RSS %.2f MiB, major faults %" PRId64 "\n",
                  io.slab_bytes / 1048576.0, io.host_used / 1048576.0, io.host_bytes / 1048576.0, io.host_evictions,
@@ -344,6 +349,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
     vm->n_streamed = vm->bytes_streamed = 0;
     vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
+    vm->n_lent = vm->bytes_lent = 0;
     if (vm->io) {
         vm->io->reset_counters();
     }

@@ -442,6 +442,50 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
     assert seen["8"] > 0 and seen["0"] == 0, seen
 
 
+def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp_path, monkeypatch):
+    """--moe-stream-lend on: a streamed ubatch gives the slabs' pages to the page cache and empties every slot first.
+    Logits stay byte-identical to upstream's, and the runtime's misses equal the LRU simulation in which a streamed
+    ubatch empties the cache (and differ from the one in which it leaves it alone, so the test can tell)."""
+    from pyvis.runtime import trace as vtrace
+    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
+    spec = fx.FIXTURES["qwen3moe"]()
+    ref = reference("qwen3moe")
+    monkeypatch.setenv("VIS_MOE_STREAM_LEND", "on")
+    path = tmp_path / "lend.trace"
+    # two prompts: the second one's prefill streams after decode steps filled the slots
+    logits, llm = _run(fixture_dir / "qwen3moe.gguf", slots=2, trace=str(path))
+    assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32))
+    llm.eval(llm.tokenize(b" and the second prompt routes its tokens through every layer once more", add_bos=False))
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
+    assert moe.io_stats(llm)["streamed"] > 0
+    del llm
+    t = vtrace.read(path)
+    differs = False
+    for il in range(spec.n_layer):
+        req, streamed = layer_requests(t, il), stream_flags(t, il, 2)
+        assert lru_misses(req, 2, None, streamed, lent=True) == per_layer[il], il
+        differs = differs or lru_misses(req, 2, None, streamed) != per_layer[il]
+    assert differs
+
+
+def test_slab_lending_auto_follows_the_plan(bindir, medium_model):
+    """auto: a --moe-mem plan that leaves the page cache less than a streamed layer lends the slabs (and says so);
+    explicit slots without a budget never do; the text is the same as with lending off."""
+    def cli(*extra, env=None):
+        r = run([bindir / "llama-cli", "-m", medium_model, *extra, "--moe-stats", "-p", PROMPT, "-n", "4", "-st",
+                 "-c", "256", "--temp", "0", "-lv", "4"], timeout=180, extra_env=env)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2000:]
+        return out, r.stdout[:r.stdout.find("[ Prompt:")]
+    out, text = cli("--moe-mem", "200")
+    assert "streamed ubatches lend the slabs" in out and "vis-moe: slab lending:" in out, out[-3000:]
+    _, text_off = cli("--moe-mem", "200", env={"VIS_MOE_STREAM_LEND": "off"})
+    assert text == text_off
+    out, _ = cli("--moe-slots", "1")
+    assert "vis-moe: prefill streaming:" in out and "slab lending" not in out, out[-3000:]
+
+
 def test_token_embeddings_of_an_untied_model_are_not_resident(bindir, fixture_dir):
     """gpt-oss has its own output matrix: its token embeddings are read one row per token, so neither the planner
     (Python and C) counts them as resident nor does the runtime lock them."""

@@ -46,22 +46,26 @@ def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
     return [order[j:j + capacity] for j in range(0, len(order), capacity)]
 
 
-def _bypass(i: int, streamed: list[bool] | None, per_request: list[int] | None) -> bool:
-    """Request i is streamed (see `stream_rule`): no loads, the cache unchanged."""
+def _bypass(i: int, streamed: list[bool] | None, per_request: list[int] | None, cache=None) -> bool:
+    """Request i is streamed (see `stream_rule`): no loads; the cache unchanged, or emptied when the slabs were
+    lent to the page cache (`cache` given: --moe-stream-lend, src/vis-moe-lend.h)."""
     if streamed is None or not streamed[i]:
         return False
+    if cache is not None:
+        cache.clear()
     if per_request is not None:
         per_request.append(0)
     return True
 
 
 def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
-                  streamed: list[bool] | None = None) -> int:
+                  streamed: list[bool] | None = None, lent: bool = False) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
     together; a set larger than the capacity is served in passes, as the runtime does).  On a miss it evicts
     the resident expert whose next use is farthest, never one the current pass needs.
     `per_request`, if given, receives the loads of each request.  `streamed[i]` marks a request the runtime serves
-    by prefill streaming (see `stream_rule`): it bypasses the cache, which it neither loads nor changes."""
+    by prefill streaming (see `stream_rule`): it bypasses the cache, which it neither loads nor changes (`lent`:
+    which it empties, as the runtime does when it lends the slabs to the page cache)."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
     INF = len(requests) + 1
@@ -80,7 +84,7 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     misses = 0
     for i, s in enumerate(requests):
         before = misses
-        if _bypass(i, streamed, per_request):
+        if _bypass(i, streamed, per_request, resident if lent else None):
             continue
         chunks = _chunks(s, resident, capacity)
         for ci, chunk in enumerate(chunks):
@@ -118,14 +122,14 @@ def stream_flags(t: Trace, layer: int, capacity: int, stream_passes: int = 8) ->
 
 
 def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
-               streamed: list[bool] | None = None) -> int:
+               streamed: list[bool] | None = None, lent: bool = False) -> int:
     """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading).
-    `per_request`, if given, receives the loads of each request."""
+    `per_request`, if given, receives the loads of each request; `streamed` and `lent` as in `belady_misses`."""
     lru: OrderedDict[int, None] = OrderedDict()
     misses = 0
     for i, s in enumerate(requests):
         before = misses
-        if _bypass(i, streamed, per_request):
+        if _bypass(i, streamed, per_request, lru if lent else None):
             continue
         for chunk in _chunks(s, lru, capacity):
             need = set(chunk)

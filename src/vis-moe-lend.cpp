@@ -1,0 +1,115 @@
+// vis-moe-lend.cpp - slab lending (vis-moe-lend.h).
+#include "vis-moe-lend.h"
+#include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
+#include "vis-moe-host-cache.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <string>
+
+#include <unistd.h>
+#include <sys/mman.h>
+
+// the whole pages of a host slab buffer: [a0, a1)
+static bool slab_pages(ggml_backend_buffer_t buf, uintptr_t & a0, uintptr_t & a1) {
+    if (!ggml_backend_buffer_is_host(buf)) {
+        return false;
+    }
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(buf);
+    a0 = (base + page - 1) & ~(page - 1);
+    a1 = (base + ggml_backend_buffer_get_size(buf)) & ~(page - 1);
+    return a1 > a0;
+}
+
+void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
+    vm.lend_slabs = false;
+    if (mode == 0 || (mode < 0 && plan_free < 0) || vm.stream_passes <= 0 || vm.n_managed == 0) {
+        return;
+    }
+    int64_t layer_bytes = 0;  // the largest streamed layer's experts
+    bool    streams     = false;
+    for (const auto & L : vm.layers) {
+        if (L.managed && L.deferred && L.cpu_passes) {
+            streams     = true;
+            layer_bytes = std::max(layer_bytes, L.expert_bytes * (int64_t) L.n_expert);
+        }
+    }
+    if (!streams) {
+        return;  // only CPU-only runs stream
+    }
+    const int64_t need = layer_bytes * (vm.stream_ahead ? 2 : 1);
+    if (mode > 0) {
+        vm.lend_slabs = true;
+        LLAMA_LOG_INFO("vis-moe: --moe-stream-lend on: streamed ubatches lend the slabs' %.0f MiB to the page cache and "
+                       "refill them afterwards\n", vm.slab_bytes / 1048576.0);
+        return;
+    }
+    if (plan_free >= need) {
+        return;
+    }
+    vm.lend_slabs = true;
+    LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
+                   "(%s): streamed ubatches lend the slabs' %.0f MiB to the page cache and refill them afterwards\n",
+                   plan_free / 1048576.0, need / 1048576.0, vm.stream_ahead ? "two layers' experts, --moe-stream-ahead"
+                   : "one layer's experts", vm.slab_bytes / 1048576.0);
+    if (vm.slab_bytes + plan_free < need) {
+        vm.note("a streamed prefill keeps " + std::to_string(need >> 20) + " MiB in the page cache, more than the " +
+                std::to_string((vm.slab_bytes + plan_free) >> 20) + " MiB the slabs and the plan's free bytes give it: "
+                "prefill may re-read experts" + std::string(vm.stream_ahead ? "; try --moe-stream-ahead off" : "") +
+                ", or raise the budget");
+    }
+}
+
+void vis_moe_lend_slabs(vis_moe_context & vm) {
+    if (!vm.lend_slabs || vm.slabs_lent) {
+        return;
+    }
+    vm.slabs_lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        vis_moe_layer & L = vm.layers[il];
+        if (!L.managed) {
+            continue;
+        }
+        int64_t waited = 0;
+        vis_moe_fetch_collect(vm, L, il, waited);  // nothing may write a slot whose pages go (throws on a read error)
+        for (int s = 0; s < L.n_slots; ++s) {
+            if (L.expert_of[s] >= 0) {
+                L.slot_of[L.expert_of[s]] = -1;
+                L.expert_of[s] = -1;
+            }
+            L.policy->forget(s);
+        }
+    }
+    for (ggml_backend_buffer_t buf : vm.bufs) {
+        uintptr_t a0, a1;
+        if (!slab_pages(buf, a0, a1)) {
+            continue;
+        }
+        if (vm.locked) {
+            munlock((void *) a0, a1 - a0);
+        }
+        if (madvise((void *) a0, a1 - a0, MADV_DONTNEED) == 0) {
+            vm.bytes_lent += (int64_t) (a1 - a0);
+        }
+    }
+    vm.n_lent++;
+}
+
+void vis_moe_return_slabs(vis_moe_context & vm) {
+    if (!vm.slabs_lent) {
+        return;
+    }
+    vm.slabs_lent = false;
+    if (!vm.locked) {
+        return;  // the pages come back as the slots refill
+    }
+    for (ggml_backend_buffer_t buf : vm.bufs) {
+        uintptr_t a0, a1;
+        if (slab_pages(buf, a0, a1)) {
+            vis_mlock_region((void *) a0, a1 - a0, "the expert slabs");
+        }
+    }
+}

@@ -1,0 +1,36 @@
+// vis-moe-lend.h - slab lending: under a tight memory plan, a ubatch that streams a layer (prefill streaming,
+// docs/paging.md#prefill-streaming) first hands the slabs' pages back to the kernel, so that the page cache has
+// room for the streamed experts; the slabs refill on demand afterwards (src/vis-moe-lend.cpp).
+//
+// Why.  Streaming reads a layer's experts through the mapping and the page cache.  The memory plan spends the
+// whole budget on resident weights, KV, compute and slabs, so at tight budgets (12.5 % of a Qwen3-30B-A3B-sized
+// model: 1.97 of 2.03 GB locked) the streamed pages are reclaimed before they are used and the layer is read
+// again and again (193 GB read in six minutes for a 64-token prompt).  The slabs are not used while a layer
+// streams, and a prompt long enough to stream routes almost every expert anyway, so their contents are worth
+// little against that.
+//
+// When (--moe-stream-lend auto).  Decided at attach (vis_moe_lend_decide): a CPU-only run with a --moe-mem plan, streaming on, and a plan
+// whose free bytes (budget minus everything it placed) are less than the layers streaming keeps in the page cache
+// at once (one layer's experts; two with --moe-stream-ahead).  Then the first streamed layer of a ubatch calls
+// vis_moe_lend_slabs and the end of the ubatch vis_moe_return_slabs.
+//
+// Exactness.  Every slot is emptied in the slot table and the policy before its pages go, after the layer's
+// background reads were collected (waited for, or cancelled when not started); an emptied slot is refilled from
+// tier 2 or the file like any miss.  The dropped pages read back as zeros (anonymous memory), the value the slabs
+// were created with.  What is computed never changes, only what is resident.
+#pragma once
+
+#include <cstdint>
+
+struct vis_moe_context;
+
+// at attach, after the plan and the slabs: whether streamed ubatches lend the slabs (sets vm.lend_slabs and logs
+// the reason).  mode: --moe-stream-lend (-1 auto: the rule above; 0 never; 1 whenever a layer can stream).
+// plan_free: budget bytes the plan left unplaced (< 0: no --moe-mem plan).
+void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free);
+
+// the first streamed layer of a ubatch, compute thread: empty every slot, release the slabs' pages (once per ubatch)
+void vis_moe_lend_slabs(vis_moe_context & vm);
+
+// the end of a ubatch that lent them: lock the slabs again (their pages come back as zeros; the slots stay empty)
+void vis_moe_return_slabs(vis_moe_context & vm);
