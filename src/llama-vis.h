@@ -105,6 +105,10 @@ struct llama_vis_moe_flag {
 LLAMA_API int32_t llama_vis_moe_n_flags(void);
 // Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range.
 LLAMA_API int32_t llama_vis_moe_get_flag(int32_t i, struct llama_vis_moe_flag * out);
+// The VIS_MOE_* variables set in this process, in table order, as "flag=value" without the "--moe-" prefix,
+// separated by spaces ("predict=next-router mem=2078"); "" when none.  Valid until the next call on this thread.
+// llama-bench shows it as its vis_moe field (patch 0012).
+LLAMA_API const char * llama_vis_moe_env_brief(void);
 
 // Message of the last failed llama_vis_* call on this thread (or of a context that
 // failed to attach its expert cache), "" if none.  Every llama_vis_* call that can

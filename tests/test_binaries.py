@@ -35,6 +35,22 @@ def test_llama_bench_runs(bindir, fixture_dir):
     rows = json.loads(r.stdout)
     assert {row["n_prompt"] for row in rows} >= {16}
     assert all(row["avg_ts"] > 0 for row in rows)
+    assert all(row["vis_moe"] == "" for row in rows)
+
+
+def test_llama_bench_names_the_moe_settings_it_ran_with(bindir, fixture_dir):
+    """llama-bench takes the --moe-* settings from VIS_MOE_* (patch 0012): its vis_moe field and markdown column
+    say which, in table order; without any, the markdown table has no such column."""
+    env = {"VIS_MOE_PREDICT": "coact", "VIS_MOE_SLOTS": "4"}
+    args = [bindir / "llama-bench", "-m", fixture_dir / "qwen3moe.gguf", "-p", "16", "-n", "2", "-r", "1", "-t", "2"]
+    r = run([*args, "-o", "json"], timeout=180, extra_env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {row["vis_moe"] for row in json.loads(r.stdout)} == {"slots=4 predict=coact"}
+    r = run(args, timeout=180, extra_env=env)
+    header = next(ln for ln in r.stdout.splitlines() if ln.startswith("| model"))
+    assert "vis_moe" in header and "slots=4 predict=coact" in r.stdout, r.stdout
+    r = run(args, timeout=180)
+    assert r.returncode == 0 and "vis_moe" not in r.stdout, r.stdout
 
 
 def test_llama_perplexity_runs(bindir, fixture_dir, tmp_path):
