@@ -198,6 +198,12 @@ def llama_vis_moe_get_flag(i: int, out) -> int:
     """Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range."""
 
 
+# LLAMA_API const char * llama_vis_moe_env_brief(void);
+@ctypes_function("llama_vis_moe_env_brief", [], ctypes.c_char_p)
+def llama_vis_moe_env_brief() -> bytes:
+    """The VIS_MOE_* variables set in this process, as "flag=value" without "--moe-", space-separated; "" if none."""
+
+
 # LLAMA_API const char * llama_vis_last_error(void);
 @ctypes_function("llama_vis_last_error", [], ctypes.c_char_p)
 def llama_vis_last_error() -> bytes:
