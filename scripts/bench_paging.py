@@ -151,7 +151,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),
                      ("file_reads", r"file reads (\d+)"), ("plan_budget_mib", r"memory plan: budget (\d+) MiB"),
                      ("rss_peak_mib", r"peak RSS (\d+)"), ("streamed", r"prefill streaming: (\d+) experts"),
-                     ("lent", r"slab lending: (\d+) streamed ubatches")):
+                     ("lent", r"slab lending: (\d+) streamed ubatches"),
+                     ("staged", r"staged streaming: (\d+) layers")):
         mm = re.findall(pat, out)
         if mm:
             r[key] = int(mm[-1])
@@ -213,7 +214,8 @@ def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
     trace = out / f"ours-{r['fraction']}-{r.get('rep', 0)}.trace"
     if r["name"] != "ours" or r.get("misses") is None or not r.get("slots") or not trace.exists():
         return None
-    r.update(belady_ratio(trace, r["slots"], r["misses"], bool(r.get("lent"))))
+    # lent or staged: a streamed ubatch emptied the slots (vis-moe-lend.h, vis-moe-stage.h)
+    r.update(belady_ratio(trace, r["slots"], r["misses"], bool(r.get("lent") or r.get("staged"))))
     line = (f"  ours misses {r['misses']} vs Belady {r['belady_misses']} (x{r['ratio']:.2f}); "
             f"LRU simulated {r['lru_sim_misses']}")
     if r.get("decode_tps") and r.get("decode_steps"):

@@ -4,6 +4,7 @@
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-stage.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
 #include "vis-moe-settings.h"
@@ -475,6 +476,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     if (s.predict.on() && !hp.no_alloc) {
         vis_moe_prefetch_attach(*vm, model, s, ap.any_deferred);
+    }
+    if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
+        vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads
     }
     vm->stream_ahead = s.stream_ahead && s.stream_passes > 0 && ap.any_deferred && vm->n_managed > 0 && !hp.no_alloc;
     if (vm->stream_ahead && !vm->fetch) {

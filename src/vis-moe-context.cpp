@@ -4,6 +4,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
@@ -112,6 +113,9 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
                 L.policy->end_step();  // speculative horizons count down; unused reads ahead go first
             }
         }
+    }
+    if (vm->stage) {
+        vm->stage->end_ubatch(*vm);  // a staged read still in flight: waited for, the buffers forgotten
     }
     if (vm->n_managed > 0) {
         // the kernel paging our working set in and out means the budget is too large for the machine

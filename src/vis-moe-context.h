@@ -33,6 +33,7 @@ struct llama_context;
 class vis_moe_substitute;
 class vis_moe_fetcher;
 class vis_moe_prefetcher;
+class vis_moe_stager;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -144,6 +145,8 @@ struct vis_moe_context {
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
     // slab lending (vis-moe-lend.h): streamed ubatches give the slabs' pages to the page cache
     bool    lend_slabs    = false;  // decided at attach
+    // staged streaming (vis-moe-stage.h): streamed layers read into staging buffers carved out of the slabs
+    std::unique_ptr<vis_moe_stager> stage;
     bool    slabs_lent    = false;  // the current ubatch lent them
     int64_t n_lent = 0, bytes_lent = 0;
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token

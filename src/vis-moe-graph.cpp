@@ -5,6 +5,7 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 
 #include <algorithm>
@@ -73,12 +74,16 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page
         // cache, exactly as upstream's mmap does; the pages are dropped after the layer and the slabs are left as
         // they are.  Same result, bit for bit: it is upstream's graph.
+        // With staging buffers in the slabs (vis-moe-stage.h), the same graph reads staged copies of the tensors.
         managed = false;
         stream  = true;
+        staged  = vis_moe_stage_ubatch(*vm, pairs);
         n_pass  = 1;
-        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1, vm->ud(il, 0, VIS_OP_STREAM));
+        ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,
+                                           vm->ud(il, staged ? 1 : 0, VIS_OP_STREAM));
         ggml_format_name(t, "vis_moe_stream-%d", il);
         ggml_build_forward_expand(gf, t);
+        stream_ids = t;
         if (predicting) {
             add_predict(t);
         }
@@ -111,6 +116,9 @@ void vis_moe_layer_graph::add_predict(ggml_tensor * dep) {
 }
 
 ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts) {
+    if (stream_ids) {
+        return stream_ids;  // the routed ids, once the stream op has made the layer's experts readable
+    }
     if (!managed) {
         return selected_experts;
     }
@@ -129,6 +137,15 @@ ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts)
 }
 
 ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
+    if (staged && w) {
+        const vis_moe_layer & L = vm->layers[il];
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (L.orig[ti] == w && vm->stage->weight(il, ti)) {
+                return vm->stage->weight(il, ti);
+            }
+        }
+        return w;
+    }
     if (!managed || w == nullptr) {
         return w;
     }
@@ -159,7 +176,7 @@ void vis_moe_layer_graph::push_output(ggml_tensor * experts) {
 
 ggml_tensor * vis_moe_layer_graph::output() {
     GGML_ASSERT(!outs.empty());
-    if (stream) {
+    if (stream && !staged) {
         // after the layer's experts ran: drop their pages (the returned view orders the drop before later use)
         ggml_tensor * t = ggml_map_custom1_inplace(ctx, outs[0], vis_moe_drop_op, 1, vm->ud(il, 0, VIS_OP_DROP));
         ggml_format_name(t, "vis_moe_drop-%d", il);

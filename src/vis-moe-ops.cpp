@@ -3,6 +3,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-stage.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-substitute.h"
@@ -193,6 +194,10 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         }
         if (const vis_gguf_file * f = L.any_file()) {
             f->check_unchanged();  // never compute on a file replaced under us
+        }
+        if (a.ud.pass == 1) {  // staged (vis-moe-stage.h): our reads into a staging buffer in the slabs
+            vm.stage->begin_layer(vm, a.ud.il, ids, n_pairs);
+            return;
         }
         vis_moe_lend_slabs(vm);  // tight plans: the page cache gets the slabs' memory for this ubatch
         stream_advise(L, true);

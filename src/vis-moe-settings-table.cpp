@@ -155,6 +155,12 @@ const flag_row ROWS[] = {
       "streamed layers need (default: auto)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_lend = parse_switch(w, v, true); } },
+    { "--moe-stream-stage", "VIS_MOE_STREAM_STAGE", "on|off",
+      "vis-moe: a ubatch that streams every managed layer reads each layer's experts with our own reads into\n"
+      "staging buffers in the slabs (the next layer in the background while one computes), when the slabs\n"
+      "hold a layer's experts; off = through the mapping and the page cache (default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.stream_stage = parse_switch(w, v, false); } },
     { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|auto",
       "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
       "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
@@ -288,6 +294,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-mlock",         t.mlock,       0, 1, "");
     range("--moe-stream-ahead",  s.stream_ahead, 0, 1, "");
     range("--moe-stream-lend",   s.stream_lend, -1, 1, " (-1 = auto, 0 = off, 1 = on)");
+    range("--moe-stream-stage",  s.stream_stage, 0, 1, "");
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");

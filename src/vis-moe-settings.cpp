@@ -33,7 +33,8 @@ enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
-    if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend") return G_STREAM;
+    if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend" ||
+        n == "--moe-stream-stage") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
@@ -93,6 +94,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
         s.stream_passes = o.stream_passes;
         s.stream_ahead  = o.stream_ahead;
         s.stream_lend   = o.stream_lend;
+        s.stream_stage  = o.stream_stage;
     }
     if (groups & G_SUB) {
         s.sub = o.sub;

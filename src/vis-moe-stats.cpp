@@ -1,6 +1,7 @@
 // vis-moe-stats.cpp - per-layer and per-tier stats of the expert cache, and the
 // --moe-stats table (stderr), behind the stats half of the C API (llama-vis.h).
 #include "vis-moe-context.h"
+#include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 #include "vis-moe-prefetch.h"
 #include "vis-error.h"
@@ -231,11 +232,19 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                  io.direct_io ? " with O_DIRECT" : " buffered", secs, secs > 0 ? io.bytes_read / 1048576.0 / secs : 0.0,
                  io.model_copies);
     if (io.streamed > 0) {
-        std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) read through the mapping by "
-                             "ubatches needing more than %d passes, pages dropped after each layer; %" PRId64
+        std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) streamed by ubatches needing "
+                             "more than %d passes (staged below, else through the mapping: pages dropped after each "
+                             "layer); %" PRId64
                              " layers (%.2f MiB) read ahead while the layer before them computed\n",
                      io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes, vm.n_stream_ahead,
                      vm.bytes_stream_ahead / 1048576.0);
+    }
+    if (vm.stage && vm.stage->stats().layers > 0) {
+        const auto & c = vm.stage->stats();
+        std::fprintf(stderr, "vis-moe: staged streaming: %" PRId64 " layers from %d staging buffer%s in the slabs (%" PRId64
+                             " read in the background while the layer before computed), %.2f MiB read, %.2f s waited\n",
+                     c.layers, vm.stage->n_buffers(), vm.stage->n_buffers() == 2 ? "s" : "", c.ahead, c.bytes / 1048576.0,
+                     c.wait_us / 1e6);
     }
     if (vm.n_lent > 0) {
         std::fprintf(stderr, "vis-moe: slab lending: %" PRId64 " streamed ubatches gave the slabs' %.2f MiB to the page "
@@ -350,6 +359,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     vm->n_streamed = vm->bytes_streamed = 0;
     vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
     vm->n_lent = vm->bytes_lent = 0;
+    if (vm->stage) {
+        vm->stage->reset_stats();
+    }
     if (vm->io) {
         vm->io->reset_counters();
     }

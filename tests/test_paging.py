@@ -469,6 +469,43 @@ def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp
     assert differs
 
 
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"])
+def test_staged_streaming_is_exact_and_empties_the_slots(fixture_dir, reference, tmp_path, monkeypatch, name):
+    """Staged streaming (src/vis-moe-stage.h): with --moe-stream-passes 1 every prefill ubatch streams, and slabs
+    that hold two layers' experts (one, where the fixture has too few layers) become staging buffers read with our
+    own reads.  Logits stay byte-identical to upstream's on every architecture; the runtime's misses equal the LRU
+    simulation in which a streamed ubatch empties the cache (the staging overwrote the slots) and differ from the
+    page-cache path's, which leaves them alone (--moe-stream-stage off: same logits)."""
+    from pyvis.runtime import trace as vtrace
+    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
+    spec = fx.FIXTURES[name]()
+    n_managed = spec.n_layer - spec.n_dense_lead
+    slots = min(spec.n_expert - 1, -(-2 * spec.n_expert // n_managed) + 1)
+    ref = reference(name)
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")
+    misses, second, differs = {}, {}, False
+    for stage in ("on", "off"):
+        monkeypatch.setenv("VIS_MOE_STREAM_STAGE", stage)
+        path = tmp_path / f"stage-{stage}.trace"
+        logits, llm = _run(fixture_dir / f"{name}.gguf", slots=slots, trace=str(path))
+        assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), stage
+        # a second prompt streams after decode steps filled the slots; its logits must agree between the two paths
+        llm.eval(llm.tokenize(b" and the second prompt routes its tokens through every layer once more", add_bos=False))
+        for _ in range(3):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        second[stage] = np.array(llm.scores[: llm.n_tokens], copy=True)
+        assert moe.io_stats(llm)["streamed"] > 0
+        misses[stage] = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_dense_lead, spec.n_layer)}
+        del llm
+        t = vtrace.read(path)
+        for il, m in misses[stage].items():
+            req, streamed = layer_requests(t, il), stream_flags(t, il, slots, 1)
+            assert lru_misses(req, slots, None, streamed, lent=stage == "on") == m, (stage, il)
+            differs = differs or (stage == "on" and lru_misses(req, slots, None, streamed) != m)
+    assert differs, misses
+    assert np.array_equal(second["on"].view(np.uint32), second["off"].view(np.uint32))
+
+
 def test_slab_lending_auto_follows_the_plan(bindir, medium_model):
     """auto: a --moe-mem plan that leaves the page cache less than a streamed layer lends the slabs (and says so);
     explicit slots without a budget never do; the text is the same as with lending off."""

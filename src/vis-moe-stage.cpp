@@ -1,0 +1,237 @@
+// vis-moe-stage.cpp - staged prefill streaming (vis-moe-stage.h).
+#include "vis-moe-stage.h"
+#include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
+#include "vis-moe-passes.h"
+
+#include "llama-impl.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// a managed layer whose experts stream from the file (CPU-only: upstream's graph on host tensors)
+static bool streamable(const vis_moe_layer & L) {
+    return L.managed && L.deferred && L.cpu_passes;
+}
+
+vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t)
+    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)) {}
+
+vis_moe_stager::~vis_moe_stager() {
+    ggml_free(ctx);
+}
+
+void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
+    if (!s.stream_stage || vm.stream_passes <= 0 || vm.n_managed == 0 || vm.bufs.size() != 1 ||
+        !ggml_backend_buffer_is_host(vm.bufs[0])) {
+        return;
+    }
+    static_assert(VIS_T_COUNT == 4, "staging tensors: one per expert tensor kind");
+    int64_t stride = 0;  // bytes of one buffer: the largest streamable layer's expert tensors, each page-aligned
+    for (const auto & L : vm.layers) {
+        if (!streamable(L)) {
+            continue;
+        }
+        int64_t b = 0;
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (L.file[ti] && L.orig[ti]) {
+                b += GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096);
+            }
+        }
+        stride = std::max(stride, b);
+    }
+    ggml_backend_buffer_t buf = vm.bufs[0];
+    const int64_t size = (int64_t) ggml_backend_buffer_get_size(buf);
+    const int n_buf = stride > 0 ? (int) std::min<int64_t>(2, size / stride) : 0;
+    if (n_buf == 0) {
+        if (stride > 0) {
+            LLAMA_LOG_INFO("vis-moe: prefill streaming through the page cache: the slabs (%.0f MiB) cannot stage a "
+                           "layer's experts (%.0f MiB)\n", size / 1048576.0, stride / 1048576.0);
+        }
+        return;
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * (size_t) (VIS_T_COUNT * vm.layers.size() + 8), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    char * base = (char *) ggml_backend_buffer_get_base(buf);
+    base = (char *) GGML_PAD((uintptr_t) base, 4096);
+    if ((int64_t) (base - (char *) ggml_backend_buffer_get_base(buf)) + n_buf * stride > size) {
+        ggml_free(ctx);
+        return;  // alignment ate the margin: stay with the page cache
+    }
+    std::vector<std::array<ggml_tensor *, 4>> tens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        const vis_moe_layer & L = vm.layers[il];
+        if (!streamable(L)) {
+            continue;
+        }
+        char * p = base + (il % n_buf) * stride;
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            const ggml_tensor * o = L.orig[ti];
+            if (!L.file[ti] || !o) {
+                continue;
+            }
+            ggml_tensor * t = ggml_new_tensor(ctx, o->type, GGML_MAX_DIMS, o->ne);
+            ggml_format_name(t, "vis_moe_stage-%d.%d", il, ti);
+            GGML_ASSERT(ggml_nbytes(t) == ggml_nbytes(o) && t->nb[2] == L.file[ti]->nb2);
+            if (ggml_backend_tensor_alloc(buf, t, p) != GGML_STATUS_SUCCESS) {
+                ggml_free(ctx);
+                return;
+            }
+            tens[il][ti] = t;
+            p += GGML_PAD((int64_t) ggml_nbytes(o), 4096);
+        }
+    }
+    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens));
+    if (n_buf == 2 && !vm.fetch) {
+        vm.fetch = std::make_unique<vis_moe_fetcher>(std::max(1, s.tier.io_threads), s.tier.direct_io);
+    }
+    LLAMA_LOG_INFO("vis-moe: prefill streaming staged in the slabs: %d buffer%s of %.0f MiB (a layer's experts), read "
+                   "with our own reads%s\n", n_buf, n_buf == 2 ? "s" : "", stride / 1048576.0,
+                   n_buf == 2 ? ", the next layer in the background while one computes" : " while the layer waits");
+}
+
+bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs) {
+    if (!vm.stage || vm.stream_passes <= 0) {
+        return false;
+    }
+    for (const auto & L : vm.layers) {
+        if (!L.managed) {
+            continue;
+        }
+        if (!streamable(L) || vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) <= vm.stream_passes) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the requests that read the given experts of layer il into its staging buffer
+static std::vector<vis_read_req> stage_reqs(const vis_moe_stager & st, const vis_moe_layer & L, int il,
+                                            const std::vector<int> & experts) {
+    std::vector<vis_read_req> reqs;
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        ggml_tensor * t = st.weight(il, ti);
+        if (!t) {
+            continue;
+        }
+        for (int e : experts) {
+            reqs.push_back({ L.file[ti], il, e, (char *) t->data + (size_t) e * t->nb[2] });
+        }
+    }
+    return reqs;
+}
+
+void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
+    if (ahead_layer < 0) {
+        return;
+    }
+    const int T = ahead_layer;
+    ahead_layer = -1;
+    int64_t waited = 0;
+    auto jobs = vm.fetch->collect(T, waited);
+    cnt.wait_us += use ? waited : 0;
+    std::string error;
+    for (const auto & j : jobs) {
+        error = error.empty() ? j->error : error;
+    }
+    if (!error.empty()) {
+        throw vis_io_error("staged expert read failed: " + error +
+                           " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
+    }
+    holds[T % n_buf] = T;
+}
+
+void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * ids, int64_t n_pairs) {
+    vis_moe_layer & L = vm.layers[il];
+    if (!ubatch_started) {
+        // the slab memory is about to hold staged experts: no slot may keep (or be given) an expert meanwhile
+        ubatch_started = true;
+        for (int l = 0; l < (int) vm.layers.size(); ++l) {
+            vis_moe_layer & M = vm.layers[l];
+            if (!M.managed) {
+                continue;
+            }
+            int64_t waited = 0;
+            vis_moe_fetch_collect(vm, M, l, waited);
+            for (int s = 0; s < M.n_slots; ++s) {
+                if (M.expert_of[s] >= 0) {
+                    M.slot_of[M.expert_of[s]] = -1;
+                    M.expert_of[s] = -1;
+                }
+                M.policy->forget(s);
+            }
+        }
+        holds = { -1, -1 };
+    }
+    if (ahead_layer == il) {
+        wait_ahead(vm, true);
+        cnt.ahead++;
+    } else {
+        wait_ahead(vm, false);  // a read for another layer (never expected): finish it before its buffer is reused
+    }
+    if (holds[il % n_buf] != il) {
+        std::vector<bool> seen(L.n_expert, false);
+        std::vector<int>  experts;
+        for (int64_t j = 0; j < n_pairs; ++j) {
+            if (ids[j] >= 0 && ids[j] < L.n_expert && !seen[ids[j]]) {
+                seen[ids[j]] = true;
+                experts.push_back(ids[j]);
+            }
+        }
+        const int64_t t0 = now_us();
+        vis_fetch_demand demand(vm.fetch.get());
+        vm.io->read(stage_reqs(*this, L, il, experts));
+        cnt.wait_us += now_us() - t0;
+        cnt.bytes += (int64_t) experts.size() * L.expert_bytes;
+        holds[il % n_buf] = il;
+    }
+    cnt.layers++;
+    if (n_buf < 2 || !vm.fetch) {
+        return;
+    }
+    int T = il + 1;  // the next layer that streams from the other buffer
+    while (T < (int) vm.layers.size() && !tens[T][0] && !tens[T][1] && !tens[T][2] && !tens[T][3]) {
+        ++T;
+    }
+    if (T >= (int) vm.layers.size() - 1) {
+        // none, or the model's last layer: its FFN may see only the output rows (one token in a prefill), then it
+        // runs from the slots, and no background read may write the slab memory under its loads
+        return;
+    }
+    holds[T % n_buf] = -1;  // its previous layer (il - 1) has computed: graph order
+    const vis_moe_layer & N = vm.layers[T];
+    // every expert (the router of layer T has not run), in jobs of CHUNK experts of one tensor: the fetch workers
+    // (--moe-io-threads) read them in parallel, each job's experts in file order
+    constexpr int CHUNK = 16;
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        ggml_tensor * t = tens[T][ti];
+        for (int e0 = 0; t && e0 < N.n_expert; e0 += CHUNK) {
+            auto job = std::make_unique<vis_fetch_job>();
+            job->il = T;
+            for (int e = e0; e < std::min(N.n_expert, e0 + CHUNK); ++e) {
+                job->reqs.push_back({ N.file[ti], T, e, (char *) t->data + (size_t) e * t->nb[2] });
+            }
+            vm.fetch->submit(std::move(job));
+        }
+    }
+    cnt.bytes += (int64_t) N.n_expert * N.expert_bytes;
+    ahead_layer = T;
+}
+
+void vis_moe_stager::end_ubatch(vis_moe_context & vm) {
+    try {
+        wait_ahead(vm, false);
+    } catch (const std::exception & e) {
+        vm.fail(e.what());  // the ubatch did not use it; still report the disk
+    }
+    holds = { -1, -1 };
+    ubatch_started = false;
+}

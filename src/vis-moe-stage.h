@@ -1,0 +1,84 @@
+// vis-moe-stage.h - staged prefill streaming: a ubatch that streams its managed layers reads each layer's experts
+// with our own positioned reads (O_DIRECT where allowed, the I/O threads) into staging buffers carved out of the
+// slabs, double-buffered: layer l+1 is read in the background while layer l computes (src/vis-moe-stage.cpp).
+//
+// Why.  Prefill streaming (docs/paging.md#prefill-streaming) reads a layer through the mapping and the page cache.
+// Under a tight budget that cache is the memory the plan did not place: on the 48-layer Qwen3-30B-A3B-sized model
+// at 12.5 % streaming thrashed, and with the slabs lent to the page cache (vis-moe-lend.h) it read each expert once
+// but at half upstream's prefill speed (page faults, one layer at a time).  While a layer streams the slabs hold
+// nothing it uses, and a prompt long enough to stream routes nearly every expert, so the slab memory is the
+// natural staging area: no page cache, no second copy, no extra memory.
+//
+// How.  When the slabs hold at least one layer's expert tensors (two for double buffering) and every managed layer
+// of the ubatch streams (so no layer fills a slot meanwhile), the graph of a streamed layer runs upstream's
+// mul_mat_id on staging tensors: the layer's expert tensors' shapes and types, their data in staging buffer
+// il % n_buffers.  The layer's stream op (a) at the ubatch's first streamed layer empties every slot (the slab
+// memory is about to be overwritten), (b) makes sure layer il is in its buffer: the background read issued by the
+// layer before is waited for (a late read counts as stall), else the experts the ubatch routes are read now,
+// (c) with two buffers, starts the background read of every expert of the next managed layer into the other
+// buffer, whose previous layer has finished computing (graph order); never of the model's last layer, whose FFN
+// may see only the output rows and then runs from the (emptied) slots, loading into the slab memory.  The end of the ubatch waits for a read
+// still in flight and forgets the buffers: the next ubatch's decode steps refill the slots there.
+//
+// Exactness: a staged expert is the file's bytes, and mul_mat_id reads only the routed experts of its buffer,
+// all of which were read for this layer; the result is upstream's, bit for bit.
+#pragma once
+
+#include "vis-moe-settings.h"
+
+#include "ggml.h"
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+
+class vis_moe_stager {
+public:
+    // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffer
+    vis_moe_stager(int n_buffers, ggml_context * ctx, std::vector<std::array<ggml_tensor *, 4>> tensors);
+    ~vis_moe_stager();
+    vis_moe_stager(const vis_moe_stager &) = delete;
+    vis_moe_stager & operator=(const vis_moe_stager &) = delete;
+
+    int n_buffers() const { return n_buf; }
+    // the staging tensor standing in for expert tensor ti of layer il (null: not staged)
+    ggml_tensor * weight(int il, int ti) const { return il < (int) tens.size() ? tens[il][ti] : nullptr; }
+
+    // the stream op of layer il (compute thread): slots emptied (first layer), layer il resident in its buffer,
+    // the next layer's read started.  Throws vis_io_error on a failed read.
+    void begin_layer(vis_moe_context & vm, int il, const int32_t * ids, int64_t n_pairs);
+    // the ubatch ended: wait for a read in flight, forget the buffers (their memory is the slots' again)
+    void end_ubatch(vis_moe_context & vm);
+
+    struct counters {
+        int64_t layers = 0;        // layers computed from a staging buffer
+        int64_t ahead  = 0;        // of them, read in the background while the layer before computed
+        int64_t bytes  = 0;        // payload read into the buffers
+        int64_t wait_us = 0;       // time the compute waited for reads (synchronous, or late background ones)
+    };
+    const counters & stats() const { return cnt; }
+    void reset_stats() { cnt = {}; }
+
+private:
+    void wait_ahead(vis_moe_context & vm, bool use);
+
+    int n_buf;
+    ggml_context * ctx;
+    std::vector<std::array<ggml_tensor *, 4>> tens;  // per layer (empty arrays for others)
+    bool ubatch_started = false;   // the slots were emptied in this ubatch
+    std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds (read completely)
+    int  ahead_layer = -1;         // the layer being read in the background (its buffer: ahead_layer % n_buf)
+    counters cnt;
+};
+
+// context creation (vis-moe-attach.cpp), after the slabs: the stager when the slabs can stage a layer (CPU-only
+// run, one host slab buffer, streaming on, --moe-stream-stage not off); logs what it chose
+void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s);
+
+// does the ubatch with n_pairs (token, expert) pairs per layer stream every managed layer from staging buffers?
+// (every managed layer must stream: a layer served from the slabs would overwrite the staged experts)
+bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs);
