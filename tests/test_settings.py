@@ -52,8 +52,8 @@ def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
     fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams)
               for f in __import__("dataclasses").fields(cls)]
-    assert {settings.flag_of(f) for f in fields} == set(rows) - {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend",
-                                                                 "--moe-pin-mib"}  # env/flag only
+    env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib"}
+    assert {settings.flag_of(f) for f in fields} == set(rows) - env_only  # env/flag only
     assert all(rows[n].env.startswith("VIS_MOE_") and rows[n].help for n in rows)
 
 
