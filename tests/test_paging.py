@@ -514,7 +514,7 @@ def test_slab_lending_auto_follows_the_plan(bindir, medium_model):
                  "-c", "256", "--temp", "0", "-lv", "4"], timeout=180, extra_env=env)
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-2000:]
-        return out, r.stdout[:r.stdout.find("[ Prompt:")]
+        return out, r.stdout[r.stdout.find("> " + PROMPT[:20]):r.stdout.find("[ Prompt:")]
     out, text = cli("--moe-mem", "200")
     assert "streamed ubatches lend the slabs" in out and "vis-moe: slab lending:" in out, out[-3000:]
     _, text_off = cli("--moe-mem", "200", env={"VIS_MOE_STREAM_LEND": "off"})
