@@ -74,6 +74,12 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
         return;
     }
     vm->ub_decode = ub.n_tokens <= ub.n_seqs_unq;  // one token per sequence
+    if (!vm->ub_decode && !vm->in_prompt) {  // a new prompt: its time to first token starts
+        vm->ttft_us = 0;
+        vm->n_prompt_ubatches = 0;
+    }
+    vm->in_prompt = !vm->ub_decode;
+    vm->ub_t0_us  = ggml_time_us();
     if (vm->prefetch) {
         vm->prefetch->begin_ubatch(vm->ub_decode);
     }
@@ -116,6 +122,10 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
     }
     if (vm->stage) {
         vm->stage->end_ubatch(*vm);  // a staged read still in flight: waited for, the buffers forgotten
+    }
+    if (!vm->ub_decode) {
+        vm->n_prompt_ubatches++;
+        vm->ttft_us += ggml_time_us() - vm->ub_t0_us;
     }
     if (vm->n_managed > 0) {
         // the kernel paging our working set in and out means the budget is too large for the machine

@@ -150,6 +150,10 @@ struct vis_moe_context {
     bool    slabs_lent    = false;  // the current ubatch lent them
     int64_t n_lent = 0, bytes_lent = 0;
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
+    // time to first token of the last prompt: the compute time of its ubatches (the prompt ubatches since the last
+    // decode step), without the time between them
+    int64_t ub_t0_us = 0, ttft_us = -1, n_prompt_ubatches = 0;
+    bool    in_prompt = false;
 
     // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced
     std::unique_ptr<vis_moe_substitute> sub;

@@ -221,6 +221,10 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     if (vm.prefetch) {
         print_prefetch_stats(vm);
     }
+    if (vm.ttft_us >= 0) {
+        std::fprintf(stderr, "vis-moe: time to first token: %.1f ms (the last prompt: %" PRId64 " ubatch%s computed)\n",
+                     vm.ttft_us / 1e3, vm.n_prompt_ubatches, vm.n_prompt_ubatches == 1 ? "" : "es");
+    }
     const llama_vis_moe_io_stats io = io_stats(vm);
     if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {
         return;
@@ -359,6 +363,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     vm->n_streamed = vm->bytes_streamed = 0;
     vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
     vm->n_lent = vm->bytes_lent = 0;
+    vm->ttft_us = -1;
+    vm->n_prompt_ubatches = 0;
+    vm->in_prompt = false;
     if (vm->stage) {
         vm->stage->reset_stats();
     }

@@ -7,6 +7,7 @@ bad values are clear errors, and the store without a file tier says prefetch is 
 """
 from __future__ import annotations
 
+import re
 import contextlib
 import sys
 
@@ -246,6 +247,15 @@ def test_prefill_read_ahead_of_streamed_layers(bindir, fixture_dir):
         outs[mode] = (int(line.split("; ")[1].split()[0]), out[out.find("> " + PROMPT[:20]):out.find("[ Prompt:")])
     assert outs["on"][0] > 0 and outs["off"][0] == 0, outs
     assert outs["on"][1] == outs["off"][1]
+
+
+def test_stats_report_the_time_to_first_token(bindir, fixture_dir):
+    """--moe-stats names the last prompt's time to first token: the compute time of the prompt ubatches since the
+    last decode step (a tool's warmup ubatch included when no decode step came between)."""
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "8", "--moe-stats", n=2)
+    assert r.returncode == 0, out[-2000:]
+    m = re.search(r"vis-moe: time to first token: ([\d.]+) ms \(the last prompt: (\d+) ubatch", out)
+    assert m and float(m.group(1)) > 0 and int(m.group(2)) >= 1, out[-2000:]
 
 
 def test_report_prefetch_reads_the_logs_and_plots(bindir, fixture_dir, tmp_path):
