@@ -47,8 +47,8 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
                        "refill them afterwards\n", vm.slab_bytes / 1048576.0);
         return;
     }
-    if (plan_free >= need) {
-        return;
+    if (plan_free >= need || vm.stage) {
+        return;  // room enough, or streamed ubatches stage their layers in the slabs (vis-moe-stage.h): no page cache
     }
     vm.lend_slabs = true;
     LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
@@ -63,11 +63,7 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     }
 }
 
-void vis_moe_lend_slabs(vis_moe_context & vm) {
-    if (!vm.lend_slabs || vm.slabs_lent) {
-        return;
-    }
-    vm.slabs_lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
+void vis_moe_empty_slots(vis_moe_context & vm) {
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (!L.managed) {
@@ -83,6 +79,14 @@ void vis_moe_lend_slabs(vis_moe_context & vm) {
             L.policy->forget(s);
         }
     }
+}
+
+void vis_moe_lend_slabs(vis_moe_context & vm) {
+    if (!vm.lend_slabs || vm.slabs_lent) {
+        return;
+    }
+    vm.slabs_lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
+    vis_moe_empty_slots(vm);
     for (ggml_backend_buffer_t buf : vm.bufs) {
         uintptr_t a0, a1;
         if (!slab_pages(buf, a0, a1)) {

@@ -24,10 +24,15 @@
 
 struct vis_moe_context;
 
-// at attach, after the plan and the slabs: whether streamed ubatches lend the slabs (sets vm.lend_slabs and logs
+// at attach, after the plan, the slabs and the stager (auto never lends where streamed ubatches stage): whether streamed ubatches lend the slabs (sets vm.lend_slabs and logs
 // the reason).  mode: --moe-stream-lend (-1 auto: the rule above; 0 never; 1 whenever a layer can stream).
 // plan_free: budget bytes the plan left unplaced (< 0: no --moe-mem plan).
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free);
+
+// every managed layer's background reads collected (waited for, or cancelled when not started), then every slot
+// emptied in the slot table and the policy: nothing is resident in or being written to the slabs.  Compute thread;
+// throws vis_io_error on a failed background read (after its slot was released).  Staging uses it too.
+void vis_moe_empty_slots(vis_moe_context & vm);
 
 // the first streamed layer of a ubatch, compute thread: empty every slot, release the slabs' pages (once per ubatch)
 void vis_moe_lend_slabs(vis_moe_context & vm);

@@ -2,6 +2,7 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-lend.h"
 #include "vis-moe-passes.h"
 
 #include "llama-impl.h"
@@ -154,21 +155,7 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
     if (!ubatch_started) {
         // the slab memory is about to hold staged experts: no slot may keep (or be given) an expert meanwhile
         ubatch_started = true;
-        for (int l = 0; l < (int) vm.layers.size(); ++l) {
-            vis_moe_layer & M = vm.layers[l];
-            if (!M.managed) {
-                continue;
-            }
-            int64_t waited = 0;
-            vis_moe_fetch_collect(vm, M, l, waited);
-            for (int s = 0; s < M.n_slots; ++s) {
-                if (M.expert_of[s] >= 0) {
-                    M.slot_of[M.expert_of[s]] = -1;
-                    M.expert_of[s] = -1;
-                }
-                M.policy->forget(s);
-            }
-        }
+        vis_moe_empty_slots(vm);
         holds = { -1, -1 };
     }
     if (ahead_layer == il) {
