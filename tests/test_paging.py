@@ -124,6 +124,17 @@ def test_read_error_is_a_clear_error(bindir, fixture_dir):
     assert Path(m.group(3)).resolve() == (fixture_dir / "qwen3moe.gguf").resolve()
 
 
+def test_read_error_of_a_staged_layer_is_a_clear_error(bindir, fixture_dir):
+    """Staged streaming reads layer 1 in the background while layer 0 computes: its read error fails the ubatch
+    with a message naming the expert, tensor and file (no crash, no output computed on unread bytes)."""
+    r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "24", "--no-warmup",
+             env={"VIS_MOE_FAULT_READ": "1:5", "VIS_MOE_STREAM_PASSES": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode > 0, out[-2000:]
+    assert re.search(r"staged expert read failed: .*failed to read expert 5 of tensor blk\.1\.ffn_\w+_exps\.weight "
+                     r"from \S+qwen3moe\.gguf .*Input/output error", out), out[-3000:]
+
+
 def test_read_error_in_python_raises_and_names_the_expert(bindir, fixture_dir):
     code = (
         "import numpy as np\nfrom pyvis.runtime import moe\n"
