@@ -23,8 +23,9 @@ static bool streamable(const vis_moe_layer & L) {
     return L.managed && L.deferred && L.cpu_passes;
 }
 
-vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t)
-    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)) {}
+vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t,
+                               std::vector<int> b)
+    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), buf_of(std::move(b)) {}
 
 vis_moe_stager::~vis_moe_stager() {
     ggml_free(ctx);
@@ -68,12 +69,15 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
         return;  // alignment ate the margin: stay with the page cache
     }
     std::vector<std::array<ggml_tensor *, 4>> tens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
+    std::vector<int> buf_of(vm.layers.size(), -1);
+    int ordinal = 0;  // buffers alternate over the streamable layers, whatever lies between them
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         const vis_moe_layer & L = vm.layers[il];
         if (!streamable(L)) {
             continue;
         }
-        char * p = base + (il % n_buf) * stride;
+        buf_of[il] = ordinal++ % n_buf;
+        char * p = base + buf_of[il] * stride;
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             const ggml_tensor * o = L.orig[ti];
             if (!L.file[ti] || !o) {
@@ -90,7 +94,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
             p += GGML_PAD((int64_t) ggml_nbytes(o), 4096);
         }
     }
-    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens));
+    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(buf_of));
     if (n_buf == 2 && !vm.fetch) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(std::max(1, s.tier.io_threads), s.tier.direct_io);
     }
@@ -147,7 +151,7 @@ void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
         throw vis_io_error("staged expert read failed: " + error +
                            " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
     }
-    holds[T % n_buf] = T;
+    holds[buf_of[T]] = T;
 }
 
 void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * ids, int64_t n_pairs) {
@@ -164,7 +168,7 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
     } else {
         wait_ahead(vm, false);  // a read for another layer (never expected): finish it before its buffer is reused
     }
-    if (holds[il % n_buf] != il) {
+    if (holds[buf_of[il]] != il) {
         std::vector<bool> seen(L.n_expert, false);
         std::vector<int>  experts;
         for (int64_t j = 0; j < n_pairs; ++j) {
@@ -178,7 +182,7 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
         vm.io->read(stage_reqs(*this, L, il, experts));
         cnt.wait_us += now_us() - t0;
         cnt.bytes += (int64_t) experts.size() * L.expert_bytes;
-        holds[il % n_buf] = il;
+        holds[buf_of[il]] = il;
     }
     cnt.layers++;
     if (n_buf < 2 || !vm.fetch) {
@@ -193,7 +197,7 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
         // runs from the slots, and no background read may write the slab memory under its loads
         return;
     }
-    holds[T % n_buf] = -1;  // its previous layer (il - 1) has computed: graph order
+    holds[buf_of[T]] = -1;  // the other buffer: the streamed layer before il has computed (graph order)
     const vis_moe_layer & N = vm.layers[T];
     // every expert (the router of layer T has not run), in jobs of CHUNK experts of one tensor: the fetch workers
     // (--moe-io-threads) read them in parallel, each job's experts in file order

@@ -12,8 +12,9 @@
 // How.  When the slabs hold at least one layer's expert tensors (two for double buffering) and every managed layer
 // of the ubatch streams (so no layer fills a slot meanwhile), the graph of a streamed layer runs upstream's
 // mul_mat_id on staging tensors: the layer's expert tensors' shapes and types, their data in staging buffer
-// il % n_buffers.  The layer's stream op (a) at the ubatch's first streamed layer empties every slot (the slab
-// memory is about to be overwritten), (b) makes sure layer il is in its buffer: the background read issued by the
+// k % n_buffers for the k-th streamable layer (a dense layer between two does not make them share one).  The
+// layer's stream op (a) at the ubatch's first streamed layer empties every slot (the slab memory is about to be
+// overwritten), (b) makes sure layer il is in its buffer: the background read issued by the
 // layer before is waited for (a late read counts as stall), else the experts the ubatch routes are read now,
 // (c) with two buffers, starts the background read of every expert of the next managed layer into the other
 // buffer, whose previous layer has finished computing (graph order); never of the model's last layer, whose FFN
@@ -38,8 +39,10 @@ struct vis_moe_layer;
 
 class vis_moe_stager {
 public:
-    // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffer
-    vis_moe_stager(int n_buffers, ggml_context * ctx, std::vector<std::array<ggml_tensor *, 4>> tensors);
+    // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffer;
+    // buf_of: per layer, the buffer its tensors use (-1: not staged)
+    vis_moe_stager(int n_buffers, ggml_context * ctx, std::vector<std::array<ggml_tensor *, 4>> tensors,
+                   std::vector<int> buf_of);
     ~vis_moe_stager();
     vis_moe_stager(const vis_moe_stager &) = delete;
     vis_moe_stager & operator=(const vis_moe_stager &) = delete;
@@ -69,9 +72,10 @@ private:
     int n_buf;
     ggml_context * ctx;
     std::vector<std::array<ggml_tensor *, 4>> tens;  // per layer (empty arrays for others)
+    std::vector<int> buf_of;                          // per layer: its buffer, -1 if not staged
     bool ubatch_started = false;   // the slots were emptied in this ubatch
     std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds (read completely)
-    int  ahead_layer = -1;         // the layer being read in the background (its buffer: ahead_layer % n_buf)
+    int  ahead_layer = -1;         // the layer being read in the background (into buf_of[ahead_layer])
     counters cnt;
 };
 
