@@ -25,7 +25,16 @@ static bool streamable(const vis_moe_layer & L) {
 
 vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t,
                                std::vector<int> b)
-    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), buf_of(std::move(b)) {}
+    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), buf_of(std::move(b)), n_parts(tens.size(), 0), freq(tens.size()) {
+    for (size_t il = 0; il < tens.size(); ++il) {
+        for (ggml_tensor * x : tens[il]) {
+            if (x) {
+                n_parts[il]++;
+                freq[il].assign((size_t) x->ne[2], 0);
+            }
+        }
+    }
+}
 
 vis_moe_stager::~vis_moe_stager() {
     ggml_free(ctx);
@@ -140,12 +149,25 @@ void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
     }
     const int T = ahead_layer;
     ahead_layer = -1;
+    // reads not started yet are dropped: the layer's router has run, and what it needs is read below if missing
+    for (const auto & j : vm.fetch->cancel_queued(T)) {
+        cnt.cancelled += (int64_t) j->reqs.size();
+    }
     int64_t waited = 0;
     auto jobs = vm.fetch->collect(T, waited);
     cnt.wait_us += use ? waited : 0;
     std::string error;
+    std::vector<bool> & have = present[buf_of[T]];
+    have.assign(vm.layers[T].n_expert, false);
     for (const auto & j : jobs) {
         error = error.empty() ? j->error : error;
+        if (!j->error.empty()) {
+            continue;
+        }
+        for (const auto & r : j->reqs) {
+            have[r.expert] = true;  // every tensor of a job's experts is in the job
+        }
+        cnt.bytes += (int64_t) j->reqs.size() / n_parts[T] * vm.layers[T].expert_bytes;
     }
     if (!error.empty()) {
         throw vis_io_error("staged expert read failed: " + error +
@@ -168,28 +190,43 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
     } else {
         wait_ahead(vm, false);  // a read for another layer (never expected): finish it before its buffer is reused
     }
-    if (holds[buf_of[il]] != il) {
-        std::vector<bool> seen(L.n_expert, false);
-        std::vector<int>  experts;
-        for (int64_t j = 0; j < n_pairs; ++j) {
-            if (ids[j] >= 0 && ids[j] < L.n_expert && !seen[ids[j]]) {
-                seen[ids[j]] = true;
-                experts.push_back(ids[j]);
+    const int b = buf_of[il];
+    if (holds[b] != il) {
+        present[b].assign(L.n_expert, false);
+        holds[b] = il;
+    }
+    // the routed experts not read ahead: now, in parallel (the I/O pool); and what this layer routed, for the order
+    // of the next reads ahead of it
+    std::vector<int> missing;
+    std::vector<bool> seen(L.n_expert, false);
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        if (e >= 0 && e < L.n_expert && !seen[e]) {
+            seen[e] = true;
+            freq[il][e]++;
+            if (!present[b][e]) {
+                missing.push_back(e);
+            } else {
+                cnt.used++;
             }
         }
+    }
+    if (!missing.empty()) {
         const int64_t t0 = now_us();
         vis_fetch_demand demand(vm.fetch.get());
-        vm.io->read(stage_reqs(*this, L, il, experts));
+        vm.io->read(stage_reqs(*this, L, il, missing));
         cnt.wait_us += now_us() - t0;
-        cnt.bytes += (int64_t) experts.size() * L.expert_bytes;
-        holds[buf_of[il]] = il;
+        cnt.bytes += (int64_t) missing.size() * L.expert_bytes;
+        for (int e : missing) {
+            present[b][e] = true;
+        }
     }
     cnt.layers++;
     if (n_buf < 2 || !vm.fetch) {
         return;
     }
     int T = il + 1;  // the next layer that streams from the other buffer
-    while (T < (int) vm.layers.size() && !tens[T][0] && !tens[T][1] && !tens[T][2] && !tens[T][3]) {
+    while (T < (int) vm.layers.size() && buf_of[T] < 0) {
         ++T;
     }
     if (T >= (int) vm.layers.size() - 1) {
@@ -199,21 +236,24 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
     }
     holds[buf_of[T]] = -1;  // the other buffer: the streamed layer before il has computed (graph order)
     const vis_moe_layer & N = vm.layers[T];
-    // every expert (the router of layer T has not run), in jobs of CHUNK experts of one tensor: the fetch workers
-    // (--moe-io-threads) read them in parallel, each job's experts in file order
-    constexpr int CHUNK = 16;
-    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-        ggml_tensor * t = tens[T][ti];
-        for (int e0 = 0; t && e0 < N.n_expert; e0 += CHUNK) {
-            auto job = std::make_unique<vis_fetch_job>();
-            job->il = T;
-            for (int e = e0; e < std::min(N.n_expert, e0 + CHUNK); ++e) {
-                job->reqs.push_back({ N.file[ti], T, e, (char *) t->data + (size_t) e * t->nb[2] });
-            }
-            vm.fetch->submit(std::move(job));
-        }
+    // every expert of T (its router has not run), the ones T routed most in earlier staged ubatches first, in jobs of
+    // CHUNK experts with all their tensors: the fetch workers (--moe-io-threads) read them in parallel, and the jobs
+    // not started when T's router has run are dropped (wait_ahead): a prompt that routes few experts reads few more
+    std::vector<int> order(N.n_expert);
+    for (int e = 0; e < N.n_expert; ++e) {
+        order[e] = e;
     }
-    cnt.bytes += (int64_t) N.n_expert * N.expert_bytes;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return freq[T][a] > freq[T][c]; });
+    constexpr int CHUNK = 8;
+    for (int k0 = 0; k0 < N.n_expert; k0 += CHUNK) {
+        std::vector<int> chunk(order.begin() + k0, order.begin() + std::min(N.n_expert, k0 + CHUNK));
+        std::sort(chunk.begin(), chunk.end());  // file order within a job
+        auto job = std::make_unique<vis_fetch_job>();
+        job->il          = T;
+        job->speculative = true;  // cancel_queued may drop it
+        job->reqs        = stage_reqs(*this, N, T, chunk);
+        vm.fetch->submit(std::move(job));
+    }
     ahead_layer = T;
 }
 

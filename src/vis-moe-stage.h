@@ -16,7 +16,8 @@
 // layer's stream op (a) at the ubatch's first streamed layer empties every slot (the slab memory is about to be
 // overwritten), (b) makes sure layer il is in its buffer: the background read issued by the
 // layer before is waited for (a late read counts as stall), else the experts the ubatch routes are read now,
-// (c) with two buffers, starts the background read of every expert of the next managed layer into the other
+// (c) with two buffers, starts the background read of the next managed layer's experts (those it routed most in
+// earlier staged ubatches first; the reads not started when its router has run are dropped) into the other
 // buffer, whose previous layer has finished computing (graph order); never of the model's last layer, whose FFN
 // may see only the output rows and then runs from the (emptied) slots, loading into the slab memory.  The end of the ubatch waits for a read
 // still in flight and forgets the buffers: the next ubatch's decode steps refill the slots there.
@@ -59,7 +60,9 @@ public:
 
     struct counters {
         int64_t layers = 0;        // layers computed from a staging buffer
-        int64_t ahead  = 0;        // of them, read in the background while the layer before computed
+        int64_t ahead  = 0;        // of them, read (in part) in the background while the layer before computed
+        int64_t used   = 0;        // routed experts that were read ahead
+        int64_t cancelled = 0;     // expert tensor reads ahead dropped before they started (the router had run)
         int64_t bytes  = 0;        // payload read into the buffers
         int64_t wait_us = 0;       // time the compute waited for reads (synchronous, or late background ones)
     };
@@ -73,6 +76,9 @@ private:
     ggml_context * ctx;
     std::vector<std::array<ggml_tensor *, 4>> tens;  // per layer (empty arrays for others)
     std::vector<int> buf_of;                          // per layer: its buffer, -1 if not staged
+    std::vector<int> n_parts;                         // per layer: expert tensors staged (reads per expert)
+    std::vector<std::vector<int64_t>> freq;           // per layer and expert: staged ubatches that routed it
+    std::array<std::vector<bool>, 2> present;         // per buffer: experts of holds[b] read completely
     bool ubatch_started = false;   // the slots were emptied in this ubatch
     std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds (read completely)
     int  ahead_layer = -1;         // the layer being read in the background (into buf_of[ahead_layer])

@@ -246,9 +246,10 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     if (vm.stage && vm.stage->stats().layers > 0) {
         const auto & c = vm.stage->stats();
         std::fprintf(stderr, "vis-moe: staged streaming: %" PRId64 " layers from %d staging buffer%s in the slabs (%" PRId64
-                             " read in the background while the layer before computed), %.2f MiB read, %.2f s waited\n",
-                     c.layers, vm.stage->n_buffers(), vm.stage->n_buffers() == 2 ? "s" : "", c.ahead, c.bytes / 1048576.0,
-                     c.wait_us / 1e6);
+                             " read ahead while the layer before computed: %" PRId64 " routed experts found there, %"
+                             PRId64 " expert tensor reads dropped unstarted), %.2f MiB read, %.2f s waited\n",
+                     c.layers, vm.stage->n_buffers(), vm.stage->n_buffers() == 2 ? "s" : "", c.ahead, c.used,
+                     c.cancelled, c.bytes / 1048576.0, c.wait_us / 1e6);
     }
     if (vm.n_lent > 0) {
         std::fprintf(stderr, "vis-moe: slab lending: %" PRId64 " streamed ubatches gave the slabs' %.2f MiB to the page "

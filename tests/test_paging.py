@@ -126,7 +126,8 @@ def test_read_error_is_a_clear_error(bindir, fixture_dir):
 
 def test_read_error_of_a_staged_layer_is_a_clear_error(bindir, fixture_dir):
     """Staged streaming reads layer 1 in the background while layer 0 computes: its read error fails the ubatch
-    with a message naming the expert, tensor and file (no crash, no output computed on unread bytes)."""
+    with a message naming the expert, tensor and file (no crash, no output computed on unread bytes).  Without routing
+    history the reads ahead go in expert order, so the job holding expert 5 is the first one and starts at once."""
     r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "24", "--no-warmup",
              env={"VIS_MOE_FAULT_READ": "1:5", "VIS_MOE_STREAM_PASSES": "1"})
     out = r.stdout + r.stderr
