@@ -75,12 +75,10 @@ size_t vis_moe_shadow::expert_bytes(int il) const {
 std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, const llama_model & model,
                                                     const std::vector<int> & need) {
     vis_profile_file f(VIS_PROFILE_SHADOW, path);
-    auto file = open_for_reads(f);            // first: the header read below is of this very file
     vis_profile_open(f, model, /*meta_only =*/ true);
-    struct stat st = {};
-    if (stat(path.c_str(), &st) != 0 || (uint64_t) st.st_ino != file->ino || (uint64_t) st.st_size != file->size) {
-        throw f.error("the file changed while it was being opened");
-    }
+    // the descriptors of the reads; every tensor is checked against the size of the file they read (a file
+    // replaced after this point is caught at read time by vis_gguf_file::check_unchanged)
+    auto file = open_for_reads(f);
     auto sh = std::make_unique<vis_moe_shadow>();
     sh->path = path;
     sh->file = file;
