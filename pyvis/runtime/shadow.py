@@ -99,24 +99,25 @@ def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinn
     if not 1 <= threads <= 256:
         raise ShadowError(f"-t {threads}: expected 1..256 threads")
     prof.check_output_path(out, model)                      # before any work
-    fp = prof.model_fingerprint(model)
     r = prof._reader(model, "model")
     all_exps = expert_tensors(r)
     moe_layers = sorted({il for il, _ in all_exps})
     if not moe_layers:
         raise ShadowError(f"{model}: no routed-expert tensors (blk.N.ffn_*_exps.weight): not a MoE model")
-    chosen = set(parse_layers(layers, moe_layers, fp["n_layer"], pinned))
+    n_layer = prof.optional_key(r, f"{prof.optional_key(r, 'general.architecture')}.block_count")
+    chosen = set(parse_layers(layers, moe_layers, int(n_layer or moe_layers[-1] + 1), pinned))
     todo = [(il, t) for il, t in all_exps if il in chosen]
     bs = gq.block_size(dst)
     for _, t in todo:
         ne0 = int(t.shape[0])
         if ne0 % bs:
             raise ShadowError(f"{t.name}: rows of {ne0} values do not fit {dst.name} blocks of {bs} "
-                              f"({ne0} % {bs} = {ne0 % bs}); choose a type with blocks that divide {ne0} "
-                              "(e.g. Q4_0, Q8_0: blocks of 32), or fewer --layers")
+                              f"({ne0} % {bs} = {ne0 % bs}); choose a type whose blocks divide {ne0} "
+                              "(Q4_0, Q5_0, Q8_0, IQ4_NL: blocks of 32)")
         src = gguf.GGMLQuantizationType(int(t.tensor_type))
         if src.name not in gq.FLOAT_TYPES and not gq.traits(src).to_float:
             raise ShadowError(f"{t.name}: ggml cannot dequantise its type {src.name}")
+    fp = prof.model_fingerprint(model)                      # the routers' hash: after the cheap checks
     w = prof.start_profile(out, fp, KIND, VERSION, fp["n_expert_used"], 0, model.name, model)
     w.add_string(K_TYPE, dst.name)
     w.add_array(K_LAYERS, sorted(chosen))
