@@ -164,9 +164,9 @@ def test_python_reader_errors(fixture_dir, tmp_path, qwen_q4):
         assert "pyvis shadow MODEL" in str(e.value) or "not a GGUF" in str(e.value) or "another model" in str(e.value)
 
 
-def _cli(bindir, model, *extra, n=6):
+def _cli(bindir, model, *extra, n=6, env=None):
     r = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", str(n), "-st", "--temp", "0", "-c", "256",
-             "-t", "2", "--no-warmup", "-lv", "4", "--moe-slots", "8", *extra], timeout=180)
+             "-t", "2", "--no-warmup", "-lv", "4", "--moe-slots", "8", *extra], timeout=180, extra_env=env)
     return r, r.stdout + r.stderr
 
 
@@ -199,6 +199,9 @@ def test_cli_loads_logs_and_changes_nothing(bindir, fixture_dir, qwen_q4):
     assert r0.returncode == 0 and r1.returncode == 0, out1[-2000:]
     assert f"--moe-shadow {qwen_q4}: q4_0 shadows of 3 managed layers (0..2)" in out1 and NOT_USED in out1
     assert _text(r1.stdout) == _text(r0.stdout) and len(_text(r0.stdout)) > len(PROMPT)   # byte for byte
+    # through the environment, like every flag
+    r3, out3 = _cli(bindir, model, n=1, env={"VIS_MOE_SHADOW": str(qwen_q4)})
+    assert r3.returncode == 0 and f"--moe-shadow {qwen_q4}: q4_0 shadows" in out3, out3[-2000:]
     # without the expert cache it is not read, and says so
     r2 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "2", "-st", "-c", "256", "-t", "2",
               "--no-warmup", "-lv", "4", "--moe-shadow", model], timeout=180)
