@@ -220,3 +220,28 @@ def test_empty_flag_is_an_error(bindir, fixture_dir):
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "-p", "x", "-n", "1", "-st",
              "--moe-shadow", ""], timeout=60)
     assert r.returncode != 0 and "--moe-shadow: expected a file path, got ''" in r.stdout + r.stderr
+
+
+def _fnv64(b: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for c in b:
+        h = ((h ^ c) * 0x100000001B3) & (1 << 64) - 1
+    return h
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
+def test_c_loader_positioned_reads(bindir, fixture_dir, tmp_path, name):
+    """test-vis-shadow reads the last expert of every shadow tensor through vis_io_pool at the offset and stride the
+    C loader exposes: the bytes are the file's, as the gguf package reads them."""
+    model = fixture_dir / f"{name}.gguf"
+    out = sh.write_shadow(model, "Q8_0", tmp_path / "s.gguf")["path"]
+    r = run([bindir / "test-vis-shadow", model, out], timeout=120)
+    assert r.returncode == 0 and "test-vis-shadow: ok" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    got = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("blk.")}
+    sf = sh.read_shadow(out, model)
+    assert set(got) == set(sf.tensors)
+    for tname, (_, ne, t) in sf.tensors.items():
+        nb2 = int(t.n_bytes) // ne[2]
+        last = np.asarray(t.data).reshape(ne[2], -1)[-1].tobytes()
+        assert len(last) == nb2
+        assert got[tname] == ["q8_0", str(int(t.data_offset)), str(nb2), str(ne[2]), f"{_fnv64(last):016x}"], tname
