@@ -411,7 +411,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     const auto & hp = model.hparams;
     attach_plan ap;
     find_moe_layers(model, ap);
+    bool whole_fits = false;  // --moe-mem and the whole model fits: no cache
     if (vis_moe_settings_mem_only(s) && !ap.any_deferred && hp.n_expert > 0) {
+        whole_fits = true;
         // the loader found that the whole model fits the budget (vis_moe_settings_model_fits), or the model was
         // loaded without the cache: every expert is in memory already, so upstream's path is the fastest exact one
         if (!hp.no_alloc) {  // not for the --fit probe: one line per run
@@ -432,7 +434,8 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     if (!s.cache_on() && !ap.any_deferred && !s.shadow.empty() && !hp.no_alloc) {
         LLAMA_LOG_WARN("vis-moe: --moe-shadow %s ignored: shadows are for the managed layers of the expert cache, "
-                       "which is off; add --moe-mem, --moe-slots or --moe-cache-mib\n", s.shadow.c_str());
+                       "which is %s\n", s.shadow.c_str(), whole_fits
+                       ? "not used: the whole model fits the memory budget" : "off; add --moe-mem, --moe-slots or --moe-cache-mib");
     }
     if (!s.cache_on() && !ap.any_deferred && !tracing) {
         return nullptr;  // feature off: no object, no graph change

@@ -206,6 +206,10 @@ def test_cli_loads_logs_and_changes_nothing(bindir, fixture_dir, qwen_q4):
     r2 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "2", "-st", "-c", "256", "-t", "2",
               "--no-warmup", "-lv", "4", "--moe-shadow", model], timeout=180)
     assert r2.returncode == 0 and "--moe-shadow " + str(model) + " ignored" in r2.stdout + r2.stderr
+    r4 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "1", "-st", "-c", "256", "-t", "2",
+              "--no-warmup", "-lv", "4", "--moe-mem", "4000", "--moe-shadow", qwen_q4], timeout=180)
+    assert r4.returncode == 0 and "ignored: shadows are for the managed layers of the expert cache, which is not " \
+        "used: the whole model fits the memory budget" in r4.stdout + r4.stderr
 
 
 def test_python_load_same_logits(fixture_dir, qwen_q4):
