@@ -6,7 +6,7 @@
     pyvis chat      -m MODEL --mmproj F --image IMG [--image IMG2] -p PROMPT --keep-ratio 0.5 ...
 
 and the commands each part registers: plan (pyvis.runtime.plan), chat, prune-report, prune-sim, prune-eval
-(pyvis.vlm), moefy, report, quality, substitute-sweep, report-prefetch (pyvis.testbed), calibrate WHAT, report-buddies (pyvis.calibrate).
+(pyvis.vlm), moefy, report, quality, substitute-sweep, report-prefetch (pyvis.testbed), calibrate WHAT, report-buddies (pyvis.calibrate), shadow (pyvis.runtime.shadow).
 """
 from __future__ import annotations
 
@@ -157,12 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import calibrate
     from .calibrate import graph as buddy_graph
-    from .runtime import plan
+    from .runtime import plan, shadow
     from .testbed import moefy, prefetch_report, quality, routing_report, substitute_sweep
     from .vlm import chat, evaluate, report
     chat.register(sub)
     for m in (moefy, routing_report, quality, substitute_sweep, prefetch_report, report, evaluate, plan, calibrate,
-              buddy_graph):
+              buddy_graph, shadow):
         m.register(sub)
     report.register_sim(sub)
     return p

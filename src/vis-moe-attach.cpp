@@ -7,6 +7,7 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
+#include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
 #include "vis-moe-upload.h"
@@ -410,7 +411,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     const auto & hp = model.hparams;
     attach_plan ap;
     find_moe_layers(model, ap);
+    bool whole_fits = false;  // --moe-mem and the whole model fits: no cache
     if (vis_moe_settings_mem_only(s) && !ap.any_deferred && hp.n_expert > 0) {
+        whole_fits = true;
         // the loader found that the whole model fits the budget (vis_moe_settings_model_fits), or the model was
         // loaded without the cache: every expert is in memory already, so upstream's path is the fastest exact one
         if (!hp.no_alloc) {  // not for the --fit probe: one line per run
@@ -428,6 +431,11 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (!s.cache_on() && !ap.any_deferred && s.sub.on() && !hp.no_alloc) {
         LLAMA_LOG_WARN("vis-moe: --moe-substitute ignored: it serves misses of the expert cache, which is off; add "
                        "--moe-mem, --moe-slots or --moe-cache-mib\n");
+    }
+    if (!s.cache_on() && !ap.any_deferred && !s.shadow.empty() && !hp.no_alloc) {
+        LLAMA_LOG_WARN("vis-moe: --moe-shadow %s ignored: shadows are for the managed layers of the expert cache, "
+                       "which is %s\n", s.shadow.c_str(), whole_fits
+                       ? "not used: the whole model fits the memory budget" : "off; add --moe-mem, --moe-slots or --moe-cache-mib");
     }
     if (!s.cache_on() && !ap.any_deferred && !tracing) {
         return nullptr;  // feature off: no object, no graph change
@@ -476,6 +484,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     if (s.predict.on() && !hp.no_alloc) {
         vis_moe_prefetch_attach(*vm, model, s, ap.any_deferred);
+    }
+    if (!s.shadow.empty() && !hp.no_alloc) {
+        vis_moe_shadow_attach(*vm, model, s.shadow);  // throws on a bad sidecar; loaded and checked, not used yet
     }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads

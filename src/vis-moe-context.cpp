@@ -6,6 +6,7 @@
 #include "vis-moe-lend.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
 

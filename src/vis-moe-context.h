@@ -34,6 +34,7 @@ class vis_moe_substitute;
 class vis_moe_fetcher;
 class vis_moe_prefetcher;
 class vis_moe_stager;
+struct vis_moe_shadow;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -160,6 +161,8 @@ struct vis_moe_context {
     std::unique_ptr<vis_moe_fetcher>    fetch;
     // lookahead prediction and prefetch (exact, --moe-predict): reads ahead through `fetch`
     std::unique_ptr<vis_moe_prefetcher> prefetch;
+    // shadow experts (--moe-shadow, vis-moe-shadow.h): loaded and checked at attach, not used in compute yet
+    std::unique_ptr<vis_moe_shadow> shadow;
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for

@@ -22,83 +22,71 @@ namespace {
 
 constexpr uint32_t PROFILE_VERSION = 1;
 
-// the kinds of profile: the flag that reads each and the command that makes one
-struct profile_kind {
-    const char * kind;   // vis.profile.kind
-    const char * flag;
-    const char * make;   // the fix: how to make one for this model
-};
-const profile_kind BUDDY   = { "buddies", "--moe-sub-profile", "pyvis calibrate buddies -m MODEL --out FILE" };
-const profile_kind PREDICT = { "predictor", "--moe-predict-profile",
-                               "pyvis calibrate predictor -m MODEL --trace FILE (or --corpus TEXT) --out FILE" };
+const vis_profile_kind BUDDY   = { "buddies", "--moe-sub-profile", "pyvis calibrate buddies -m MODEL --out FILE" };
+const vis_profile_kind PREDICT = { "predictor", "--moe-predict-profile",
+                                   "pyvis calibrate predictor -m MODEL --trace FILE (or --corpus TEXT) --out FILE" };
+using profile_file = vis_profile_file;
 
-// an open profile file: its GGUF contexts, and errors that name the flag, the file and the fix
-struct profile_file {
-    const profile_kind & pk;
-    std::string path;
-    gguf_context * g   = nullptr;
-    ggml_context * ctx = nullptr;
+} // namespace
 
-    profile_file(const profile_kind & k, const std::string & p) : pk(k), path(p) {}
-    profile_file(const profile_file &) = delete;
-    profile_file & operator=(const profile_file &) = delete;
-    ~profile_file() {
-        if (g) {
-            gguf_free(g);
-        }
-        if (ctx) {
-            ggml_free(ctx);
-        }
+const vis_profile_kind VIS_PROFILE_SHADOW = { "shadow", "--moe-shadow", "pyvis shadow MODEL --type TYPE --out FILE" };
+
+vis_profile_file::~vis_profile_file() {
+    if (g) {
+        gguf_free(g);
     }
-
-    std::runtime_error error(const std::string & what) const {
-        return std::runtime_error("vis-moe: " + std::string(pk.flag) + " " + path + ": " + what +
-                                  "; make one for this model with: " + pk.make);
+    if (ctx) {
+        ggml_free(ctx);
     }
+}
 
-    std::string str(const char * key) const {
-        const int64_t id = gguf_find_key(g, key);
-        if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) {
-            throw error(std::string("missing key ") + key + " (not a vis profile, or a damaged one)");
-        }
-        return gguf_get_val_str(g, id);
-    }
+std::runtime_error vis_profile_file::error(const std::string & what) const {
+    return std::runtime_error("vis-moe: " + std::string(pk.flag) + " " + path + ": " + what +
+                              "; make one for this model with: " + pk.make);
+}
 
-    uint64_t uint(const char * key) const {
-        const int64_t id = gguf_find_key(g, key);
-        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT32) {
-            return gguf_get_val_u32(g, id);
-        }
-        if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT64) {
-            return gguf_get_val_u64(g, id);
-        }
+std::string vis_profile_file::str(const char * key) const {
+    const int64_t id = gguf_find_key(g, key);
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) {
         throw error(std::string("missing key ") + key + " (not a vis profile, or a damaged one)");
     }
+    return gguf_get_val_str(g, id);
+}
 
-    const ggml_tensor * tensor(const char * name, ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2,
-                               int64_t ne3 = 1) const {
-        const ggml_tensor * t = ggml_get_tensor(ctx, name);
-        if (!t || t->type != type || t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != ne3) {
-            char buf[320];
-            std::snprintf(buf, sizeof(buf), "tensor %s missing or not %s ne = [%lld, %lld, %lld, %lld]", name,
-                          ggml_type_name(type), (long long) ne0, (long long) ne1, (long long) ne2, (long long) ne3);
-            std::string got = " (the file has ";
-            if (t) {
-                char b2[200];
-                std::snprintf(b2, sizeof(b2), "%s [%lld, %lld, %lld, %lld])", ggml_type_name(t->type),
-                              (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3]);
-                got += b2;
-            } else {
-                got += "no such tensor)";
-            }
-            throw error(buf + got);
-        }
-        return t;
+uint64_t vis_profile_file::uint(const char * key) const {
+    const int64_t id = gguf_find_key(g, key);
+    if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT32) {
+        return gguf_get_val_u32(g, id);
     }
-};
+    if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT64) {
+        return gguf_get_val_u64(g, id);
+    }
+    throw error(std::string("missing key ") + key + " (not a vis profile, or a damaged one)");
+}
+
+const ggml_tensor * vis_profile_file::tensor(const char * name, ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2,
+                                             int64_t ne3) const {
+    const ggml_tensor * t = ggml_get_tensor(ctx, name);
+    if (!t || t->type != type || t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != ne3) {
+        char buf[320];
+        std::snprintf(buf, sizeof(buf), "tensor %s missing or not %s ne = [%lld, %lld, %lld, %lld]", name,
+                      ggml_type_name(type), (long long) ne0, (long long) ne1, (long long) ne2, (long long) ne3);
+        std::string got = " (the file has ";
+        if (t) {
+            char b2[200];
+            std::snprintf(b2, sizeof(b2), "%s [%lld, %lld, %lld, %lld])", ggml_type_name(t->type),
+                          (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3]);
+            got += b2;
+        } else {
+            got += "no such tensor)";
+        }
+        throw error(buf + got);
+    }
+    return t;
+}
 
 // why `path` cannot be read as GGUF, for the error: missing, a directory, unreadable, no GGUF magic, or truncated
-std::string why_unreadable(const std::string & path) {
+static std::string why_unreadable(const std::string & path) {
     struct stat st = {};
     if (stat(path.c_str(), &st) != 0) {
         return std::string("cannot read it as GGUF: ") + std::strerror(errno);
@@ -121,8 +109,8 @@ std::string why_unreadable(const std::string & path) {
 
 // open `f.path` and check it: a GGUF, a profile of kind f.pk, this build's version, made for `model` (architecture,
 // layers, experts, router hash: the first that differs is named)
-void profile_open(profile_file & f, const llama_model & model) {
-    gguf_init_params ip = { /*no_alloc =*/ false, /*ctx =*/ &f.ctx };
+void vis_profile_open(vis_profile_file & f, const llama_model & model, bool meta_only) {
+    gguf_init_params ip = { /*no_alloc =*/ meta_only, /*ctx =*/ &f.ctx };
     f.g = gguf_init_from_file(f.path.c_str(), ip);
     if (!f.g) {
         throw f.error(why_unreadable(f.path));
@@ -130,7 +118,7 @@ void profile_open(profile_file & f, const llama_model & model) {
     const std::string kind = f.str("vis.profile.kind");
     if (kind != f.pk.kind) {
         std::string where;
-        for (const profile_kind * o : { &BUDDY, &PREDICT }) {
+        for (const vis_profile_kind * o : { &BUDDY, &PREDICT, &VIS_PROFILE_SHADOW }) {
             if (kind == o->kind) {
                 where = " (it goes to " + std::string(o->flag) + ")";
             }
@@ -164,8 +152,6 @@ void profile_open(profile_file & f, const llama_model & model) {
         throw other_model("router hash " + p_hash + ", this model's is " + hash);
     }
 }
-
-} // namespace
 
 uint64_t vis_moe_router_hash(const llama_model & model) {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -214,7 +200,7 @@ double vis_buddy_profile::tae_percentile(int il, double pct) const {
 
 vis_buddy_profile vis_buddy_profile_load(const std::string & path, const llama_model & model) {
     profile_file f(BUDDY, path);
-    profile_open(f, model);
+    vis_profile_open(f, model, false);
     vis_buddy_profile p;
     p.n_layer  = (int) f.uint("vis.model.n_layer");
     p.n_expert = (int) f.uint("vis.model.n_expert");
@@ -240,7 +226,7 @@ vis_buddy_profile vis_buddy_profile_load(const std::string & path, const llama_m
 
 vis_predict_profile vis_predict_profile_load(const std::string & path, const llama_model & model) {
     profile_file f(PREDICT, path);
-    profile_open(f, model);
+    vis_profile_open(f, model, false);
     vis_predict_profile p;
     p.path      = path;
     p.n_layer   = (int) f.uint("vis.model.n_layer");

@@ -9,11 +9,49 @@
 // foreign file: std::runtime_error naming the flag, the file, what differs, and the command that makes one.
 #pragma once
 
+#include "ggml.h"
+
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 struct llama_model;
+struct gguf_context;
+
+// ---- the header every sidecar shares (profiles and shadows, docs/precision.md) ----
+// a kind of sidecar: vis.profile.kind, the flag that reads it and the command that makes one (the fix)
+struct vis_profile_kind {
+    const char * kind;
+    const char * flag;
+    const char * make;
+};
+extern const vis_profile_kind VIS_PROFILE_SHADOW;  // --moe-shadow (vis-moe-shadow.h)
+
+// an open sidecar file: its GGUF contexts, and errors that name the flag, the file and the fix
+struct vis_profile_file {
+    const vis_profile_kind & pk;
+    std::string path;
+    gguf_context * g   = nullptr;
+    ggml_context * ctx = nullptr;   // tensor metadata (and data, unless opened meta_only)
+
+    vis_profile_file(const vis_profile_kind & k, const std::string & p) : pk(k), path(p) {}
+    vis_profile_file(const vis_profile_file &) = delete;
+    vis_profile_file & operator=(const vis_profile_file &) = delete;
+    ~vis_profile_file();
+
+    std::runtime_error error(const std::string & what) const;
+    std::string str(const char * key) const;    // a string key, else error
+    uint64_t    uint(const char * key) const;   // a u32 / u64 key, else error
+    // tensor `name` of exactly this type and ne, else error
+    const ggml_tensor * tensor(const char * name, ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2,
+                               int64_t ne3 = 1) const;
+};
+
+// open f.path and check it: a GGUF, a sidecar of kind f.pk, version 1, made for `model` (architecture, layers,
+// experts, router hash: the first that differs is named).  meta_only: read the header and tensor infos, not the
+// tensor data (a shadow sidecar is read per expert later, never whole).
+void vis_profile_open(vis_profile_file & f, const llama_model & model, bool meta_only);
 
 // llama_vis_moe_router_hash (llama-vis.h): the hash of the routers' bytes; throws when unreadable
 uint64_t vis_moe_router_hash(const llama_model & model);

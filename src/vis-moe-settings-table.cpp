@@ -235,6 +235,11 @@ const flag_row ROWS[] = {
       "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online; default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.predict.profile = parse_path(w, v); } },
+    { "--moe-shadow", "VIS_MOE_SHADOW", "FILE",
+      "vis-moe: shadow experts: a low-bit copy of the routed experts from pyvis shadow MODEL --type T --out FILE\n"
+      "(docs/precision.md). Loaded and validated at context creation only, NOT used in compute yet (default: none)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.shadow = parse_path(w, v); } },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {

@@ -29,13 +29,14 @@ int n_rows() {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32 };
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
     if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend" ||
         n == "--moe-stream-stage") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
+    if (n == "--moe-shadow") return G_SHADOW;
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
     if (n.rfind("--moe-predict", 0) == 0 || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
@@ -104,6 +105,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_PREDICT) {
         s.predict = o.predict;
+    }
+    if (groups & G_SHADOW) {
+        s.shadow = o.shadow;
     }
 }
 

@@ -62,6 +62,7 @@ struct vis_moe_settings {
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
     vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
+    std::string shadow;                     // --moe-shadow: shadow-expert sidecar (pyvis shadow), "" = none
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

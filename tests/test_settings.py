@@ -12,7 +12,7 @@ import pytest
 
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
-from pyvis.runtime.settings import MoeParams, PredictParams, SubParams, TierParams, applied
+from pyvis.runtime.settings import MoeParams, PrecisionParams, PredictParams, SubParams, TierParams, applied
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "const char *": ctypes.c_char_p}
@@ -50,7 +50,7 @@ def test_the_mirror_is_the_header():
 
 def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
-    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams)
+    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams)
               for f in __import__("dataclasses").fields(cls)]
     env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib"}
     assert {settings.flag_of(f) for f in fields} == set(rows) - env_only  # env/flag only

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from . import native
 from .native import MoeStats, VisError, llama_cpp
-from .settings import MoeParams, PredictParams, SubParams, TierParams, applied
+from .settings import MoeParams, PrecisionParams, PredictParams, SubParams, TierParams, applied
 
 __all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "prefetch_stats", "reset_stats", "MoeParams",
-           "MoeStats", "PredictParams", "SubParams", "TierParams", "VisError"]
+           "MoeStats", "PrecisionParams", "PredictParams", "SubParams", "TierParams", "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
@@ -25,7 +25,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
          sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False,
          predict: str = "off", lookahead: int = 1, prefetch_budget: int | str = "auto", prefetch_tune: bool = True,
-         predict_profile: str | None = None, **llama_kwargs) -> "llama_cpp.Llama":
+         predict_profile: str | None = None, shadow: str | None = None, **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
@@ -33,15 +33,18 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     experts are not loaded at start but read from the GGUF file on demand.  substitute and sub_*: substitution
     on a miss (lossy, off by default; docs/substitution.md), as the --moe-substitute / --moe-sub-* flags.  predict,
     lookahead, prefetch_budget, prefetch_tune, predict_profile: lookahead prediction and prefetch (exact;
-    docs/prediction.md), as --moe-predict / --moe-lookahead / --moe-prefetch-* / --moe-predict-profile.  A bad
-    value raises VisError naming the option and its range; a bad profile, VisError naming the file and the fix.
+    docs/prediction.md), as --moe-predict / --moe-lookahead / --moe-prefetch-* / --moe-predict-profile.  shadow:
+    a shadow-expert sidecar (``pyvis shadow``, --moe-shadow; docs/precision.md), loaded and validated with the
+    expert cache, not used in compute yet.  A bad value raises VisError naming the option and its range; a bad
+    profile or sidecar, VisError naming the file and the fix.
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
     sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
     pred = PredictParams(predict, lookahead, prefetch_budget, prefetch_tune,
                          None if predict_profile is None else str(predict_profile))
-    with applied(params, tier, sub, pred):
+    prec = PrecisionParams(None if shadow is None else str(shadow))
+    with applied(params, tier, sub, pred, prec):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         except ValueError as e:

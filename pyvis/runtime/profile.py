@@ -13,7 +13,8 @@ A profile is a GGUF file with no model weights, written by ``pyvis calibrate bud
 * :func:`model_fingerprint`: architecture, layer count, expert count, top-k and router hash of a model GGUF;
 * :func:`write_buddy_profile` / :func:`read_buddy_profile`: the file itself (key and tensor names below).
 
-Every kind of profile (``vis.profile.kind``: ``buddies`` here, ``predictor`` in :mod:`pyvis.runtime.predict_profile`)
+Every kind of profile (``vis.profile.kind``: ``buddies`` here, ``predictor`` in :mod:`pyvis.runtime.predict_profile`,
+``shadow`` in :mod:`pyvis.runtime.shadow`)
 carries the same fingerprint keys, written by :func:`start_profile` and checked by :func:`open_profile` and
 :func:`check_model`.  Every way a profile can be wrong raises :class:`ProfileError` with the file's name and the fix.
 The writer never replaces a model or any other file that is not a profile.
@@ -49,7 +50,9 @@ COMMON_KEYS = ((K_ARCH, str), (K_NLAYER, int), (K_NEXPERT, int), (K_HASH, str), 
 
 
 def fix_for(kind: str, path) -> str:
-    """The fix a ProfileError names: re-run the calibration of that kind."""
+    """The fix a ProfileError names: re-run the calibration of that kind (``pyvis shadow`` for a shadow sidecar)."""
+    if kind == "shadow":
+        return f"re-run `pyvis shadow MODEL --type TYPE --out {path}` for this model"
     return f"re-run `pyvis calibrate {kind} -m MODEL ... --out {path}` for this model"
 
 

@@ -1,0 +1,62 @@
+// vis-moe-shadow.h - shadow experts (--moe-shadow, docs/precision.md, issue #14): a GGUF sidecar written by
+// `pyvis shadow MODEL --type T` with a low-bit copy of every routed expert of some layers, under the model's tensor
+// names (blk.L.ffn_{gate,up,down,gate_up}_exps.weight) with the model's ne and the shadow type.
+//
+// The loader opens the file, checks the shared sidecar header and the model fingerprint (vis-moe-profile.h), and
+// checks every expected tensor: present, the model tensor's ne0 / ne1 / n_expert, a quantized type (the file's
+// vis.shadow.type), its data inside the file.  It reads no tensor data (no mmap of the file): what it exposes per
+// layer and tensor kind is what a positioned read of one shadow expert needs, as a vis_deferred_tensor that the
+// I/O pool (vis-moe-io-pool.h) reads like the model's own deferred experts: fd (and O_DIRECT fd), offset of expert
+// 0, bytes per expert (nb2).
+//
+// With this change shadows are loaded and validated only; no graph reads them yet.
+#pragma once
+
+#include "vis-moe-deferred.h"
+
+#include "ggml.h"
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct llama_model;
+struct vis_moe_context;
+
+// the tensor kinds of a layer, in the order of vis-moe-context.h's VIS_T_* (gate, up, down, gate_up)
+constexpr int VIS_SHADOW_KINDS = 4;
+
+// one shadow tensor of one layer
+struct vis_shadow_tensor {
+    vis_deferred_tensor src;        // file, name, offs (file offset of expert 0), nb2 (bytes per expert), n_expert
+    ggml_type type       = GGML_TYPE_COUNT;  // the shadow type
+    ggml_type model_type = GGML_TYPE_COUNT;  // the model tensor's type
+    int64_t   ne0 = 0, ne1 = 0;
+};
+
+struct vis_moe_shadow {
+    std::string path;
+    ggml_type   type = GGML_TYPE_COUNT;
+    std::shared_ptr<vis_gguf_file> file;
+    // [layer][kind]: null where the layer has no such shadow tensor (the model has none, or the layer was not written)
+    std::vector<std::array<std::unique_ptr<vis_shadow_tensor>, VIS_SHADOW_KINDS>> layers;
+    int     n_layers    = 0;   // layers with shadow tensors
+    int64_t bytes       = 0;   // shadow bytes of those layers
+    int64_t model_bytes = 0;   // the model's bytes of the same tensors
+
+    // the shadow tensor of layer il and kind k (VIS_T_*), or null
+    const vis_shadow_tensor * get(int il, int k) const;
+    // bytes of one shadow expert of layer il (all its kinds), 0 if the layer has no shadow
+    size_t expert_bytes(int il) const;
+};
+
+// Open and check `path` against `model`: every routed-expert tensor of the layers in `need` (the context's managed
+// layers) must be in the file.  Throws std::runtime_error naming --moe-shadow, the file, what is wrong and the fix.
+std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, const llama_model & model,
+                                                    const std::vector<int> & need);
+
+// --moe-shadow at context creation: load `path` for the context's managed layers into vm.shadow and log one line
+// (type, layers, bytes; loaded and validated only, not used in compute).  No managed layers: a note, nothing read.
+void vis_moe_shadow_attach(vis_moe_context & vm, const llama_model & model, const std::string & path);
