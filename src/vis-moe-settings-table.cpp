@@ -297,10 +297,6 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     };
     const auto & q = s.predict;
     range("--moe-predict",       q.mode, VIS_PRED_OFF, VIS_PRED_MLP, " (0 = off .. 5 = auto, 6 = mlp)");
-    if (q.mode == VIS_PRED_MLP && q.profile.empty()) {
-        throw vis_error("--moe-predict mlp needs --moe-predict-profile FILE: the MLP's weights, from pyvis calibrate "
-                        "predictor -m MODEL --corpus TEXT --mlp --out FILE");
-    }
     range("--moe-lookahead",     q.lookahead, 1, VIS_MAX_LOOKAHEAD, "");
     range("--moe-prefetch-budget", q.budget, -1, MAX_PREFETCH, " (-1 = auto)");
     if (q.budget == 0) {
