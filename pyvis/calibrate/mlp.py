@@ -147,6 +147,19 @@ def _loss(X, Y, cw, W1, b1, W2, b2) -> float:
     return float(((np.logaddexp(0, y) - Y * y) * cw).sum() / len(X))
 
 
+def targets(M: dict, il: int, E: int, W: int, gamma: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(Y [T, W*E], cw [W*E])``: head d-1 = the multi-hot of layer il+d's experts, weighted ``gamma^(d-1)`` in the
+    loss (VisMMOE's decayed targets, one head per distance); 0 where il+d is not a MoE layer of ``M``."""
+    T = len(M[il])
+    Y = np.zeros((T, W * E), np.float32)
+    cw = np.zeros(W * E, np.float32)
+    for d in range(1, W + 1):
+        if il + d in M:
+            Y[:, (d - 1) * E: d * E] = M[il + d]
+            cw[(d - 1) * E: d * E] = gamma ** (d - 1)
+    return Y, cw
+
+
 def fit_mlp(cap: Capture, n_layer: int, n_expert: int, lookahead: int = predict.DEFAULT_LOOKAHEAD,
             hidden: int = DEFAULT_HIDDEN, n_hist: int = DEFAULT_HISTORY, decay: float = DEFAULT_HISTORY_DECAY,
             gamma: float = predict.DEFAULT_GAMMA, epochs: int = DEFAULT_EPOCHS, lr: float = DEFAULT_LR,
@@ -171,12 +184,7 @@ def fit_mlp(cap: Capture, n_layer: int, n_expert: int, lookahead: int = predict.
         h = cap.hidden[a].astype(np.float32)
         mu, sd = h[tr].mean(0), h[tr].std(0) + 1e-6
         X = np.concatenate([history(M, il, n_hist, decay), (h - mu) / sd], axis=1).astype(np.float32)
-        Y = np.zeros((T, O), np.float32)
-        cw = np.zeros(O, np.float32)
-        for d in range(1, W + 1):
-            if il + d in M:
-                Y[:, (d - 1) * E: d * E] = M[il + d]
-                cw[(d - 1) * E: d * E] = gamma ** (d - 1)
+        Y, cw = targets(M, il, E, W, gamma)
         f = np.clip(Y[tr].mean(0), 1e-3, 1 - 1e-3)
         W1 = (rng.standard_normal((H, D)) * np.sqrt(2.0 / D)).astype(np.float32)
         B1 = np.zeros(H, np.float32)
