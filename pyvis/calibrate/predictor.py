@@ -221,10 +221,10 @@ def _check_mlp_args(args) -> None:
                                "and the run captures them")
     if args.trace_out or args.eval_trace_out:
         raise CalibrationError("--trace-out / --eval-trace-out: --mlp runs no llama-perplexity trace")
-    for name, v, lo in (("--mlp-hidden", args.mlp_hidden, 1), ("--mlp-epochs", args.mlp_epochs, 1),
-                        ("--mlp-history", args.mlp_history, 1)):
-        if not lo <= v <= 4096:
-            raise CalibrationError(f"{name} {v}: must be in {lo}..4096")
+    for name, v, hi in (("--mlp-hidden", args.mlp_hidden, 4096), ("--mlp-epochs", args.mlp_epochs, 10000),
+                        ("--mlp-history", args.mlp_history, 64)):     # the C loader's limits
+        if not 1 <= v <= hi:
+            raise CalibrationError(f"{name} {v}: must be in 1..{hi}")
     if args.lookahead > 64:
         raise CalibrationError(f"--lookahead {args.lookahead}: at most 64 with --mlp")
 
