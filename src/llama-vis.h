@@ -186,7 +186,7 @@ LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, 
 // ---------------------------------------------------------------------------
 // Lookahead prediction and prefetch (exact; src/vis-moe-prefetch.cpp, docs/prediction.md)
 //
-// With --moe-predict next-router|coact|freq|random, layer l predicts the experts of layers l+1 .. l+W
+// With --moe-predict next-router|coact|freq|mlp|random, layer l predicts the experts of layers l+1 .. l+W
 // (--moe-lookahead) and the best --moe-prefetch-budget of them that are not resident are read in the
 // background into free or expired slots while layer l computes.  Only when bytes arrive changes: outputs are
 // byte-identical with prediction on or off.  Decode steps with the file store.

@@ -18,7 +18,8 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
     }
     uint32_t extra = 0;
     if (vm->prefetch) {
-        // per layer: ids copy, input view, predict op, and per layer ahead a router matmul and its bias
+        // per layer: ids copy, input view, predict op, and per layer ahead a router matmul and its bias (mlp passes the
+        // input view instead)
         extra += (uint32_t) vm->layers.size() * (4u + 2u * (uint32_t) vm->prefetch->lookahead());
     }
     for (const auto & L : vm->layers) {
@@ -108,6 +109,13 @@ void vis_moe_layer_graph::add_predict(ggml_tensor * dep) {
             ggml_format_name(lg, "vis_moe_ahead_logits-%d.%d", il, T);
         }
         args.push_back(lg);
+    }
+    if (vm->prefetch->wants_hidden()) {
+        // mlp: this layer's FFN input at a fixed source, after placeholders for the distances not used
+        while ((int) args.size() < VIS_PREDICT_SRC_HIDDEN) {
+            args.push_back(ids_cont);
+        }
+        args.push_back(x);
     }
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args.data(), (int) args.size(), vis_moe_predict_op, 1,
                                      vm->ud(il, 0, VIS_OP_PREDICT));

@@ -235,7 +235,8 @@ void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth,
 
 // after layer il routed (and, when managed, loaded what its ubatch needs): learn, predict the layers ahead and
 // read their experts in the background.  src[0]: the routed ids; src[1]: an ordering dependency; src[1 + d]:
-// the router logits of layer il + d (F32), or the ids again where the graph did not compute them.
+// the router logits of layer il + d (F32), or the ids again where the graph did not compute them;
+// src[VIS_PREDICT_SRC_HIDDEN] (mlp only): layer il's FFN input [n_embd, n_tokens].
 void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -249,12 +250,18 @@ void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     in.k        = (int) ids_t->ne[0];
     in.n_tokens = ids_t->ne[1];
     in.ids      = (const int32_t *) ids_t->data;
-    for (int d = 1; d <= VIS_MAX_LOOKAHEAD && 1 + d < GGML_MAX_SRC; ++d) {
+    for (int d = 1; d <= VIS_MAX_LOOKAHEAD && 1 + d < VIS_PREDICT_SRC_HIDDEN; ++d) {
         const ggml_tensor * lg = dst->src[1 + d];
         if (lg && lg->type == GGML_TYPE_F32) {
             in.logits[d] = (const float *) lg->data;
             in.stride[d] = (int64_t) (lg->nb[1] / sizeof(float));
         }
+    }
+    const ggml_tensor * h = VIS_PREDICT_SRC_HIDDEN < GGML_MAX_SRC ? dst->src[VIS_PREDICT_SRC_HIDDEN] : nullptr;
+    if (h && h->type == GGML_TYPE_F32 && h->ne[1] == in.n_tokens && h->nb[0] == sizeof(float)) {
+        in.hidden        = (const float *) h->data;
+        in.n_embd        = h->ne[0];
+        in.hidden_stride = (int64_t) (h->nb[1] / sizeof(float));
     }
     try {
         vm.prefetch->step(vm, in);

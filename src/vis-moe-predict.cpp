@@ -1,5 +1,6 @@
 // vis-moe-predict.cpp - the expert predictors (vis-moe-predict.h).
 #include "vis-moe-predict.h"
+#include "vis-moe-predict-mlp.h"
 #include "vis-moe-profile.h"
 
 #include <algorithm>
@@ -230,6 +231,7 @@ std::unique_ptr<vis_moe_predictor> vis_moe_predictor_make(int mode, const std::v
             return p;
         }
         case VIS_PRED_RANDOM:      return std::make_unique<random_predictor>(seed);
+        case VIS_PRED_MLP:         return vis_moe_predictor_make_mlp(n_expert, profile);
         default:                   return nullptr;
     }
 }
@@ -266,6 +268,7 @@ const char * vis_predict_mode_name(int mode) {
         case VIS_PRED_COACT:       return "coact";
         case VIS_PRED_FREQ:        return "freq";
         case VIS_PRED_RANDOM:      return "random";
+        case VIS_PRED_MLP:         return "mlp";
         case VIS_PRED_AUTO:        return "auto";
         default:                   return "?";
     }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -195,11 +196,28 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
     for (size_t il = 0; il < vm.layers.size(); ++il) {
         n_expert[il] = model.layers[il].ffn_gate_inp ? (int) model.hparams.n_expert : 0;
     }
-    // --moe-predict-profile: seeds coact and freq (docs/prediction.md#loading-a-profile); throws on a bad file
+    // --moe-predict-profile: seeds coact and freq, holds mlp's weights (docs/prediction.md#loading-a-profile); throws
+    // on a bad file
     std::unique_ptr<vis_predict_profile> profile;
     std::string seeded;
     const std::string & pf = s.predict.profile;
-    if (!pf.empty() && (mode == VIS_PRED_COACT || mode == VIS_PRED_FREQ)) {
+    if (mode == VIS_PRED_MLP) {
+        // the MLP's weights come from the profile: without one, or without an MLP in it, an error (the predictor)
+        if (!pf.empty()) {
+            profile = std::make_unique<vis_predict_profile>(vis_predict_profile_load(pf, model));
+            if (profile->has_mlp() && profile->mlp_n_embd != (int) model.hparams.n_embd) {
+                throw std::runtime_error("vis-moe: --moe-predict-profile " + pf + ": its MLP reads " +
+                                         std::to_string(profile->mlp_n_embd) + " hidden features, this model has " +
+                                         std::to_string(model.hparams.n_embd) + " (damaged file)");
+            }
+            seeded = ", profile " + pf + " (" + std::to_string(profile->n_tokens) + " tokens)";
+            if (profile->has_mlp() && profile->mlp_lookahead < s.predict.lookahead) {
+                LLAMA_LOG_INFO("vis-moe: --moe-predict-profile %s: its MLP predicts distances 1..%d, --moe-lookahead "
+                               "is %d: no prediction for distances %d..%d\n", pf.c_str(), profile->mlp_lookahead,
+                               s.predict.lookahead, profile->mlp_lookahead + 1, s.predict.lookahead);
+            }
+        }
+    } else if (!pf.empty() && (mode == VIS_PRED_COACT || mode == VIS_PRED_FREQ)) {
         profile = std::make_unique<vis_predict_profile>(vis_predict_profile_load(pf, model));
         seeded = ", profile " + pf + " (" + std::to_string(profile->n_tokens) + " tokens)";
         if (mode == VIS_PRED_COACT && profile->lookahead < s.predict.lookahead) {
@@ -209,7 +227,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
         }
     } else if (!pf.empty()) {
         LLAMA_LOG_WARN("vis-moe: --moe-predict-profile %s is not used: --moe-predict %s does not learn from counts "
-                       "(only coact and freq start from a profile)\n", pf.c_str(), vis_predict_mode_name(mode));
+                       "(only coact, freq and mlp read a profile)\n", pf.c_str(), vis_predict_mode_name(mode));
     }
     const int budget = s.predict.budget > 0 ? std::min<int>(s.predict.budget, (int) model.hparams.n_expert)
                                             : vm.n_expert_used;

@@ -44,6 +44,7 @@ public:
     int  lookahead() const { return W; }
     int  budget() const { return B; }
     bool wants_logits() const { return pred->wants_logits(); }
+    bool wants_hidden() const { return pred->wants_hidden(); }
 
     // a ubatch starts (decode: every sequence has one token) / ended (the measured on/off choice times it)
     void begin_ubatch(bool decode);

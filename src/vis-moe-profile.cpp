@@ -224,6 +224,55 @@ vis_buddy_profile vis_buddy_profile_load(const std::string & path, const llama_m
     return p;
 }
 
+// the optional MLP of a predictor profile (keys vis.predict.mlp.*, tensors predict.mlp.*; docs/prediction.md)
+static void load_mlp(const profile_file & f, vis_predict_profile & p) {
+    if (gguf_find_key(f.g, "vis.predict.mlp.lookahead") < 0) {
+        return;  // a profile fitted without --mlp: coact / freq only
+    }
+    auto in = [&](const char * key, uint64_t lo, uint64_t hi) {
+        const uint64_t v = f.uint(key);
+        if (v < lo || v > hi) {
+            throw f.error(std::string(key) + " = " + std::to_string(v) + " outside " + std::to_string(lo) + ".." +
+                          std::to_string(hi) + " (damaged file)");
+        }
+        return (int) v;
+    };
+    p.mlp_lookahead = in("vis.predict.mlp.lookahead", 1, 64);
+    p.mlp_hidden    = in("vis.predict.mlp.hidden", 1, 4096);
+    p.mlp_n_embd    = in("vis.predict.mlp.n_embd", 1, 1 << 16);
+    p.mlp_history   = in("vis.predict.mlp.history", 1, 64);
+    const int64_t id = gguf_find_key(f.g, "vis.predict.mlp.history_decay");
+    if (id < 0 || gguf_get_kv_type(f.g, id) != GGUF_TYPE_FLOAT32) {
+        throw f.error("missing key vis.predict.mlp.history_decay (damaged file)");
+    }
+    p.mlp_history_decay = gguf_get_val_f32(f.g, id);
+    if (!(p.mlp_history_decay >= 0.0f && p.mlp_history_decay <= 1.0f)) {
+        throw f.error("vis.predict.mlp.history_decay outside 0..1 (damaged file)");
+    }
+    const int64_t L = p.n_layer, E = p.n_expert, H = p.mlp_hidden, D = E + p.mlp_n_embd, O = p.mlp_lookahead * E;
+    // numpy [L, a, b] is ne = [b, a, L]; numpy [L, a] is ne = [a, L]
+    auto get = [&](const char * name, int64_t ne0, int64_t ne1, int64_t ne2, std::vector<float> & out) {
+        const ggml_tensor * t = f.tensor(name, GGML_TYPE_F32, ne0, ne1, ne2);
+        out.assign((const float *) t->data, (const float *) t->data + ne0 * ne1 * ne2);
+        for (float v : out) {
+            if (!std::isfinite(v)) {
+                throw f.error(std::string("tensor ") + name + " holds a non-finite value (damaged file)");
+            }
+        }
+    };
+    const ggml_tensor * lay = f.tensor("predict.mlp.layers", GGML_TYPE_I32, L, 1, 1);
+    p.mlp_layer.assign((const int32_t *) lay->data, (const int32_t *) lay->data + L);
+    get("predict.mlp.w1", D, H, L, p.mlp_w1);
+    get("predict.mlp.b1", H, L, 1, p.mlp_b1);
+    get("predict.mlp.w2", H, O, L, p.mlp_w2);
+    get("predict.mlp.b2", O, L, 1, p.mlp_b2);
+    for (int64_t il = 0; il < L; ++il) {
+        if (p.mlp_layer[il] != 0 && p.mlp_layer[il] != 1) {
+            throw f.error("predict.mlp.layers[" + std::to_string(il) + "] is not 0 or 1 (damaged file)");
+        }
+    }
+}
+
 vis_predict_profile vis_predict_profile_load(const std::string & path, const llama_model & model) {
     profile_file f(PREDICT, path);
     vis_profile_open(f, model, false);
@@ -271,6 +320,7 @@ vis_predict_profile vis_predict_profile_load(const std::string & path, const lla
                           "damaged file)");
         }
     }
+    load_mlp(f, p);
     return p;
 }
 

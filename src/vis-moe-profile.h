@@ -84,6 +84,22 @@ struct vis_predict_profile {
     std::vector<float> freq;                 // [n_layer][n_expert]: share of layer l's tokens that selected e
     std::vector<float> coact;                // [W][n_layer][n_expert][n_expert]: P_d[l][i, j], rows sum to 1 or 0
 
+    // the VisMMOE lookahead MLP (--moe-predict mlp; optional: mlp_lookahead == 0 when the profile has none).
+    // Source layer l (mlp_layer[l] != 0): x = [hist (n_expert); hidden (mlp_n_embd)], a = relu(w1 x + b1),
+    // y = w2 a + b2, the score of expert e at layer l+d = sigmoid(y[(d-1) n_expert + e]), d = 1..mlp_lookahead.
+    // hist[e] = sum_{j < mlp_history} mlp_history_decay^j [e routed at MoE layer l-j] (docs/prediction.md)
+    int   mlp_lookahead = 0;
+    int   mlp_hidden    = 0;                 // H
+    int   mlp_n_embd    = 0;
+    int   mlp_history   = 0;                 // routing-history layers (>= 1: layer l itself)
+    float mlp_history_decay = 0.0f;
+    std::vector<int32_t> mlp_layer;          // [n_layer]: 1 = a trained source layer
+    std::vector<float> mlp_w1;               // [n_layer][H][n_expert + n_embd]
+    std::vector<float> mlp_b1;               // [n_layer][H]
+    std::vector<float> mlp_w2;               // [n_layer][mlp_lookahead * n_expert][H]
+    std::vector<float> mlp_b2;               // [n_layer][mlp_lookahead * n_expert]
+    bool has_mlp() const { return mlp_lookahead > 0; }
+
     float freq_at(int il, int e) const { return freq[(size_t) il * n_expert + e]; }
     // P_d[l][i, :], d = 1..lookahead
     const float * row(int d, int il, int i) const {

@@ -217,22 +217,25 @@ const flag_row ROWS[] = {
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.prefill = parse_switch(w, v, false) == 1; } },
-    { "--moe-predict", "VIS_MOE_PREDICT", "off|next-router|coact|freq|random|auto",
+    { "--moe-predict", "VIS_MOE_PREDICT", "off|next-router|coact|freq|mlp|random|auto",
       "vis-moe: predict the experts of the next layers and read them in the background while this layer\n"
       "computes (exact: only when bytes arrive changes). next-router = the next layers' routers applied to this\n"
-      "layer's input; coact = co-activation counts learned online; freq = the most used experts; random =\n"
-      "for testing; auto = the measured default (docs/prediction.md). Decode steps, file store (default: off)",
+      "layer's input; coact = co-activation counts learned online; freq = the most used experts; mlp = the\n"
+      "VisMMOE lookahead MLP of --moe-predict-profile; random = for testing; auto = the measured default\n"
+      "(docs/prediction.md). Decode steps, file store (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "off")         s.predict.mode = VIS_PRED_OFF;
           else if (v == "next-router") s.predict.mode = VIS_PRED_NEXT_ROUTER;
           else if (v == "coact")       s.predict.mode = VIS_PRED_COACT;
           else if (v == "freq")        s.predict.mode = VIS_PRED_FREQ;
+          else if (v == "mlp")         s.predict.mode = VIS_PRED_MLP;
           else if (v == "random")      s.predict.mode = VIS_PRED_RANDOM;
           else if (v == "auto")        s.predict.mode = VIS_PRED_AUTO;
-          else throw vis_error(w + ": expected off, next-router, coact, freq, random or auto, got '" + v + "'"); } },
+          else throw vis_error(w + ": expected off, next-router, coact, freq, mlp, random or auto, got '" + v + "'"); } },
     { "--moe-predict-profile", "VIS_MOE_PREDICT_PROFILE", "FILE",
       "vis-moe: start --moe-predict coact / freq from this model's calibrated co-activation tables and expert\n"
-      "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online; default: none)",
+      "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online); --moe-predict\n"
+      "mlp needs one fitted with --mlp (default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.predict.profile = parse_path(w, v); } },
     { "--moe-shadow", "VIS_MOE_SHADOW", "FILE",
@@ -312,7 +315,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
         }
     };
     const auto & q = s.predict;
-    range("--moe-predict",       q.mode, VIS_PRED_OFF, VIS_PRED_AUTO, " (0 = off .. 5 = auto)");
+    range("--moe-predict",       q.mode, VIS_PRED_OFF, VIS_PRED_MLP, " (0 = off .. 5 = auto, 6 = mlp)");
     range("--moe-lookahead",     q.lookahead, 1, VIS_MAX_LOOKAHEAD, "");
     range("--moe-prefetch-budget", q.budget, -1, MAX_PREFETCH, " (-1 = auto)");
     if (q.budget == 0) {

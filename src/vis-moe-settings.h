@@ -36,8 +36,9 @@ struct vis_moe_sub_settings {
 };
 
 // --moe-predict: which predictor drives prefetch (docs/prediction.md); auto = the shipped setting
+// (mlp comes last so that the values of the others stay as they were)
 enum vis_predict_mode : int32_t { VIS_PRED_OFF = 0, VIS_PRED_NEXT_ROUTER, VIS_PRED_COACT, VIS_PRED_FREQ, VIS_PRED_RANDOM,
-                                  VIS_PRED_AUTO };
+                                  VIS_PRED_AUTO, VIS_PRED_MLP };
 constexpr int VIS_MAX_LOOKAHEAD = 4;  // layers ahead a prediction reaches (--moe-lookahead)
 
 // lookahead prediction and prefetch (exact: only when bytes arrive changes)
@@ -46,7 +47,8 @@ struct vis_moe_predict_settings {
     int32_t lookahead = 1;             // W: predict layers l+1 .. l+W
     int32_t budget    = -1;            // B: experts prefetched per layer per step, -1 = the model's top-k
     int32_t tune      = 1;             // self-tuning: switch a layer's prefetch off while it wastes more than it uses
-    std::string profile;               // predictor profile seeding coact / freq (pyvis calibrate predictor), "" = none
+    std::string profile;               // predictor profile: seeds coact / freq, holds mlp's weights (pyvis calibrate
+                                       // predictor), "" = none
 
     bool on() const { return mode != VIS_PRED_OFF; }
 };

@@ -1,6 +1,7 @@
 """Lookahead prediction and prefetch (issue #16, docs/prediction.md).
 
-Prefetch changes only *when* expert bytes arrive: logits are byte-identical with every predictor on or off, at
+Prefetch changes only *when* expert bytes arrive: logits are byte-identical with every predictor on or off (mlp
+with a profile fitted in the test), at
 every cache size down to one slot per layer, on every fixture architecture, with one sequence and with several
 decoding in one batch.  The reads ahead really happen (counted), the stats agree with the --moe-stats table,
 bad values are clear errors, and the store without a file tier says prefetch is off.
@@ -22,7 +23,7 @@ from pyvis.runtime.settings import MoeParams, PredictParams, TierParams, applied
 from conftest import LOGITS_KW, greedy_logits, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral"]
-PREDICTORS = ["next-router", "coact", "freq", "random"]
+PREDICTORS = ["next-router", "coact", "freq", "mlp", "random"]
 PROMPT = "Reading experts ahead of need must not change a single bit of the output."
 N_DECODE = 10
 KW = LOGITS_KW
@@ -48,15 +49,34 @@ def _configs(spec, predictor):
     return out
 
 
+def mlp_profile(path, out):
+    """A predictor profile with a lookahead MLP for the fixture at ``path``, fitted fast on a toy text (one chunk of
+    128 tokens, 2 epochs): its predictions are poor, which is all the byte-identity tests need."""
+    from pyvis.calibrate import mlp as M
+    from pyvis.runtime import predict as pr
+    from pyvis.runtime import profile as prof
+    from pyvis.runtime.predict_profile import write_predictor_profile
+    from test_substitution_profile import corpus_text
+    if not out.exists():
+        text = corpus_text(out.with_suffix(".txt"), 400)
+        fp = prof.model_fingerprint(path)
+        cap = M.capture(str(path), str(text), 128, 1, 2)
+        c = pr.count(cap.routes(), fp["n_layer"], fp["n_expert"], 3)
+        w = M.fit_mlp(cap, fp["n_layer"], fp["n_expert"], 3, hidden=8, epochs=2)
+        write_predictor_profile(out, fp, c.freq(), c.tables(), cap.k, cap.n_tokens, "test", model_path=path, mlp=w)
+    return out
+
+
 @pytest.mark.parametrize("name", ARCHS)
-def test_prefetch_is_byte_identical(fixture_dir, name):
+def test_prefetch_is_byte_identical(fixture_dir, name, tmp_path):
     spec = fx.FIXTURES[name]()
     path = fixture_dir / f"{name}.gguf"
     ref, _ = _run(path)
     for predictor in PREDICTORS:
         issued = 0
+        extra = dict(predict_profile=str(mlp_profile(path, tmp_path / "mlp.gguf"))) if predictor == "mlp" else {}
         for cfg in _configs(spec, predictor):
-            logits, llm = _run(path, predict=predictor, **cfg)
+            logits, llm = _run(path, predict=predictor, **cfg, **extra)
             assert _same(logits, ref), (predictor, cfg)
             st = moe.prefetch_stats(llm)
             issued += st["n_issued"]
@@ -128,7 +148,7 @@ def _parallel_logits(path, steps=16, moe_kw=None, pred_kw=None):
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
-def test_parallel_sequences_with_random_predictions(fixture_dir, name):
+def test_parallel_sequences_with_random_predictions(fixture_dir, name, tmp_path):
     """A stress test: three sequences per decode step, random predictions with a large budget, tiny caches, every
     distance up to 4 layers ahead.  No deadlock (the suite's timeout), no use-after-evict (bit-identical logits)."""
     spec = fx.FIXTURES[name]()
@@ -146,6 +166,11 @@ def test_parallel_sequences_with_random_predictions(fixture_dir, name):
         assert _same(got, ref), (slots, la, tier)
         issued, steps = issued + st["n_issued"], steps + st["n_steps"]
     assert issued > 0 and steps > 0
+    # the MLP on three tokens per step (its sigmoids summed over the ubatch)
+    got, st = _parallel_logits(path, moe_kw={"moe": {"slots": k}, "tier": {}},
+                               pred_kw=dict(predict="mlp", lookahead=2, prefetch_tune=False,
+                                            predict_profile=str(mlp_profile(path, tmp_path / "mlp.gguf"))))
+    assert _same(got, ref) and st["n_steps"] > 0
 
 
 # ---------------------------------------------------------------------------
@@ -216,7 +241,7 @@ def test_model_store_and_auto_say_prefetch_is_off(bindir, fixture_dir):
 
 
 @pytest.mark.parametrize("flag,value,expect", [
-    ("--moe-predict", "oracle", "expected off, next-router, coact, freq, random or auto"),
+    ("--moe-predict", "oracle", "expected off, next-router, coact, freq, mlp, random or auto"),
     ("--moe-lookahead", "0", "expected an integer in 1..4"),
     ("--moe-lookahead", "5", "expected an integer in 1..4"),
     ("--moe-prefetch-budget", "0", "expected an integer in 1..65536 (or auto)"),

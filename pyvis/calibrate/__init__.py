@@ -2,7 +2,8 @@
 
     buddies    buddy lists and TAE quantiles for --moe-substitute buddy / --moe-sub-tae pN
                (pyvis.calibrate.buddies; format: pyvis.runtime.profile, docs/substitution.md)
-    predictor  co-activation tables for --moe-predict coact, with held-out recall / precision / bytes wasted
+    predictor  co-activation tables for --moe-predict coact (and with --mlp the lookahead MLP for --moe-predict mlp,
+               pyvis.calibrate.mlp), with held-out recall / precision / bytes wasted
                (pyvis.calibrate.predictor; format: pyvis.runtime.predict_profile, docs/prediction.md)
 
 A new kind of calibration is a module with ``register(sub)`` that adds its parser to ``sub`` (the subparsers of

@@ -9,6 +9,10 @@ Evaluation is always on routing the tables did not see: ``--eval-trace`` files, 
 last ``--holdout`` share of each calibration trace's tokens (the profile is then fitted on the rest only).  Reported per
 predictor (frequency, coact), per source layer l and distance d = 1..W: recall@B, precision@B and the bytes of the
 experts predicted but not used (expert bytes from the model GGUF), and the VisMMOE decayed-target recall.
+
+``--mlp`` also fits the VisMMOE lookahead MLP (:mod:`pyvis.calibrate.mlp`) into the same profile.  It needs hidden
+states, which traces do not carry: the corpus runs go through the eval callback instead of llama-perplexity, and
+the report adds the MLP and the next-router predictor (the routers ahead on the captured FFN inputs).
 """
 from __future__ import annotations
 
@@ -22,11 +26,14 @@ from ..runtime import predict
 from ..runtime import profile as prof
 from ..runtime.predict_profile import write_predictor_profile
 from ..runtime.trace import Trace, TraceError
-from .inputs import CalibrationError, add_input_args, check_traces, traces_from_args, traces_from_corpus, \
+from ..runtime.predict_mlp import DEFAULT_HIDDEN as DEFAULT_MLP_HIDDEN, DEFAULT_HISTORY as DEFAULT_MLP_HISTORY
+from .inputs import CalibrationError, add_input_args, check_traces, log, traces_from_args, traces_from_corpus, \
     traces_from_files
+from .mlp import DEFAULT_EPOCHS as DEFAULT_MLP_EPOCHS
 
 DEFAULT_HOLDOUT = 0.2
 _CHUNK = 4096
+REPORTED = predict.PREDICTORS + ("mlp", "next-router")    # next-router and mlp: --mlp runs (hidden states)
 
 
 # --------------------------------------------------------------------------
@@ -86,7 +93,7 @@ def _m(v) -> float:
 
 def format_eval(r: dict) -> str:
     """The summary (means over source layers) and, at B = k, the per-layer recall of every predictor and distance."""
-    W, k, preds = r["lookahead"], r["k"], [p for p in predict.PREDICTORS if p in r]
+    W, k, preds = r["lookahead"], r["k"], [p for p in REPORTED if p in r]
     out = [f"held-out accuracy: {r['tokens']} tokens, top-{k}, lookahead {W}, gamma {r['gamma']:g} "
            f"(means over the {len(r['layers'])} source layers)",
            "predictor   d        B  recall  precision  wasted KiB  recall(new)",
@@ -97,9 +104,9 @@ def format_eval(r: dict) -> str:
                 x = r[p][d]
                 rec = _m(x["recall"][str(B)])
                 if d == "decayed":
-                    out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}")
+                    out.append(f"{p:11s} {d:7s}  {B:3d}  {rec:6.3f}")
                     continue
-                out.append(f"{p:10s}  {d:7s}  {B:3d}  {rec:6.3f}  {_m(x['precision'][str(B)]):9.3f}  "
+                out.append(f"{p:11s} {d:7s}  {B:3d}  {rec:6.3f}  {_m(x['precision'][str(B)]):9.3f}  "
                            f"{_m(x['wasted_bytes'][str(B)]) / 1024:10.1f}  {_m(x['recall_new'][str(B)]):11.3f}")
     ds = [f"d{i}" for i in range(1, W + 1)] + ["decayed"]
     out += ["", f"recall@{k} per source layer l (target l+d)",
@@ -168,6 +175,8 @@ def _cmd_predictor(args) -> int:
         prof.check_output_path(out, Path(args.model))     # before minutes of work
         fp = prof.model_fingerprint(args.model)
         L, E = fp["n_layer"], fp["n_expert"]
+        if args.mlp:
+            return _cmd_mlp(args, out, fp)
         traces, source = traces_from_args(args)
         k = check_traces(traces, L, E)
         fit_routes, ev_routes, ev_src = _eval_routes(args, traces, L, E)
@@ -205,6 +214,70 @@ def _cmd_predictor(args) -> int:
     return 0
 
 
+def _check_mlp_args(args) -> None:
+    if args.trace or args.eval_trace:
+        raise CalibrationError("--mlp learns from and is evaluated on hidden states, which routing traces "
+                               "(--trace / --eval-trace) do not carry: give --corpus TEXT [--eval-corpus TEXT] "
+                               "and the run captures them")
+    if args.trace_out or args.eval_trace_out:
+        raise CalibrationError("--trace-out / --eval-trace-out: --mlp runs no llama-perplexity trace")
+    for name, v, hi in (("--mlp-hidden", args.mlp_hidden, 4096), ("--mlp-epochs", args.mlp_epochs, 10000),
+                        ("--mlp-history", args.mlp_history, 64)):     # the C loader's limits
+        if not 1 <= v <= hi:
+            raise CalibrationError(f"{name} {v}: must be in 1..{hi}")
+    if args.lookahead > 64:
+        raise CalibrationError(f"--lookahead {args.lookahead}: at most 64 with --mlp")
+
+
+def _cmd_mlp(args, out: Path, fp: dict) -> int:
+    """``--mlp``: capture a corpus run's routing and hidden states, fit the tables and the MLP, evaluate all four
+    predictors (frequency, coact, mlp, next-router) on held-out hidden states."""
+    from ..cli import Progress
+    from . import mlp as M
+    _check_mlp_args(args)
+    L, E = fp["n_layer"], fp["n_expert"]
+    cap = M.capture(args.model, args.corpus, args.ctx, args.chunks, args.threads, args.n_expert_used)
+    if args.eval_corpus:
+        ev = M.capture(args.model, args.eval_corpus, args.ctx, args.chunks, args.threads, args.n_expert_used)
+        ev_src = ev.source
+    elif args.holdout:
+        cap, ev = cap.split(args.holdout)
+        ev_src = f"the last {args.holdout:g} of the calibration tokens"
+    else:
+        ev, ev_src = None, ""
+    k, total = cap.k, cap.n_tokens
+    counts = fit(cap.routes(), L, E, args.lookahead)
+    log(f"fitting the MLP: {len(cap.layers) - 1} source layers, {total} tokens, {args.mlp_epochs} epochs ...")
+    weights = M.fit_mlp(cap, L, E, args.lookahead, args.mlp_hidden, args.mlp_history, gamma=args.gamma,
+                        epochs=args.mlp_epochs, seed=args.seed,
+                        progress=Progress("mlp", 1, unit="layer-epochs", scale=1))
+    source = cap.source + f" (fitted on {total} tokens" + (f"; evaluated on {ev_src})" if ev_src else ")")
+    path = write_predictor_profile(out, fp, counts.freq(), counts.tables(), k, total, source, args.weighting,
+                                   model_path=args.model, mlp=weights)
+    print(f"predictor profile: lookahead {args.lookahead}, top-{k} of {E} experts, {total} tokens, weighting "
+          f"{args.weighting}, MLP {weights.n_embd}+{E} -> {weights.hidden} -> {args.lookahead}x{E} "
+          f"(history {weights.history}, {path.stat().st_size / (1 << 20):.1f} MiB)")
+    if ev is not None:
+        budgets = args.budgets or predict.default_budgets(k, E)
+        if max(budgets) > E or min(budgets) < 1:
+            raise CalibrationError(f"--budgets: each B must be in 1..{E}")
+        if ev.k != k:
+            raise CalibrationError(f"the evaluation routes top-{ev.k}, the calibration top-{k}")
+        log(f"evaluating on {ev_src} ...")
+        res = M.evaluate(predict.Model.from_counts(counts, args.weighting), ev, weights, args.model, budgets,
+                         args.gamma, expert_bytes(args.model, L))
+        res |= {"model": str(args.model), "profile": str(path), "weighting": args.weighting, "calibration": source,
+                "evaluation": ev_src, "fit_tokens": total}
+        print(format_eval(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps(_json_safe(res)) + "\n")
+            print(f"\nwrote {args.json}")
+    else:
+        print("(no evaluation: --holdout 0 and no --eval-corpus)")
+    print(f"\nwrote {path} (router hash {fp['router_hash']:016x})")
+    return 0
+
+
 def register(sub) -> None:
     """``pyvis calibrate predictor`` (``sub``: the subparsers of ``pyvis calibrate``)."""
     s = sub.add_parser("predictor", help="co-activation tables for --moe-predict coact, with held-out accuracy",
@@ -233,4 +306,14 @@ def register(sub) -> None:
     s.add_argument("--gamma", type=float, default=predict.DEFAULT_GAMMA,
                    help=f"decay of the VisMMOE target over distance (default: {predict.DEFAULT_GAMMA})")
     s.add_argument("--json", metavar="FNAME", help="also write the evaluation (every number, per layer) here")
+    m = s.add_argument_group("the lookahead MLP (--moe-predict mlp; needs --corpus: hidden states are captured)")
+    m.add_argument("--mlp", action="store_true", help="also fit the VisMMOE lookahead MLP into the profile, and "
+                   "report it and next-router next to frequency and coact")
+    m.add_argument("--mlp-hidden", type=int, default=DEFAULT_MLP_HIDDEN, metavar="H",
+                   help=f"bottleneck width (default: {DEFAULT_MLP_HIDDEN})")
+    m.add_argument("--mlp-history", type=int, default=DEFAULT_MLP_HISTORY, metavar="N",
+                   help=f"routing-history layers in the histogram, layer l included (default: {DEFAULT_MLP_HISTORY})")
+    m.add_argument("--mlp-epochs", type=int, default=DEFAULT_MLP_EPOCHS, metavar="N",
+                   help=f"training epochs (default: {DEFAULT_MLP_EPOCHS})")
+    m.add_argument("--seed", type=int, default=0, help="MLP initialisation and batch order (default: 0)")
     s.set_defaults(fn=_cmd_predictor)

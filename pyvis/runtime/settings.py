@@ -131,11 +131,11 @@ class SubParams:
 @dataclass(frozen=True)
 class PredictParams:
     """Lookahead prediction and prefetch (exact; docs/prediction.md).  Values as the flags take them."""
-    predict: str = "off"                 # off | next-router | coact | freq | random | auto
+    predict: str = "off"                 # off | next-router | coact | freq | mlp | random | auto
     lookahead: int = 1                   # W: layers l+1 .. l+W
     prefetch_budget: int | str = "auto"  # B: experts read ahead per layer and step (auto = top-k)
     prefetch_tune: bool = True           # self-tuning: a layer that wastes more than it uses pauses
-    predict_profile: str | None = None   # seeds coact / freq (pyvis calibrate predictor)
+    predict_profile: str | None = None   # seeds coact / freq; mlp needs one fitted with --mlp (pyvis calibrate predictor)
 
     def flags(self) -> list[tuple[str, str]]:
         """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""

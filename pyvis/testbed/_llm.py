@@ -107,13 +107,15 @@ class Runner:
     """A model + context decoding token chunks, with an optional eval callback.
 
     ``want(name) -> bool`` selects intermediate tensors by name; ``on_tensor(name, array)``
-    receives each one after it is computed.  Every token outputs logits, so the last
+    receives each one after it is computed (``raw``: the ``ggml_tensor *`` instead, to read its sources with
+    :func:`read_tensor` while they are alive).  Every token outputs logits, so the last
     layer computes all rows (llama.cpp drops non-output rows before the last FFN).
     """
 
     def __init__(self, model_path: str, n_ctx: int = 512, n_threads: int | None = None,
                  kv_overrides: dict | None = None, want: Callable[[str], bool] | None = None,
-                 on_tensor: Callable[[str, np.ndarray], None] | None = None, verbose: bool = False):
+                 on_tensor: Callable[[str, np.ndarray], None] | None = None, verbose: bool = False,
+                 raw: bool = False):
         if not os.path.isfile(model_path):
             raise FileNotFoundError(model_path)
         from llama_cpp import _logger
@@ -137,7 +139,7 @@ class Runner:
                 name = tensor_name(t)
                 if ask:
                     return bool(want(name))
-                on_tensor(name, read_tensor(t))
+                on_tensor(name, t if raw else read_tensor(t))   # raw: the ggml_tensor pointer (its srcs too)
                 return True
             self._cb = L.ggml_backend_sched_eval_callback(cb)
             cp.cb_eval = self._cb
