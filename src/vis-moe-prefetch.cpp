@@ -182,7 +182,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
         return;
     }
     if (mode == VIS_PRED_AUTO) {
-        // docs/prediction.md#the-shipped-default
+        // docs/prediction.md (the table of modes: auto)
         LLAMA_LOG_INFO("vis-moe: --moe-predict auto: off (no predictor measured faster than none on every benchmark "
                        "yet; choose next-router, coact or freq explicitly)\n");
         return;

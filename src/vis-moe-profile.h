@@ -3,7 +3,7 @@
 //
 // The buddy profile (pyvis calibrate buddies) holds, per MoE layer, each expert's buddy list (BuddyMoE's
 // CFT lists, best first) and the percentiles of the layer's token routing entropy (TAE) on the calibration
-// text.  The predictor profile (pyvis calibrate predictor; docs/prediction.md#profile-format) holds the expert
+// text.  The predictor profile (pyvis calibrate predictor; docs/prediction-calibration.md#profile-format-gguf-sidecar) holds the expert
 // frequencies and the co-activation tables P_d[l][i, j] that seed --moe-predict coact / freq.  Both share one
 // header and fingerprint check: a profile made for another model, of the other kind, a truncated, unreadable or
 // foreign file: std::runtime_error naming the flag, the file, what differs, and the command that makes one.
@@ -87,7 +87,7 @@ struct vis_predict_profile {
     // the VisMMOE lookahead MLP (--moe-predict mlp; optional: mlp_lookahead == 0 when the profile has none).
     // Source layer l (mlp_layer[l] != 0): x = [hist (n_expert); hidden (mlp_n_embd)], a = relu(w1 x + b1),
     // y = w2 a + b2, the score of expert e at layer l+d = sigmoid(y[(d-1) n_expert + e]), d = 1..mlp_lookahead.
-    // hist[e] = sum_{j < mlp_history} mlp_history_decay^j [e routed at MoE layer l-j] (docs/prediction.md)
+    // hist[e] = sum_{j < mlp_history} mlp_history_decay^j [e routed at MoE layer l-j] (docs/prediction-calibration.md)
     int   mlp_lookahead = 0;
     int   mlp_hidden    = 0;                 // H
     int   mlp_n_embd    = 0;

@@ -159,7 +159,7 @@ def test_round_trip_and_the_documented_layout(tmp_path, model):
     assert (q.n_layer, q.n_expert, q.k, q.n_tokens, q.lookahead, q.weighting) == (3, 4, 2, 4, 2, "conditional")
     assert q.router_hash == prof.router_hash(model) and q.arch == "qwen3moe" and q.source == "test"
     assert np.array_equal(q.coact, c.tables().astype(np.float32)) and np.array_equal(q.freq, c.freq())
-    r = gguf.GGUFReader(str(p))                       # the names and types docs/prediction.md gives
+    r = gguf.GGUFReader(str(p))                       # the names and types docs/prediction-calibration.md gives
     f = {k: v.contents() for k, v in r.fields.items()}
     assert f["general.architecture"] == "vis-profile" and f["vis.profile.kind"] == "predictor"
     assert f["vis.profile.version"] == 1 and f["vis.predict.lookahead"] == 2

@@ -1,4 +1,4 @@
-"""The VisMMOE lookahead MLP (issue #16 item 1, docs/prediction.md "The lookahead MLP"): the routing-history
+"""The VisMMOE lookahead MLP (issue #16 item 1, docs/prediction-calibration.md "The lookahead MLP"): the routing-history
 histogram, the decayed targets and the forward pass against hand computations (the forward on the same tiny weights
 as tests/test-vis-predict-mlp.cpp, so NumPy and C agree); a planted rule it must learn; its recall through the
 shared metrics; the profile round trip and its errors; `pyvis calibrate predictor --mlp` end to end on a fixture

@@ -4,7 +4,7 @@
                (pyvis.calibrate.buddies; format: pyvis.runtime.profile, docs/substitution.md)
     predictor  co-activation tables for --moe-predict coact (and with --mlp the lookahead MLP for --moe-predict mlp,
                pyvis.calibrate.mlp), with held-out recall / precision / bytes wasted
-               (pyvis.calibrate.predictor; format: pyvis.runtime.predict_profile, docs/prediction.md)
+               (pyvis.calibrate.predictor; format: pyvis.runtime.predict_profile, docs/prediction-calibration.md)
 
 A new kind of calibration is a module with ``register(sub)`` that adds its parser to ``sub`` (the subparsers of
 ``pyvis calibrate``) and sets ``fn``; list it in :data:`SUBCOMMANDS`.  ``pyvis report-buddies`` (the buddy graph

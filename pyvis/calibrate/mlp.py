@@ -1,7 +1,7 @@
 """The lookahead MLP of ``--moe-predict mlp`` (VisMMOE §3.3): capture its training data, fit it in NumPy, and score it
 (with the next-router predictor, which needs the same hidden states) on held-out text.  Used by
 ``pyvis calibrate predictor --mlp`` (:mod:`pyvis.calibrate.predictor`); what the MLP computes is
-:mod:`pyvis.runtime.predict_mlp`'s; docs/prediction.md "The lookahead MLP".
+:mod:`pyvis.runtime.predict_mlp`'s; docs/prediction-calibration.md "The lookahead MLP".
 
 **Capture.**  Routing traces (``--moe-trace``) carry no hidden states, so ``--mlp`` runs the model itself through
 the Python bindings with llama.cpp's eval callback (:class:`pyvis.testbed._llm.Runner`, as ``pyvis report`` does):

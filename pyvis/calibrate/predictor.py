@@ -1,5 +1,5 @@
 """Predictor calibration (``pyvis calibrate predictor``): the co-activation tables that ``--moe-predict coact`` reads
-(docs/prediction.md, issue #16), and their held-out accuracy against the frequency baseline.
+(docs/prediction-calibration.md, issue #16), and their held-out accuracy against the frequency baseline.
 
 Input: routing traces (``--trace``) or a text run through our ``llama-perplexity --moe-trace`` (``--corpus``), as for
 ``pyvis calibrate buddies`` (:mod:`pyvis.calibrate.inputs`).  The counting, the predictors and the metrics are
@@ -281,7 +281,7 @@ def _cmd_mlp(args, out: Path, fp: dict) -> int:
 def register(sub) -> None:
     """``pyvis calibrate predictor`` (``sub``: the subparsers of ``pyvis calibrate``)."""
     s = sub.add_parser("predictor", help="co-activation tables for --moe-predict coact, with held-out accuracy",
-                       description="Fit a predictor profile (GGUF sidecar, docs/prediction.md) from routing traces "
+                       description="Fit a predictor profile (GGUF sidecar, docs/prediction-calibration.md) from routing traces "
                        "(--trace) or from a text run through llama-perplexity --moe-trace (--corpus): per MoE layer "
                        "l and distance d = 1..W, how often expert j fires at layer l+d with expert i at l, and each "
                        "layer's expert frequency; then print recall@B, precision@B and bytes wasted of the "

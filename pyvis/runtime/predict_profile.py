@@ -1,4 +1,4 @@
-"""Predictor profiles: the GGUF sidecar that ``--moe-predict-profile`` reads (docs/prediction.md, issue #16).
+"""Predictor profiles: the GGUF sidecar that ``--moe-predict-profile`` reads (docs/prediction-calibration.md, issue #16).
 
 Written by ``pyvis calibrate predictor`` (:mod:`pyvis.calibrate.predictor`).  The fingerprint and provenance keys
 are the buddy profile's (:mod:`pyvis.runtime.profile`: ``vis.model.arch``, ``vis.model.n_layer``,
