@@ -161,7 +161,6 @@ def _json_safe(x):
 def _cmd_predictor(args) -> int:
     from ..cli import Progress
     from ..testbed.quality import QualityError
-    from .inputs import log
     try:
         if not Path(args.model).is_file():
             raise CalibrationError(f"model not found: {args.model}")
@@ -175,6 +174,8 @@ def _cmd_predictor(args) -> int:
         prof.check_output_path(out, Path(args.model))     # before minutes of work
         fp = prof.model_fingerprint(args.model)
         L, E = fp["n_layer"], fp["n_expert"]
+        if args.budgets and (max(args.budgets) > E or min(args.budgets) < 1):
+            raise CalibrationError(f"--budgets: each B must be in 1..{E}")     # before minutes of work
         if args.mlp:
             return _cmd_mlp(args, out, fp)
         traces, source = traces_from_args(args)
@@ -190,8 +191,6 @@ def _cmd_predictor(args) -> int:
         res = None
         if ev_routes:
             budgets = args.budgets or predict.default_budgets(k, E)
-            if max(budgets) > E or min(budgets) < 1:
-                raise CalibrationError(f"--budgets: each B must be in 1..{E}")
             log(f"evaluating on {ev_src} ...")
             model = predict.Model.from_counts(counts, args.weighting)
             res = predict.evaluate(model, ev_routes, budgets, gamma=args.gamma,
@@ -203,13 +202,18 @@ def _cmd_predictor(args) -> int:
         return 1
     print(f"predictor profile: lookahead {args.lookahead}, top-{k} of {E} experts, {total} tokens, "
           f"weighting {args.weighting}")
+    return _report(res, args, path, fp, "--holdout 0 and no --eval-trace / --eval-corpus")
+
+
+def _report(res: dict | None, args, path: Path, fp: dict, no_eval: str) -> int:
+    """Print the evaluation (and write it to --json), then the profile written."""
     if res is not None:
         print(format_eval(res))
         if args.json:
             Path(args.json).write_text(json.dumps(_json_safe(res)) + "\n")
             print(f"\nwrote {args.json}")
     else:
-        print("(no evaluation: --holdout 0 and no --eval-trace / --eval-corpus)")
+        print(f"(no evaluation: {no_eval})")
     print(f"\nwrote {path} (router hash {fp['router_hash']:016x})")
     return 0
 
@@ -257,10 +261,9 @@ def _cmd_mlp(args, out: Path, fp: dict) -> int:
     print(f"predictor profile: lookahead {args.lookahead}, top-{k} of {E} experts, {total} tokens, weighting "
           f"{args.weighting}, MLP {weights.n_embd}+{E} -> {weights.hidden} -> {args.lookahead}x{E} "
           f"(history {weights.history}, {path.stat().st_size / (1 << 20):.1f} MiB)")
+    res = None
     if ev is not None:
         budgets = args.budgets or predict.default_budgets(k, E)
-        if max(budgets) > E or min(budgets) < 1:
-            raise CalibrationError(f"--budgets: each B must be in 1..{E}")
         if ev.k != k:
             raise CalibrationError(f"the evaluation routes top-{ev.k}, the calibration top-{k}")
         log(f"evaluating on {ev_src} ...")
@@ -268,14 +271,7 @@ def _cmd_mlp(args, out: Path, fp: dict) -> int:
                          args.gamma, expert_bytes(args.model, L))
         res |= {"model": str(args.model), "profile": str(path), "weighting": args.weighting, "calibration": source,
                 "evaluation": ev_src, "fit_tokens": total}
-        print(format_eval(res))
-        if args.json:
-            Path(args.json).write_text(json.dumps(_json_safe(res)) + "\n")
-            print(f"\nwrote {args.json}")
-    else:
-        print("(no evaluation: --holdout 0 and no --eval-corpus)")
-    print(f"\nwrote {path} (router hash {fp['router_hash']:016x})")
-    return 0
+    return _report(res, args, path, fp, "--holdout 0 and no --eval-corpus")
 
 
 def register(sub) -> None:
