@@ -4,6 +4,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-passes.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-shadow.h"
@@ -68,6 +69,10 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
         }
     }
     vm.reset();
+}
+
+bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs) const {
+    return stream_passes > 0 && L.can_stream() && vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > stream_passes;
 }
 
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {

@@ -107,6 +107,9 @@ struct vis_moe_layer {
         }
         return nullptr;
     }
+    // prefill streaming can serve it (docs/paging.md#prefill-streaming): its experts come from the file and it runs
+    // on the CPU only (with a GPU, a host-weight mul_mat_id would be copied to the device whole)
+    bool can_stream() const { return managed && deferred && cpu_passes; }
     // the id a pair of another pass gets: skipped on CPU (-1), else the staging slot
     int32_t foreign_id() const { return cpu_passes ? -1 : n_slots; }
 };
@@ -178,6 +181,9 @@ struct vis_moe_context {
     std::string last_failure;     // message of the last ubatch's failure, "" if it succeeded
 
     ~vis_moe_context();
+
+    // does a ubatch with n_pairs (token, expert) pairs stream layer L (more than stream_passes passes needed)?
+    bool streams(const vis_moe_layer & L, int64_t n_pairs) const;
 
     // userdata of a custom op, stable for the context's lifetime
     vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind);

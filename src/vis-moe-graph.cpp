@@ -69,7 +69,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);
-    if (L.deferred && L.cpu_passes && vm->stream_passes > 0 && n_pass > vm->stream_passes) {
+    if (vm->streams(L, pairs)) {
         // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
         // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
         // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page

@@ -32,7 +32,7 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     int64_t layer_bytes = 0;  // the largest streamed layer's experts
     bool    streams     = false;
     for (const auto & L : vm.layers) {
-        if (L.managed && L.deferred && L.cpu_passes) {
+        if (L.can_stream()) {
             streams     = true;
             layer_bytes = std::max(layer_bytes, L.expert_bytes * (int64_t) L.n_expert);
         }

@@ -3,7 +3,6 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-lend.h"
-#include "vis-moe-passes.h"
 
 #include "llama-impl.h"
 
@@ -16,11 +15,6 @@
 static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// a managed layer whose experts stream from the file (CPU-only: upstream's graph on host tensors)
-static bool streamable(const vis_moe_layer & L) {
-    return L.managed && L.deferred && L.cpu_passes;
 }
 
 vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t,
@@ -48,7 +42,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
     static_assert(VIS_T_COUNT == 4, "staging tensors: one per expert tensor kind");
     int64_t stride = 0;  // bytes of one buffer: the largest streamable layer's expert tensors, each page-aligned
     for (const auto & L : vm.layers) {
-        if (!streamable(L)) {
+        if (!L.can_stream()) {
             continue;
         }
         int64_t b = 0;
@@ -82,7 +76,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
     int ordinal = 0;  // buffers alternate over the streamable layers, whatever lies between them
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         const vis_moe_layer & L = vm.layers[il];
-        if (!streamable(L)) {
+        if (!L.can_stream()) {
             continue;
         }
         buf_of[il] = ordinal++ % n_buf;
@@ -120,7 +114,7 @@ bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs) {
         if (!L.managed) {
             continue;
         }
-        if (!streamable(L) || vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) <= vm.stream_passes) {
+        if (!vm.streams(L, n_pairs)) {
             return false;
         }
     }
