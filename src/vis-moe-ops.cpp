@@ -185,18 +185,20 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
             vm.trace->record(a.ud.il, ids_t, weights);
         }
         std::vector<bool> seen(L.n_expert, false);
+        std::vector<int>  routed;  // the distinct experts of the ubatch, in first-use order
         for (int64_t j = 0; j < n_pairs; ++j) {
             if (ids[j] >= 0 && ids[j] < L.n_expert && !seen[ids[j]]) {
                 seen[ids[j]] = true;
-                vm.n_streamed++;
-                vm.bytes_streamed += L.expert_bytes;
+                routed.push_back(ids[j]);
             }
         }
+        vm.n_streamed     += (int64_t) routed.size();
+        vm.bytes_streamed += (int64_t) routed.size() * L.expert_bytes;
         if (const vis_gguf_file * f = L.any_file()) {
             f->check_unchanged();  // never compute on a file replaced under us
         }
         if (a.ud.pass == 1) {  // staged (vis-moe-stage.h): our reads into a staging buffer in the slabs
-            vm.stage->begin_layer(vm, a.ud.il, ids, n_pairs);
+            vm.stage->begin_layer(vm, a.ud.il, routed);
             return;
         }
         vis_moe_lend_slabs(vm);  // tight plans: the page cache gets the slabs' memory for this ubatch

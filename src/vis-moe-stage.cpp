@@ -170,7 +170,7 @@ void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
     holds[buf_of[T]] = T;
 }
 
-void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * ids, int64_t n_pairs) {
+void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed) {
     vis_moe_layer & L = vm.layers[il];
     if (!ubatch_started) {
         // the slab memory is about to hold staged experts: no slot may keep (or be given) an expert meanwhile
@@ -192,17 +192,12 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const int32_t * i
     // the routed experts not read ahead: now, in parallel (the I/O pool); and what this layer routed, for the order
     // of the next reads ahead of it
     std::vector<int> missing;
-    std::vector<bool> seen(L.n_expert, false);
-    for (int64_t j = 0; j < n_pairs; ++j) {
-        const int e = ids[j];
-        if (e >= 0 && e < L.n_expert && !seen[e]) {
-            seen[e] = true;
-            freq[il][e]++;
-            if (!present[b][e]) {
-                missing.push_back(e);
-            } else {
-                cnt.used++;
-            }
+    for (int e : routed) {
+        freq[il][e]++;
+        if (!present[b][e]) {
+            missing.push_back(e);
+        } else {
+            cnt.used++;
         }
     }
     if (!missing.empty()) {

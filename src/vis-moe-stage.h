@@ -54,7 +54,8 @@ public:
 
     // the stream op of layer il (compute thread): slots emptied (first layer), layer il resident in its buffer,
     // the next layer's read started.  Throws vis_io_error on a failed read.
-    void begin_layer(vis_moe_context & vm, int il, const int32_t * ids, int64_t n_pairs);
+    // routed: the distinct experts the ubatch routes at il
+    void begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed);
     // the ubatch ended: wait for a read in flight, forget the buffers (their memory is the slots' again)
     void end_ubatch(vis_moe_context & vm);
 
