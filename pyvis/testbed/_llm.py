@@ -38,13 +38,8 @@ _base = None
 def _ggml_base():
     global _base
     if _base is None:
-        d = _paths.lib_dir()
-        for n in ("libggml-base.so", "libggml-base.dylib", "libggml.so"):
-            if (d / n).is_file():
-                _base = ctypes.CDLL(str(d / n))
-                break
-        else:  # pragma: no cover
-            raise RuntimeError(f"libggml-base not found in {d}")
+        from ..runtime.ggml_quant import lib   # the one loader of the built libggml-base
+        _base = lib()
         _base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         _base.ggml_backend_tensor_get.restype = None
         _base.ggml_nbytes.argtypes = [ctypes.c_void_p]
