@@ -26,17 +26,17 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+std::array<ggml_tensor *, VIS_T_COUNT> vis_moe_expert_tensors(const llama_layer & l) {
+    return { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
+}
+
 namespace {
 
 const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
 
-std::array<ggml_tensor *, VIS_T_COUNT> expert_tensors(const llama_layer & l) {
-    return { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
-}
-
 int64_t layer_expert_bytes(const llama_layer & l) {
     int64_t b = 0;
-    for (const ggml_tensor * t : expert_tensors(l)) {
+    for (const ggml_tensor * t : vis_moe_expert_tensors(l)) {
         b += t ? (int64_t) t->nb[2] : 0;
     }
     return b;
@@ -73,7 +73,7 @@ void find_moe_layers(const llama_model & model, attach_plan & ap) {
     ap.deferred.assign(n_layer, false);
     for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
         bool moe = false;
-        for (const ggml_tensor * t : expert_tensors(model.layers[il])) {
+        for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
             moe = moe || t != nullptr;
             if (t && vis_moe_deferred(t)) {
                 ap.deferred[il] = ap.any_deferred = true;
@@ -242,7 +242,7 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     const llama_layer & l = model.layers[il];
     const int n_exp = (int) model.hparams.n_expert;
     vis_moe_layer & L = vm.layers[il];
-    L.orig     = expert_tensors(l);
+    L.orig     = vis_moe_expert_tensors(l);
     L.deferred = ap.deferred[il];
     size_t off = 0;
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {

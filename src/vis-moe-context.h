@@ -29,6 +29,7 @@
 #include <vector>
 
 struct llama_model;
+struct llama_layer;
 struct llama_context;
 class vis_moe_substitute;
 class vis_moe_fetcher;
@@ -38,6 +39,9 @@ struct vis_moe_shadow;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
+
+// a model layer's routed-expert tensors in that order (null where the architecture has none; vis-moe-attach.cpp)
+std::array<ggml_tensor *, VIS_T_COUNT> vis_moe_expert_tensors(const llama_layer & l);
 
 // which custom op of a layer's graph (vis-moe-ops.h) a userdata belongs to
 enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT };

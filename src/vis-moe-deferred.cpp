@@ -108,6 +108,26 @@ void vis_gguf_file::check_unchanged() const {
     }
 }
 
+std::shared_ptr<vis_gguf_file> vis_gguf_file_open(const std::string & path, std::string & err) {
+    auto f = std::make_shared<vis_gguf_file>();
+    f->path = path;
+    f->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (f->fd < 0 || fstat(f->fd, &st) != 0) {
+        err = std::strerror(errno);
+        return nullptr;
+    }
+    f->size     = (uint64_t) st.st_size;
+    f->mtime_ns = stat_mtime_ns(st);
+    f->ctime_ns = stat_ctime_ns(st);
+    f->ino      = (uint64_t) st.st_ino;
+#ifdef O_DIRECT
+    f->fd_direct = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
+#endif
+    posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
+    return f;
+}
+
 static std::shared_ptr<vis_gguf_file> open_gguf_file(int loader_fd) {
     struct stat st;
     if (fstat(loader_fd, &st) != 0) {
@@ -127,25 +147,15 @@ static std::shared_ptr<vis_gguf_file> open_gguf_file(int loader_fd) {
         throw std::runtime_error(std::string("vis-moe: cannot resolve the path of the model file: ") + std::strerror(errno));
     }
     path[n] = '\0';
-    auto f = std::make_shared<vis_gguf_file>();
-    f->path = path;
-    // our own descriptors: the loader closes its files after loading
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) {
-        throw std::runtime_error("vis-moe: cannot open " + f->path + " for expert reads: " + std::strerror(errno));
+    std::string err;
+    auto f = vis_gguf_file_open(path, err);  // our own descriptors: the loader closes its files after loading
+    if (!f) {
+        throw std::runtime_error("vis-moe: cannot open " + std::string(path) + " for expert reads: " + err);
     }
     struct stat st2;
     if (fstat(f->fd, &st2) != 0 || st2.st_ino != st.st_ino || st2.st_dev != st.st_dev) {
         throw std::runtime_error("vis-moe: " + f->path + " was replaced while the model was loading");
     }
-    f->size     = (uint64_t) st2.st_size;
-    f->mtime_ns = stat_mtime_ns(st2);
-    f->ctime_ns = stat_ctime_ns(st2);
-    f->ino      = (uint64_t) st2.st_ino;
-#ifdef O_DIRECT
-    f->fd_direct = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
-#endif
-    posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
     g_files[key] = f;
     return f;
 }

@@ -41,6 +41,11 @@ struct vis_gguf_file {
     void check_unchanged() const;
 };
 
+// open `path` for expert reads: a buffered descriptor (POSIX_FADV_RANDOM), an O_DIRECT one where the filesystem
+// allows it, and the size, times and inode check_unchanged compares with.  nullptr and the system's reason in
+// `err` when it cannot be opened.  The model's own files (vis_moe_tensor_created) and shadow sidecars open this way.
+std::shared_ptr<vis_gguf_file> vis_gguf_file_open(const std::string & path, std::string & err);
+
 // where the bytes of one deferred expert tensor live
 struct vis_deferred_tensor {
     std::shared_ptr<vis_gguf_file> file;

@@ -10,45 +10,14 @@
 #include "ggml.h"
 #include "gguf.h"
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace {
 
-// the model's routed-expert tensors of a layer, in VIS_T_* order (as vis-moe-attach.cpp's expert_tensors)
-std::array<const ggml_tensor *, VIS_SHADOW_KINDS> model_tensors(const llama_layer & l) {
-    return { l.ffn_gate_exps, l.ffn_up_exps, l.ffn_down_exps, l.ffn_gate_up_exps };
-}
-
-int64_t ns_of(const struct timespec & ts) {
-    return (int64_t) ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-// our own descriptors for the reads (buffered, and O_DIRECT where the filesystem allows it)
-std::shared_ptr<vis_gguf_file> open_for_reads(const vis_profile_file & f) {
-    auto file = std::make_shared<vis_gguf_file>();
-    file->path = f.path;
-    file->fd = open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
-    struct stat st = {};
-    if (file->fd < 0 || fstat(file->fd, &st) != 0) {
-        throw f.error(std::string("cannot open it for expert reads: ") + std::strerror(errno));
-    }
-    file->size     = (uint64_t) st.st_size;
-    file->mtime_ns = ns_of(st.st_mtim);
-    file->ctime_ns = ns_of(st.st_ctim);
-    file->ino      = (uint64_t) st.st_ino;
-#ifdef O_DIRECT
-    file->fd_direct = open(f.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
-#endif
-    posix_fadvise(file->fd, 0, 0, POSIX_FADV_RANDOM);
-    return file;
-}
+static_assert(VIS_SHADOW_KINDS == VIS_T_COUNT, "shadow tensor kinds are the expert tensors' VIS_T_* kinds");
 
 std::string ne_str(int64_t a, int64_t b, int64_t c) {
     return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
@@ -78,7 +47,11 @@ std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, co
     vis_profile_open(f, model, /*meta_only =*/ true);
     // the descriptors of the reads; every tensor is checked against the size of the file they read (a file
     // replaced after this point is caught at read time by vis_gguf_file::check_unchanged)
-    auto file = open_for_reads(f);
+    std::string err;
+    auto file = vis_gguf_file_open(path, err);  // buffered and O_DIRECT descriptors, as for the model's own experts
+    if (!file) {
+        throw f.error("cannot open it for expert reads: " + err);
+    }
     auto sh = std::make_unique<vis_moe_shadow>();
     sh->path = path;
     sh->file = file;
@@ -98,7 +71,7 @@ std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, co
         if (il < 0 || il >= (int) model.layers.size()) {
             throw std::runtime_error("vis-moe: --moe-shadow: layer " + std::to_string(il) + " is not a layer of the model");
         }
-        const auto mts = model_tensors(model.layers[il]);
+        const auto mts = vis_moe_expert_tensors(model.layers[il]);
         bool any = false;
         for (int k = 0; k < VIS_SHADOW_KINDS; ++k) {
             const ggml_tensor * mt = mts[k];
