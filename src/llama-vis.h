@@ -184,6 +184,31 @@ LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, 
                                               struct llama_vis_moe_sub_stats * out);
 
 // ---------------------------------------------------------------------------
+// Shadow experts and the precision policy (lossy; src/vis-moe-precision.cpp, docs/precision.md)
+//
+// With --moe-shadow FILE and --moe-precision vision|gate|all|auto, a missing expert the policy allows runs from its
+// low-bit shadow (a shadow slot of the layer, read from the sidecar on a shadow miss) while the full-precision
+// expert is read in the background (--moe-prec-refetch).  Off (the default): nothing changes.
+// ---------------------------------------------------------------------------
+struct llama_vis_moe_prec_stats {
+    int64_t n_eligible;      // missing experts the policy allowed to run from their shadow (per layer and ubatch)
+    int64_t n_shadow;        // ... that ran from it (auto: the controller's share of the eligible ones)
+    int64_t n_shadow_pairs;  // (token, expert) pairs computed from a shadow
+    int64_t n_shadow_hits;   // shadow experts found in a shadow slot
+    int64_t n_shadow_reads;  // ... read from the sidecar
+    int64_t bytes_shadow;    // shadow bytes read
+    int64_t bytes_saved;     // full-precision bytes the critical path did not read (less the shadow bytes read)
+    int64_t n_refetch;       // full-precision experts of shadow-served misses queued for a background read
+    int64_t load_us;         // time spent filling shadow slots
+    int64_t n_vision_ubatches;  // ubatches of this layer counted vision-dominated
+    int64_t n_switches;      // totals only: changes of the served share by the auto controller
+    int32_t share_pct;       // totals only: the share of eligible misses the controller serves from shadows now, %
+};
+// Layer il, or totals with il = -1.  0, or -1 if ctx has no expert cache or il is out of range.
+LLAMA_API int32_t llama_vis_moe_get_prec_stats(const struct llama_context * ctx, int32_t il,
+                                               struct llama_vis_moe_prec_stats * out);
+
+// ---------------------------------------------------------------------------
 // Lookahead prediction and prefetch (exact; src/vis-moe-prefetch.cpp, docs/prediction.md)
 //
 // With --moe-predict next-router|coact|freq|mlp|random, layer l predicts the experts of layers l+1 .. l+W

@@ -7,6 +7,7 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
+#include "vis-moe-precision.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
@@ -65,6 +66,8 @@ struct attach_plan {
     int64_t host_bytes = 0;
     bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
+    int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
+    int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
 };
 
 // step 1: MoE layers, and which of them the loader deferred to the file
@@ -121,15 +124,19 @@ void choose_managed(const llama_model & model, const vis_moe_settings & s, attac
 
 // step 3a: --moe-cache-mib: slots from a slab budget
 void size_from_cache_mib(const vis_moe_settings & s, int n_exp, attach_plan & ap) {
-    const int64_t slots_total = (s.params.cache_mib << 20) / ap.per_slot;  // includes the staging slot
+    // shadow slots share the budget: paired with the full slots (auto), or a fixed number taken off the top
+    const int64_t fixed = ap.shadow_slots > 0 ? (int64_t) ap.shadow_slots * ap.shadow_per_slot : 0;
+    const int64_t unit  = ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot);
+    const int64_t slots_total = std::max<int64_t>(0, (s.params.cache_mib << 20) - fixed) / unit;  // includes the staging slot
     ap.n_slots = (int) std::min<int64_t>(slots_total - ap.staging, n_exp);
     ap.planned = true;
     if (ap.n_slots < 1) {
-        const double need = (double) ap.per_slot * (1 + ap.staging) / (1 << 20);
+        const double need = ((double) unit * (1 + ap.staging) + (double) fixed) / (1 << 20);
         throw std::runtime_error("--moe-cache-mib " + std::to_string(s.params.cache_mib) + " is too small: the " +
                                  std::to_string(ap.managed.size()) + " managed layers need at least " +
                                  std::to_string((int64_t) std::ceil(need)) + " MiB (one slot" +
-                                 (ap.staging ? " + 1 staging slot" : "") + " each); raise it or pin fewer layers");
+                                 (ap.staging ? " + 1 staging slot" : "") + (ap.shadow_per_slot ? " and their shadow slots" : "") +
+                                 " each); raise it or pin fewer layers");
     }
 }
 
@@ -158,11 +165,12 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     const auto & hp = model.hparams;
     llama_vis_moe_plan_request rq = {};
     rq.budget           = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
-    rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes);
+    rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes) +
+                          (ap.shadow_slots > 0 ? (int64_t) ap.shadow_slots * ap.shadow_per_slot : 0);
     rq.kv_bytes         = kv_bytes;
     rq.reserve_bytes    = llama_vis_moe_estimate_reserve(lctx ? (int64_t) lctx->n_ubatch() : 512, model.vocab.n_tokens(),
                                                          hp.n_embd, hp.n_expert_used_max(), hp.n_ff_exp());
-    rq.expert_bytes     = ap.per_slot / (int64_t) ap.managed.size();
+    rq.expert_bytes     = (ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot)) / (int64_t) ap.managed.size();
     rq.n_managed_layers = (int32_t) ap.managed.size();
     rq.n_expert         = n_exp;
     rq.n_expert_used    = (int32_t) hp.n_expert_used_max();
@@ -432,9 +440,11 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         LLAMA_LOG_WARN("vis-moe: --moe-substitute ignored: it serves misses of the expert cache, which is off; add "
                        "--moe-mem, --moe-slots or --moe-cache-mib\n");
     }
-    if (!s.cache_on() && !ap.any_deferred && !s.shadow.empty() && !hp.no_alloc) {
-        LLAMA_LOG_WARN("vis-moe: --moe-shadow %s ignored: shadows are for the managed layers of the expert cache, "
-                       "which is %s\n", s.shadow.c_str(), whole_fits
+    if (!s.cache_on() && !ap.any_deferred && (!s.prec.shadow.empty() || s.prec.on()) && !hp.no_alloc) {
+        const std::string what = (s.prec.shadow.empty() ? std::string() : "--moe-shadow " + s.prec.shadow) +
+                                 (s.prec.on() ? (s.prec.shadow.empty() ? "--moe-precision" : " and --moe-precision") : "");
+        LLAMA_LOG_WARN("vis-moe: %s ignored: shadows are for the managed layers of the expert cache, which is %s\n",
+                       what.c_str(), whole_fits
                        ? "not used: the whole model fits the memory budget" : "off; add --moe-mem, --moe-slots or --moe-cache-mib");
     }
     if (!s.cache_on() && !ap.any_deferred && !tracing) {
@@ -453,6 +463,16 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vm->layers.resize(hp.n_layer());
 
     choose_managed(model, s, ap);
+    if (!s.prec.shadow.empty() && !hp.no_alloc && !ap.managed.empty()) {
+        // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget
+        vm->shadow = vis_moe_shadow_load(s.prec.shadow, model, ap.managed);  // throws on a bad sidecar
+        if (s.prec.on()) {
+            for (int il : ap.managed) {
+                ap.shadow_per_slot += (int64_t) vm->shadow->expert_bytes(il);
+            }
+            ap.shadow_slots = s.prec.shadow_slots;
+        }
+    }
     vm->unified = s.tier.unified != 0 && ap.all_host_devices;
     size_slots(lctx, model, s, ap, *vm);
     bool locked = create_slabs(model, s, ap, *vm);
@@ -485,8 +505,13 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (s.predict.on() && !hp.no_alloc) {
         vis_moe_prefetch_attach(*vm, model, s, ap.any_deferred);
     }
-    if (!s.shadow.empty() && !hp.no_alloc) {
-        vis_moe_shadow_attach(*vm, model, s.shadow);  // throws on a bad sidecar; loaded and checked, not used yet
+    if (!s.prec.shadow.empty() && !hp.no_alloc) {
+        vis_moe_shadow_attach(*vm, s.prec.shadow, s.prec.on());  // the log line of the sidecar loaded above
+    }
+    if (s.prec.on() && !hp.no_alloc) {
+        // the shadow slots and the policy; throws without a sidecar
+        vis_moe_precision_attach(*vm, s, ap.shadow_slots > 0 ? ap.shadow_slots : std::min(ap.n_slots, (int) hp.n_expert),
+                                 ap.any_deferred);
     }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads

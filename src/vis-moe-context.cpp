@@ -7,6 +7,7 @@
 #include "vis-moe-passes.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-precision.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
@@ -92,6 +93,9 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     if (vm->trace) {
         vm->trace->begin_ubatch(ub);
     }
+    if (vm->precision) {
+        vm->precision->begin_ubatch(ub);
+    }
 }
 
 // after a ubatch that streamed a layer: streaming faults its experts in on purpose (not a sign of paging), and the
@@ -128,6 +132,9 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
     }
     if (vm->stage) {
         vm->stage->end_ubatch(*vm);  // a staged read still in flight: waited for, the buffers forgotten
+    }
+    if (vm->precision) {
+        vm->precision->end_ubatch(*vm, ggml_time_us() - vm->ub_t0_us);  // the controller sees the ubatch's stalls
     }
     if (!vm->ub_decode) {
         vm->n_prompt_ubatches++;

@@ -13,6 +13,7 @@
 
 #include "llama-vis.h"
 #include "vis-moe-policy.h"
+#include "vis-moe-shadow-slots.h"
 #include "vis-moe-store.h"
 #include "vis-moe-trace.h"
 #include "vis-moe-upload.h"
@@ -36,6 +37,7 @@ class vis_moe_fetcher;
 class vis_moe_prefetcher;
 class vis_moe_stager;
 struct vis_moe_shadow;
+class vis_moe_precision;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -44,7 +46,7 @@ enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
 std::array<ggml_tensor *, VIS_T_COUNT> vis_moe_expert_tensors(const llama_layer & l);
 
 // which custom op of a layer's graph (vis-moe-ops.h) a userdata belongs to
-enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT };
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT, VIS_OP_SHADOW };
 
 struct vis_moe_context;
 
@@ -90,6 +92,10 @@ struct vis_moe_layer {
     std::vector<int32_t> exec;
     std::vector<uint8_t> outcome;
     llama_vis_moe_sub_stats sub_stats = {};
+    // shadow experts (vis-moe-shadow-slots.h, --moe-precision): the shadow slots and what they served
+    vis_shadow_slots shadow;
+    llama_vis_moe_prec_stats prec_stats = {};
+
     // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
     const int32_t * run_ids(const int32_t * routed) const { return sub_active ? exec.data() : routed; }
 
@@ -168,8 +174,11 @@ struct vis_moe_context {
     std::unique_ptr<vis_moe_fetcher>    fetch;
     // lookahead prediction and prefetch (exact, --moe-predict): reads ahead through `fetch`
     std::unique_ptr<vis_moe_prefetcher> prefetch;
-    // shadow experts (--moe-shadow, vis-moe-shadow.h): loaded and checked at attach, not used in compute yet
-    std::unique_ptr<vis_moe_shadow> shadow;
+    // shadow experts (--moe-shadow, vis-moe-shadow.h): the sidecar, checked at attach; with --moe-precision on, the
+    // policy that serves misses from them (vis-moe-precision.h) and the bytes of the layers' shadow slabs
+    std::unique_ptr<vis_moe_shadow>    shadow;
+    std::unique_ptr<vis_moe_precision> precision;
+    int64_t shadow_slab_bytes = 0;
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
@@ -205,3 +214,4 @@ void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & out);
 void vis_moe_print_stats(const vis_moe_context & vm);
 void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
 void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
+void vis_moe_print_prec_stats(const vis_moe_context & vm);

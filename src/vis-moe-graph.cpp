@@ -27,7 +27,8 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             extra += vm->trace ? 4 : 0;
             continue;
         }
-        const int passes = vis_moe_max_passes(L.n_expert, (int64_t) vm->n_expert_used * n_tokens, L.n_slots);
+        const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + (vm->precision ? vis_shadow_max_passes(L, pairs) : 0);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
@@ -69,6 +70,10 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);
+    n_full = n_pass;
+    if (vm->precision && !vm->streams(L, pairs)) {
+        n_pass += vis_shadow_max_passes(L, pairs);  // the shadow passes follow the full-precision ones
+    }
     if (vm->streams(L, pairs)) {
         // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
         // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
@@ -80,6 +85,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         stream  = true;
         staged  = vis_moe_stage_ubatch(*vm, pairs);
         n_pass  = 1;
+        n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,
                                            vm->ud(il, staged ? 1 : 0, VIS_OP_STREAM));
         ggml_format_name(t, "vis_moe_stream-%d", il);
@@ -130,7 +136,14 @@ ggml_tensor * vis_moe_layer_graph::mm_ids(int p, ggml_tensor * selected_experts)
     if (!managed) {
         return selected_experts;
     }
+    cur_pass = p;
     ggml_tensor * t = nullptr;
+    if (p >= n_full) {
+        // a shadow pass (vis-moe-shadow-slots.h): shadow slot ids, after the passes before it
+        t = ggml_map_custom2(ctx, ids_cont, last, vis_moe_shadow_pass_op, 1, vm->ud(il, p - n_full, VIS_OP_SHADOW));
+        ggml_format_name(t, "vis_moe_shadow-%d.%d", il, p - n_full);
+        return t;
+    }
     if (p == 0 && scores) {
         t = ggml_map_custom3(ctx, ids_cont, weights, scores, vis_moe_pass0_scored_op, 1, vm->ud(il, p, VIS_OP_PASS));
     } else {
@@ -160,7 +173,7 @@ ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
     const vis_moe_layer & L = vm->layers[il];
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         if (L.orig[ti] == w) {
-            return L.slab[ti];
+            return cur_pass >= n_full ? L.shadow.slab[ti] : L.slab[ti];
         }
     }
     return w;

@@ -6,6 +6,7 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-precision.h"
 #include "vis-moe-substitute.h"
 
 #include <cstring>
@@ -70,9 +71,13 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             }
             collect_background(a.vm, a.L, a.ud.il, a.ids, a.n_pairs);
             const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
-            vis_moe_plan_passes(a.L, a.L.run_ids(a.ids), a.n_pairs);
-            vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, a.L.run_ids(a.ids), a.n_pairs, a.out);
+            const int32_t * run = a.L.run_ids(a.ids);
+            vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
+            vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);
+            vis_shadow_plan(a.L, vis_moe_max_passes(a.L.n_expert, a.n_pairs, a.L.n_slots));  // as the graph counts
+            vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, run, a.n_pairs, a.out);
             vis_moe_substitute_fetch(a.vm, a.L, a.ud.il, background);
+            vis_moe_precision_refetch(a.vm, a.L, a.ud.il);
             return;
         }
         vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
@@ -92,6 +97,19 @@ void vis_moe_pass0_scored_op(ggml_tensor * dst, const ggml_tensor * ids_t, const
     if (ith == 0) {
         pass_op(dst, ids_t, weights, scores, userdata);
     }
+}
+
+void vis_moe_shadow_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth,
+                            void * userdata) {
+    (void) dep;
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    ids_op a(dst, ids_t, userdata);
+    guarded(a.vm, a.out, a.n_pairs, [&]() {
+        vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
+    }, [&](int64_t) { return a.L.cpu_passes ? -1 : a.L.shadow.n_slots; });
 }
 
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {

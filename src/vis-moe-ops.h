@@ -13,6 +13,8 @@ void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tens
 void vis_moe_pass0_scored_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * weights,
                              const ggml_tensor * scores, int ith, int nth, void * ud);
 // for each pair, the row of the concatenated pass outputs that holds it (GPU passes)
+// shadow pass p (userdata pass = its number among the shadow passes): shadow slot ids (vis-moe-shadow-slots.h)
+void vis_moe_shadow_pass_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * dep, int ith, int nth, void * ud);
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * dep, int ith, int nth, void * ud);
 // an unmanaged layer with the trace on: record, pass the ids through
 void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * weights, int ith, int nth, void * ud);

@@ -12,13 +12,13 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
     return std::max(1, (int) ((std::min<int64_t>(n_expert, n_pairs) + n_slots - 1) / n_slots));
 }
 
-void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs) {
+void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip) {
     std::fill(L.pass_of.begin(), L.pass_of.end(), -1);
     std::vector<int32_t> hits, misses;
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
         GGML_ASSERT(e >= 0 && e < L.n_expert);
-        if (L.pass_of[e] == -1) {
+        if (L.pass_of[e] == -1 && !(skip && skip[e])) {
             L.pass_of[e] = -2;  // seen
             (L.slot_of[e] >= 0 ? hits : misses).push_back(e);
         }

@@ -21,8 +21,9 @@ struct vis_moe_layer;
 // passes a ubatch of n_pairs (token, expert) pairs needs at most, with n_slots slots of n_expert experts
 int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 
-// split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first)
-void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs);
+// split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first); experts with
+// skip[e] set (served from shadows, vis-moe-shadow-slots.h) are left out, with pass_of -1
+void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip = nullptr);
 
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);

@@ -240,9 +240,46 @@ const flag_row ROWS[] = {
           s.predict.profile = parse_path(w, v); } },
     { "--moe-shadow", "VIS_MOE_SHADOW", "FILE",
       "vis-moe: shadow experts: a low-bit copy of the routed experts from pyvis shadow MODEL --type T --out FILE\n"
-      "(docs/precision.md). Loaded and validated at context creation only, NOT used in compute yet (default: none)",
+      "(docs/precision.md); --moe-precision says when a miss may run from it (default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.shadow = parse_path(w, v); } },
+          s.prec.shadow = parse_path(w, v); } },
+    { "--moe-precision", "VIS_MOE_PRECISION", "off|vision|gate|all|auto",
+      "vis-moe: serve a miss from its --moe-shadow copy (lossy) while the full expert is read in the background.\n"
+      "vision = experts only image tokens route, in a ubatch whose image share is >= --moe-prec-vision;\n"
+      "gate = decode misses whose gate weight is < --moe-prec-gate for every token; all = every miss (worst\n"
+      "case); auto = vision and gate under a stall-share controller (--moe-prec-target) (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if      (v == "off")    s.prec.mode = VIS_PREC_OFF;
+          else if (v == "vision") s.prec.mode = VIS_PREC_VISION;
+          else if (v == "gate")   s.prec.mode = VIS_PREC_GATE;
+          else if (v == "all")    s.prec.mode = VIS_PREC_ALL;
+          else if (v == "auto")   s.prec.mode = VIS_PREC_AUTO;
+          else throw vis_error(w + ": expected off, vision, gate, all or auto, got '" + v + "'"); } },
+    { "--moe-prec-vision", "VIS_MOE_PREC_VISION", "S",
+      "vis-moe: --moe-precision vision: a ubatch whose share of image tokens is at least S (0..1) is\n"
+      "vision-dominated (default: 0.5)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.prec.vision = parse_real(w, v, 0, 1); } },
+    { "--moe-prec-gate", "VIS_MOE_PREC_GATE", "W",
+      "vis-moe: --moe-precision gate: a missing expert runs from its shadow when its gate weight is below W\n"
+      "(0..1) for every token of the decode step (default: 0.1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.prec.gate = parse_real(w, v, 0, 1); } },
+    { "--moe-prec-target", "VIS_MOE_PREC_TARGET", "S",
+      "vis-moe: --moe-precision auto: the share of a ubatch's time spent waiting for expert reads that the\n"
+      "controller aims below (0..1): above it more eligible misses run from shadows, below it fewer (default: 0.25)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.prec.target = parse_real(w, v, 0, 1); } },
+    { "--moe-prec-refetch", "VIS_MOE_PREC_REFETCH", "on|off",
+      "vis-moe: read the full-precision expert of a miss served from its shadow in the background, so later\n"
+      "tokens hit it (default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.prec.refetch = parse_switch(w, v, false); } },
+    { "--moe-shadow-slots", "VIS_MOE_SHADOW_SLOTS", "auto|N",
+      "vis-moe: slots for shadow experts per managed layer (auto = as many as the layer's full slots; under\n"
+      "--moe-mem / --moe-cache-mib they share the budget) (default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.prec.shadow_slots = v == "auto" ? -1 : (int32_t) parse_int(w, v, 1, MAX_SLOTS, " (or auto)"); } },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -328,6 +365,16 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     if (u.margin >= 0) {
         real("--moe-sub-margin", u.margin, 0, 1);
     }
+    const auto & c = s.prec;
+    range("--moe-precision",     c.mode, VIS_PREC_OFF, VIS_PREC_AUTO, " (0 = off, 1 = vision, 2 = gate, 3 = all, 4 = auto)");
+    range("--moe-prec-refetch",  c.refetch, 0, 1, "");
+    range("--moe-shadow-slots",  c.shadow_slots, -1, MAX_SLOTS, " (-1 = auto)");
+    if (c.shadow_slots == 0) {
+        throw vis_error("--moe-shadow-slots must be >= 1 (or auto), got 0");
+    }
+    real("--moe-prec-vision", c.vision, 0, 1);
+    real("--moe-prec-gate", c.gate, 0, 1);
+    real("--moe-prec-target", c.target, 0, 1);
     if (p.n_slots > 0 && p.cache_mib > 0) {
         throw vis_error("--moe-slots and --moe-cache-mib are alternatives: give one of them");
     }

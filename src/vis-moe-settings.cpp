@@ -36,7 +36,9 @@ unsigned group_of(const flag_row & r) {
     if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend" ||
         n == "--moe-stream-stage") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
-    if (n == "--moe-shadow") return G_SHADOW;
+    if (n == "--moe-shadow" || n == "--moe-shadow-slots" || n == "--moe-precision" || n.rfind("--moe-prec-", 0) == 0) {
+        return G_SHADOW;
+    }
     if (n.rfind("--moe-sub", 0) == 0) return G_SUB;  // --moe-substitute, --moe-sub-*
     // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
     if (n.rfind("--moe-predict", 0) == 0 || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
@@ -107,7 +109,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
         s.predict = o.predict;
     }
     if (groups & G_SHADOW) {
-        s.shadow = o.shadow;
+        s.prec = o.prec;
     }
 }
 

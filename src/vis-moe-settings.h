@@ -53,6 +53,23 @@ struct vis_moe_predict_settings {
     bool on() const { return mode != VIS_PRED_OFF; }
 };
 
+// --moe-precision: when a miss may run from its low-bit shadow (docs/precision.md); all = every miss (tests, the
+// worst case); auto = vision and gate under the stall controller
+enum vis_prec_mode : int32_t { VIS_PREC_OFF = 0, VIS_PREC_VISION, VIS_PREC_GATE, VIS_PREC_ALL, VIS_PREC_AUTO };
+
+// shadow experts and the precision policy (lossy; off by default)
+struct vis_moe_prec_settings {
+    std::string shadow;               // --moe-shadow: shadow-expert sidecar (pyvis shadow), "" = none
+    int32_t mode         = VIS_PREC_OFF;
+    double  vision       = 0.5;       // a ubatch whose share of image tokens is >= this is vision-dominated
+    double  gate         = 0.1;       // gate rule: a missing expert whose gate weight is < this for every token
+    double  target       = 0.25;      // auto: the stall share the controller keeps the ubatches under
+    int32_t refetch      = 1;         // read the full-precision expert of a shadow hit in the background
+    int32_t shadow_slots = -1;        // shadow slots per managed layer, -1 = as many as full slots
+
+    bool on() const { return mode != VIS_PREC_OFF; }
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
@@ -64,7 +81,7 @@ struct vis_moe_settings {
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
     vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
-    std::string shadow;                     // --moe-shadow: shadow-expert sidecar (pyvis shadow), "" = none
+    vis_moe_prec_settings prec;             // --moe-shadow, --moe-precision, --moe-prec-*, --moe-shadow-slots
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

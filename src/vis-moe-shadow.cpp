@@ -127,23 +127,23 @@ std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, co
     return sh;
 }
 
-void vis_moe_shadow_attach(vis_moe_context & vm, const llama_model & model, const std::string & path) {
+void vis_moe_shadow_attach(const vis_moe_context & vm, const std::string & path, bool used) {
     std::vector<int> need;
     for (size_t il = 0; il < vm.layers.size(); ++il) {
         if (vm.layers[il].managed) {
             need.push_back((int) il);
         }
     }
-    if (need.empty()) {
-        LLAMA_LOG_INFO("vis-moe: --moe-shadow %s not read: no MoE layer is managed (every expert is resident)\n",
+    if (need.empty() || !vm.shadow) {
+        LLAMA_LOG_INFO("vis-moe: --moe-shadow %s not used: no MoE layer is managed (every expert is resident)\n",
                        path.c_str());
         return;
     }
-    vm.shadow = vis_moe_shadow_load(path, model, need);
     const vis_moe_shadow & sh = *vm.shadow;
     LLAMA_LOG_INFO("vis-moe: --moe-shadow %s: %s shadows of %d managed layers (%d..%d), %.2f MiB (the model's %.2f MiB), "
-                   "%.1f KiB per expert of layer %d; loaded and validated only, not used in compute yet\n",
-                   path.c_str(), ggml_type_name(sh.type), sh.n_layers, need.front(), need.back(),
+                   "%.1f KiB per expert of layer %d; %s\n",
+                   path.c_str(), ggml_type_name(sh.type), (int) need.size(), need.front(), need.back(),
                    sh.bytes / 1048576.0, sh.model_bytes / 1048576.0, sh.expert_bytes(need.front()) / 1024.0,
-                   need.front());
+                   need.front(), used ? "misses may run from them (--moe-precision)"
+                                      : "validated; --moe-precision is off, so no miss runs from them");
 }

@@ -9,7 +9,7 @@
 // I/O pool (vis-moe-io-pool.h) reads like the model's own deferred experts: fd (and O_DIRECT fd), offset of expert
 // 0, bytes per expert (nb2).
 //
-// With this change shadows are loaded and validated only; no graph reads them yet.
+// The shadow slots that compute from them: vis-moe-shadow-slots.h; when: vis-moe-precision.h.
 #pragma once
 
 #include "vis-moe-deferred.h"
@@ -57,6 +57,6 @@ struct vis_moe_shadow {
 std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, const llama_model & model,
                                                     const std::vector<int> & need);
 
-// --moe-shadow at context creation: load `path` for the context's managed layers into vm.shadow and log one line
-// (type, layers, bytes; loaded and validated only, not used in compute).  No managed layers: a note, nothing read.
-void vis_moe_shadow_attach(vis_moe_context & vm, const llama_model & model, const std::string & path);
+// --moe-shadow at context creation: the log line of the sidecar attach loaded into vm.shadow (type, layers, bytes,
+// whether --moe-precision uses it).  No managed layer: a note that it was not read.
+void vis_moe_shadow_attach(const vis_moe_context & vm, const std::string & path, bool used);

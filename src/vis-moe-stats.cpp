@@ -4,6 +4,8 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-precision.h"
+#include "vis-moe-shadow.h"
 #include "vis-error.h"
 
 #include <algorithm>
@@ -197,6 +199,35 @@ static void print_prefetch_stats(const vis_moe_context & vm) {
     }
 }
 
+static void print_prec_row(const std::string & label, const llama_vis_moe_prec_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %10.2f %10.2f %8" PRId64
+                         " %9.2f %7" PRId64 "\n", label.c_str(), s.n_eligible, s.n_shadow, s.n_shadow_pairs, s.n_shadow_hits,
+                 s.n_shadow_reads, s.bytes_shadow / 1048576.0, s.bytes_saved / 1048576.0, s.n_refetch, s.load_us / 1000.0,
+                 s.n_vision_ubatches);
+}
+
+void vis_moe_print_prec_stats(const vis_moe_context & vm) {
+    std::fprintf(stderr, "vis-moe: precision (--moe-precision %s, %s shadows): misses served from shadow experts\n",
+                 vm.precision->mode_name(), ggml_type_name(vm.shadow->type));
+    std::fprintf(stderr, "vis-moe: %5s %8s %8s %8s %8s %8s %10s %10s %8s %9s %7s\n", "layer", "eligibl", "shadow", "pairs",
+                 "sh hits", "sh reads", "MiB read", "MiB saved", "refetch", "stall ms", "vision");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].shadow.on()) {
+            print_prec_row(std::to_string(il), vm.layers[il].prec_stats);
+        }
+    }
+    llama_vis_moe_prec_stats t;
+    vis_moe_total_prec_stats(vm, t);
+    print_prec_row("total", t);
+    std::fprintf(stderr, "vis-moe: precision: %" PRId64 " of %" PRId64 " eligible misses ran from shadows (%" PRId64
+                         " pairs); %.2f MiB of full-precision reads left off the critical path%s",
+                 t.n_shadow, t.n_eligible, t.n_shadow_pairs, t.bytes_saved / 1048576.0,
+                 vm.precision->settings().mode == VIS_PREC_AUTO ? "" : "\n");
+    if (vm.precision->settings().mode == VIS_PREC_AUTO) {
+        std::fprintf(stderr, "; controller: share %d %%, %" PRId64 " switches\n", t.share_pct, t.n_switches);
+    }
+}
+
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
                  label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
@@ -220,6 +251,9 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     }
     if (vm.prefetch) {
         print_prefetch_stats(vm);
+    }
+    if (vm.precision) {
+        vis_moe_print_prec_stats(vm);
     }
     if (vm.ttft_us >= 0) {
         std::fprintf(stderr, "vis-moe: time to first token: %.1f ms (the last prompt: %" PRId64 " ubatch%s computed)\n",
@@ -320,6 +354,26 @@ int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama
     return 0;
 }
 
+int32_t llama_vis_moe_get_prec_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prec_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_prec_stats: NULL output" : "llama_vis_moe_get_prec_stats: the context has no expert cache");
+        return -1;
+    }
+    if (il >= (int32_t) vm->layers.size() || il < -1) {
+        vis_set_last_error("llama_vis_moe_get_prec_stats: layer " + std::to_string(il) + " out of range -1.." +
+                           std::to_string(vm->layers.size() - 1));
+        return -1;
+    }
+    if (il >= 0) {
+        *out = vm->layers[il].prec_stats;
+    } else {
+        vis_moe_total_prec_stats(*vm, *out);
+    }
+    return 0;
+}
+
 int32_t llama_vis_moe_get_prefetch_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prefetch_stats * out) {
     vis_clear_last_error();
     const vis_moe_context * vm = vis_moe_of(ctx);
@@ -386,6 +440,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
         L.stats = {};
         L.sub_stats = {};
+        L.prec_stats = {};
         L.stats.n_slots = n_slots;
         L.stats.managed = managed;
     }

@@ -67,6 +67,8 @@ private:
     ggml_cgraph     * gf;
     int               il;
     int               n_pass = 1;
+    int               n_full = 1;   // passes on the full-precision slabs; the passes after them read the shadow slabs
+    int               cur_pass = 0; // the pass whose mm_ids was asked for last: weight() answers for it
     bool              managed = false;
     bool              stream  = false;  // this ubatch reads the layer's experts through the mapping (upstream graph)
     bool              staged  = false;  // ... into a staging buffer in the slabs instead (vis-moe-stage.h)

@@ -25,7 +25,7 @@ from conftest import greedy_logits, run
 PYVIS = [sys.executable, "-m", "pyvis"]
 PROMPT = "A low-bit copy of every expert waits in the shadows."
 FIX = "pyvis shadow MODEL --type TYPE --out FILE"
-NOT_USED = "loaded and validated only, not used in compute yet"
+NOT_USED = "validated; --moe-precision is off, so no miss runs from them"
 # relative RMS error of the shadow against the model's (dequantised) experts, Gaussian-like weights
 MAX_REL_RMS = {"Q4_0": 0.12, "Q8_0": 0.01, "Q5_1": 0.06}
 

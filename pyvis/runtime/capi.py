@@ -323,6 +323,49 @@ def llama_vis_moe_get_sub_stats(ctx, il: int, out) -> int:
     of range."""
 
 
+# ---------------------------------------------------------------------------
+# Shadow experts and the precision policy (lossy; src/vis-moe-precision.cpp, docs/precision.md)
+# ---------------------------------------------------------------------------
+# struct llama_vis_moe_prec_stats {
+#     int64_t n_eligible;      // missing experts the policy allowed to run from their shadow (per layer and ubatch)
+#     int64_t n_shadow;        // ... that ran from it (auto: the controller's share of the eligible ones)
+#     int64_t n_shadow_pairs;  // (token, expert) pairs computed from a shadow
+#     int64_t n_shadow_hits;   // shadow experts found in a shadow slot
+#     int64_t n_shadow_reads;  // ... read from the sidecar
+#     int64_t bytes_shadow;    // shadow bytes read
+#     int64_t bytes_saved;     // full-precision bytes the critical path did not read (less the shadow bytes read)
+#     int64_t n_refetch;       // full-precision experts of shadow-served misses queued for a background read
+#     int64_t load_us;         // time spent filling shadow slots
+#     int64_t n_vision_ubatches;  // ubatches of this layer counted vision-dominated
+#     int64_t n_switches;      // totals only: changes of the served share by the auto controller
+#     int32_t share_pct;       // totals only: the share of eligible misses the controller serves from shadows now, %
+# };
+class llama_vis_moe_prec_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_eligible", ctypes.c_int64),
+        ("n_shadow", ctypes.c_int64),
+        ("n_shadow_pairs", ctypes.c_int64),
+        ("n_shadow_hits", ctypes.c_int64),
+        ("n_shadow_reads", ctypes.c_int64),
+        ("bytes_shadow", ctypes.c_int64),
+        ("bytes_saved", ctypes.c_int64),
+        ("n_refetch", ctypes.c_int64),
+        ("load_us", ctypes.c_int64),
+        ("n_vision_ubatches", ctypes.c_int64),
+        ("n_switches", ctypes.c_int64),
+        ("share_pct", ctypes.c_int32),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_prec_stats(const struct llama_context * ctx, int32_t il,
+#                                                struct llama_vis_moe_prec_stats * out);
+@ctypes_function("llama_vis_moe_get_prec_stats",
+                 [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_prec_stats)], ctypes.c_int32)
+def llama_vis_moe_get_prec_stats(ctx, il: int, out) -> int:
+    """Shadow-expert stats of layer il, or totals with il = -1. 0, or -1 if ctx has no expert cache or il is out
+    of range."""
+
+
 # struct llama_vis_moe_prefetch_stats {
 #     int64_t n_steps;        // steps (ubatches) the layer was predicted for
 #     int64_t n_predicted;    // experts predicted for the layer from the layer before it (top-B, d = 1)

@@ -25,7 +25,9 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
          sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False,
          predict: str = "off", lookahead: int = 1, prefetch_budget: int | str = "auto", prefetch_tune: bool = True,
-         predict_profile: str | None = None, shadow: str | None = None, **llama_kwargs) -> "llama_cpp.Llama":
+         predict_profile: str | None = None, shadow: str | None = None, precision: str = "off",
+         prec_vision: float = 0.5, prec_gate: float = 0.1, prec_target: float = 0.25, prec_refetch: bool = True,
+         shadow_slots: int | str = "auto", **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
@@ -33,9 +35,10 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     experts are not loaded at start but read from the GGUF file on demand.  substitute and sub_*: substitution
     on a miss (lossy, off by default; docs/substitution.md), as the --moe-substitute / --moe-sub-* flags.  predict,
     lookahead, prefetch_budget, prefetch_tune, predict_profile: lookahead prediction and prefetch (exact;
-    docs/prediction.md), as --moe-predict / --moe-lookahead / --moe-prefetch-* / --moe-predict-profile.  shadow:
-    a shadow-expert sidecar (``pyvis shadow``, --moe-shadow; docs/precision.md), loaded and validated with the
-    expert cache, not used in compute yet.  A bad value raises VisError naming the option and its range; a bad
+    docs/prediction.md), as --moe-predict / --moe-lookahead / --moe-prefetch-* / --moe-predict-profile.  shadow,
+    precision, prec_*, shadow_slots: shadow experts (``pyvis shadow``) and the precision policy that serves misses
+    from them (lossy, off by default; docs/precision.md), as --moe-shadow / --moe-precision / --moe-prec-* /
+    --moe-shadow-slots.  A bad value raises VisError naming the option and its range; a bad
     profile or sidecar, VisError naming the file and the fix.
     """
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
@@ -43,7 +46,8 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
     pred = PredictParams(predict, lookahead, prefetch_budget, prefetch_tune,
                          None if predict_profile is None else str(predict_profile))
-    prec = PrecisionParams(None if shadow is None else str(shadow))
+    prec = PrecisionParams(None if shadow is None else str(shadow), precision, prec_vision, prec_gate, prec_target,
+                           prec_refetch, shadow_slots)
     with applied(params, tier, sub, pred, prec):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
@@ -71,6 +75,13 @@ def sub_stats(llm, layer: int = -1) -> dict | None:
     """Substitution on a miss: missing (token, expert) pairs by outcome, bytes and stall saved, background reads
     (docs/substitution.md); totals, or one layer."""
     return native.sub_stats(llm, layer)
+
+
+def prec_stats(llm, layer: int = -1) -> dict | None:
+    """Shadow experts and the precision policy: eligible and served misses, shadow hits and reads, bytes read and
+    left off the critical path, refetches, the controller's share and switches (docs/precision.md); totals, or one
+    layer."""
+    return native.prec_stats(llm, layer)
 
 
 def prefetch_stats(llm, layer: int = -1) -> dict | None:

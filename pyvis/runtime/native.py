@@ -196,6 +196,16 @@ def sub_stats(ctx, layer: int = -1) -> dict | None:
     return d
 
 
+def prec_stats(ctx, layer: int = -1) -> dict | None:
+    """Shadow-expert stats of one layer, or totals (layer=-1): eligible and served misses, shadow pairs, hits and
+    reads, bytes read and saved, refetches, vision ubatches; totals add the controller's switches and share
+    (docs/precision.md); all zero when --moe-precision is off; None without a cache."""
+    s = capi.llama_vis_moe_prec_stats()
+    if capi.llama_vis_moe_get_prec_stats(_ctx_ptr(ctx), c_int("layer", layer), ctypes.byref(s)) != 0:
+        return None
+    return _struct_dict(s)
+
+
 def prefetch_stats(ctx, layer: int = -1) -> dict | None:
     """Lookahead prefetch stats of one layer, or totals (layer=-1): the next layer's prediction (recall and
     precision counts), reads ahead issued / used / wasted / late / cancelled, bytes, wait and saved time

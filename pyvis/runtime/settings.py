@@ -144,12 +144,19 @@ class PredictParams:
 
 @dataclass(frozen=True)
 class PrecisionParams:
-    """Shadow experts (docs/precision.md): the sidecar of ``pyvis shadow``, loaded and validated at context creation,
-    not used in compute yet.  Values as the flags take them."""
+    """Shadow experts and the precision policy (lossy; docs/precision.md): the sidecar of ``pyvis shadow`` and when a
+    miss may run from it.  Values as the flags take them."""
     shadow: str | None = None            # --moe-shadow FILE
+    precision: str = "off"               # off | vision | gate | all | auto
+    prec_vision: float = 0.5             # image-token share at which a ubatch is vision-dominated
+    prec_gate: float = 0.1               # gate rule: largest gate weight below which a decode miss may
+    prec_target: float = 0.25            # auto: the stall share the controller aims below
+    prec_refetch: bool = True            # read the full expert of a shadow-served miss in the background
+    shadow_slots: int | str = "auto"     # shadow slots per managed layer (auto = as many as full slots)
 
     def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table (none when no sidecar is given)."""
+        """(flag, value) pairs for the C table; every field (the sidecar only when given), so a block's settings
+        replace the thread's."""
         return _table_flags(self, optional=("shadow",))
 
 

@@ -201,6 +201,42 @@ def dequantized(sf: ShadowFile, name: str) -> np.ndarray:
     return gq.dequantize(gq.type_of(sf.type), np.asarray(t.data), ne[0]).reshape(ne[2], ne[1], ne[0])
 
 
+def write_hybrid(model_path, shadow_path, out, layers=None) -> Path:
+    """The model as it would be if the expert tensors of ``layers`` (default: every layer of the shadow) were the
+    shadow's: every key and every other tensor copied, those tensors replaced by the shadow's bytes and type.  Upstream
+    llama.cpp runs it as any model: the reference of ``--moe-precision all`` (a shadow pass computes exactly what
+    upstream's mul_mat_id computes on the shadow tensor) and the worst case of the precision policy's quality.
+    Written to OUT.part and renamed; never over the model or the shadow."""
+    import gguf
+    model_path, out = Path(model_path), Path(out)
+    sf = read_shadow(shadow_path, model_path)
+    for p in (model_path, Path(shadow_path)):
+        if out.exists() and out.resolve() == p.resolve():
+            raise ShadowError(f"refusing to write the hybrid model over its input {p}")
+    keep = set(sf.layers if layers is None else layers)
+    if not keep <= set(sf.layers):
+        raise ShadowError(f"{shadow_path}: no shadow of layers {sorted(keep - set(sf.layers))}")
+    r = prof._reader(model_path, "model")
+    arch = r.fields["general.architecture"].contents()
+    tmp = out.with_name(out.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        m = _EXPS.fullmatch(t.name)
+        src = sf.tensors[t.name][2] if m and int(m.group(1)) in keep else t
+        w.add_tensor(t.name, np.asarray(src.data), raw_dtype=gguf.GGMLQuantizationType(int(src.tensor_type)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # pyvis shadow MODEL --type T
 # ---------------------------------------------------------------------------
@@ -242,7 +278,7 @@ def register(sub) -> None:
     s = sub.add_parser("shadow", help="write a low-bit copy of a model's routed experts (GGUF sidecar for --moe-shadow)",
                        description="Quantise every routed expert of the chosen layers to TYPE through our ggml build "
                        "and write them to a GGUF sidecar tied to MODEL by its fingerprint (docs/precision.md). "
-                       "--moe-shadow loads and validates it; it is not used in compute yet.")
+                       "--moe-shadow loads and validates it; --moe-precision says which misses run from it.")
     s.add_argument("model", help="GGUF model")
     s.add_argument("--type", required=True, metavar="T", help="shadow type, e.g. Q2_K, Q3_K, Q4_0 (no imatrix types)")
     s.add_argument("--layers", default="all", metavar="all|managed|N..M",

@@ -1,0 +1,225 @@
+// vis-moe-precision.cpp - the precision policy, its controller and its place in pass 0 (vis-moe-precision.h).
+#include "vis-moe-precision.h"
+#include "vis-moe-context.h"
+#include "vis-moe-fetch.h"
+#include "vis-moe-shadow.h"
+#include "vis-moe-shadow-slots.h"
+
+#include "llama-batch.h"
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+int vis_prec_decide(const vis_prec_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
+                    const vis_prec_input & in, std::vector<uint8_t> & serve, llama_vis_moe_prec_stats & st) {
+    serve.assign(n_expert, 0);
+    if (rule.mode == VIS_PREC_OFF || in.n_tokens <= 0) {
+        return 0;
+    }
+    int64_t n_image = 0;
+    for (int64_t t = 0; in.image && t < in.n_tokens; ++t) {
+        n_image += in.image[t] ? 1 : 0;
+    }
+    const bool by_vision = (rule.mode == VIS_PREC_VISION || rule.mode == VIS_PREC_AUTO) && n_image > 0 &&
+                           (double) n_image >= rule.vision * (double) in.n_tokens;
+    const bool by_gate   = (rule.mode == VIS_PREC_GATE || rule.mode == VIS_PREC_AUTO) && in.decode;
+    if (by_vision) {
+        st.n_vision_ubatches++;
+    }
+    // per routed expert: routed by a text token?  the largest gate weight of its pairs
+    std::vector<uint8_t> routed(n_expert, 0), text(n_expert, 0);
+    std::vector<float>   wmax(n_expert, 0.0f);
+    for (int64_t t = 0; t < in.n_tokens; ++t) {
+        const bool img = in.image && in.image[t];
+        for (int r = 0; r < in.k; ++r) {
+            const int e = in.ids[t * in.k + r];
+            if (e < 0 || e >= n_expert) {
+                continue;
+            }
+            const float w = in.weights ? in.weights[t * in.w_tok + r * in.w_rank] : 1.0f;
+            routed[e] = 1;
+            text[e]   = text[e] || !img;
+            wmax[e]   = std::max(wmax[e], std::isfinite(w) ? w : INFINITY);
+        }
+    }
+    std::vector<std::pair<float, int>> eligible;  // (largest gate weight, expert)
+    for (int e = 0; e < n_expert; ++e) {
+        if (!routed[e] || resident[e]) {
+            continue;
+        }
+        const bool ok = rule.mode == VIS_PREC_ALL || (by_vision && !text[e]) || (by_gate && wmax[e] < rule.gate);
+        if (ok) {
+            eligible.emplace_back(wmax[e], e);
+        }
+    }
+    std::stable_sort(eligible.begin(), eligible.end(),
+                     [](const auto & a, const auto & b) { return a.first < b.first; });
+    const double share = std::clamp(rule.share, 0.0, 1.0);
+    const size_t n = std::min(eligible.size(), (size_t) std::ceil(share * (double) eligible.size() - 1e-9));
+    for (size_t i = 0; i < n; ++i) {
+        serve[eligible[i].second] = 1;
+    }
+    st.n_eligible += (int64_t) eligible.size();
+    st.n_shadow   += (int64_t) n;
+    return (int) n;
+}
+
+void vis_prec_controller::update(int64_t stall_us, int64_t ubatch_us) {
+    if (target <= 0 || ubatch_us <= 0) {
+        return;
+    }
+    const double stall = (double) stall_us / (double) ubatch_us;
+    const double prev  = s;
+    if (stall > target) {
+        s = std::min(1.0, s + STEP);
+    } else {
+        s *= 0.5;
+        if (s < 1.0 / 64) {
+            s = 0;  // every eligible miss in full precision until the stalls come back
+        }
+    }
+    switches += s != prev ? 1 : 0;
+}
+
+const char * vis_moe_precision::mode_name() const {
+    switch (cfg.mode) {
+        case VIS_PREC_VISION: return "vision";
+        case VIS_PREC_GATE:   return "gate";
+        case VIS_PREC_ALL:    return "all";
+        case VIS_PREC_AUTO:   return "auto";
+        default:              return "off";
+    }
+}
+
+vis_prec_rule vis_moe_precision::rule() const {
+    vis_prec_rule r;
+    r.mode   = cfg.mode;
+    r.vision = cfg.vision;
+    r.gate   = cfg.gate;
+    r.share  = cfg.mode == VIS_PREC_AUTO ? ctl.share() : 1.0;
+    return r;
+}
+
+// the load time of every managed layer so far (full-precision and shadow slots)
+static int64_t total_load_us(const vis_moe_context & vm) {
+    int64_t us = 0;
+    for (const auto & L : vm.layers) {
+        us += L.stats.load_us + L.prec_stats.load_us;
+    }
+    return us;
+}
+
+void vis_moe_precision::begin_ubatch(const llama_ubatch & ub) {
+    // libmtmd decodes an image's embeddings in ubatches of their own, so a ubatch is all image or all text
+    any_image = ub.embd != nullptr && ub.token == nullptr;
+    image_tok.assign(ub.n_tokens, any_image ? 1 : 0);
+    eligible_seen = false;
+}
+
+void vis_moe_precision::end_ubatch(vis_moe_context & vm, int64_t ubatch_us) {
+    const int64_t now = total_load_us(vm);
+    if (cfg.mode == VIS_PREC_AUTO && eligible_seen) {
+        ctl.update(now - stall0_us, ubatch_us);
+    }
+    stall0_us = now;
+}
+
+void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, int n_shadow_slots, bool file_store) {
+    const auto & c = s.prec;
+    if (!c.on()) {
+        return;
+    }
+    if (c.shadow.empty()) {
+        throw std::runtime_error(std::string("vis-moe: --moe-precision ") + (c.mode == VIS_PREC_AUTO ? "auto" : "on") +
+                                 " serves misses from shadow experts: add --moe-shadow FILE (make one with: pyvis "
+                                 "shadow MODEL --type Q4_0 --out FILE)");
+    }
+    if (!vm.shadow) {
+        return;  // no managed layer: the shadow loader said so
+    }
+    vm.precision = std::make_unique<vis_moe_precision>(c);
+    vis_shadow_slots_create(vm, n_shadow_slots);
+    if (!vm.io) {
+        vm.io = std::make_unique<vis_io_pool>(s.tier.io_threads, s.tier.direct_io);  // the sidecar is read per expert
+    }
+    if (file_store && c.refetch && !vm.fetch) {
+        vm.fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
+    }
+    int ns = 0;
+    for (const auto & L : vm.layers) {
+        ns = std::max(ns, L.shadow.n_slots);
+    }
+    char ctl[96] = "";
+    if (c.mode == VIS_PREC_AUTO) {
+        std::snprintf(ctl, sizeof(ctl), ", controller target stall share %g", c.target);
+    }
+    LLAMA_LOG_INFO("vis-moe: precision (lossy): --moe-precision %s, vision share >= %g, gate < %g%s; %d shadow slots per "
+                   "managed layer (%.2f MiB of %s slabs); full-precision refetch %s\n", vm.precision->mode_name(), c.vision,
+                   c.gate, ctl, ns, vm.shadow_slab_bytes / 1048576.0, ggml_type_name(vm.shadow->type),
+                   c.refetch && vm.fetch ? "on" : "off");
+}
+
+void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32_t * ids, const ggml_tensor * ids_t,
+                            const ggml_tensor * weights) {
+    if (!vm.precision || !L.shadow.on()) {
+        return;
+    }
+    vis_prec_input in;
+    in.ids      = ids;
+    in.k        = (int) ids_t->ne[0];
+    in.n_tokens = ids_t->ne[1];
+    in.weights  = (const float *) weights->data;
+    in.w_rank   = (int64_t) (weights->nb[1] / sizeof(float));
+    in.w_tok    = (int64_t) (weights->nb[2] / sizeof(float));
+    in.image    = vm.precision->image();
+    in.decode   = vm.ub_decode;
+    std::vector<uint8_t> resident(L.n_expert);
+    for (int e = 0; e < L.n_expert; ++e) {
+        resident[e] = L.slot_of[e] >= 0 ? 1 : 0;
+    }
+    const int64_t before = L.prec_stats.n_eligible;
+    vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, L.shadow.serve, L.prec_stats);
+    vm.precision->eligible_seen = vm.precision->eligible_seen || L.prec_stats.n_eligible > before;
+}
+
+void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    if (!vm.precision || !vm.precision->settings().refetch || !vm.fetch || L.passes.size() > 1) {
+        return;  // several full passes: every slot may serve a later pass of this ubatch
+    }
+    for (const auto & pass : L.shadow.passes) {
+        for (int e : pass) {
+            if (L.slot_of[e] >= 0) {
+                continue;
+            }
+            const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);
+            if (r == VIS_FETCH_NO_SLOT) {
+                return;  // every slot serves this pass
+            }
+            L.prec_stats.n_refetch++;
+        }
+    }
+}
+
+void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_stats & t) {
+    t = {};
+    for (const auto & L : vm.layers) {
+        const auto & s = L.prec_stats;
+        t.n_eligible += s.n_eligible;
+        t.n_shadow += s.n_shadow;
+        t.n_shadow_pairs += s.n_shadow_pairs;
+        t.n_shadow_hits += s.n_shadow_hits;
+        t.n_shadow_reads += s.n_shadow_reads;
+        t.bytes_shadow += s.bytes_shadow;
+        t.bytes_saved += s.bytes_saved;
+        t.n_refetch += s.n_refetch;
+        t.load_us += s.load_us;
+        t.n_vision_ubatches += s.n_vision_ubatches;
+    }
+    if (vm.precision) {
+        t.n_switches = vm.precision->controller().n_switches();
+        t.share_pct  = (int32_t) std::lround(100.0 * vm.precision->rule().share);
+    }
+}

@@ -1,0 +1,105 @@
+// vis-moe-precision.h - the precision policy (lossy; --moe-precision, docs/precision.md, issue #14 item 2).
+//
+// ReaLB computes vision-heavy experts at lower precision when they would make the step wait; on one device the
+// wait is for expert bytes from storage.  Here a managed layer's miss may run from its low-bit shadow (a shadow slot,
+// vis-moe-shadow-slots.h) instead of waiting for the full-precision expert, which is then read in the background
+// (the substitution machinery's reader, vis-moe-fetch.h) so later tokens hit it.  Who may, per layer and ubatch:
+//   vision  experts routed only by image tokens, in a ubatch whose image-token share is >= --moe-prec-vision
+//   gate    in a decode step, experts whose gate weight is < --moe-prec-gate for every token (HOBBIT's rule)
+//   all     every miss (the worst case; the tests' reference)
+//   auto    vision or gate, and a controller (AIMD on the measured stall share) decides how many of the eligible
+//           misses, lowest gate weight first, actually run from shadows
+// The choice is per expert, never per pair: an expert some text token routes is loaded in full precision for every
+// token of the ubatch (text keeps full precision without an extra pass; the image tokens that share it gain
+// nothing from a shadow, the expert is read anyway).  Hits always run in full precision.
+#pragma once
+
+#include "llama-vis.h"
+#include "vis-moe-settings.h"
+
+#include <cstdint>
+#include <vector>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+struct ggml_tensor;
+struct llama_ubatch;
+
+// the rule of a ubatch, the controller's share resolved
+struct vis_prec_rule {
+    int    mode   = VIS_PREC_OFF;
+    double vision = 0.5;
+    double gate   = 0.1;
+    double share  = 1;  // the share of the eligible misses served from shadows (lowest gate weight first)
+};
+
+// one layer's routing of one ubatch, as pass 0 sees it
+struct vis_prec_input {
+    const int32_t * ids     = nullptr;  // [n_tokens][k] the experts the pairs run
+    const float *   weights = nullptr;  // gate weight of (token t, rank r) at weights[t * w_tok + r * w_rank]
+    int64_t w_tok = 0, w_rank = 0;
+    int64_t n_tokens = 0;
+    int     k        = 0;
+    const uint8_t * image = nullptr;    // per token: 1 = an image embedding; null = every token is text
+    bool    decode   = false;           // every sequence of the ubatch has one token
+};
+
+// The decision for one layer and ubatch (pure: testable by hand).  serve[e] = 1 for each routed expert that is not
+// resident (resident[e] == 0) and runs from its shadow.  Adds the eligible and served counts to st.  Returns the
+// number served.
+int vis_prec_decide(const vis_prec_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
+                    const vis_prec_input & in, std::vector<uint8_t> & serve, llama_vis_moe_prec_stats & st);
+
+// Additive increase, multiplicative decrease of the served share on the measured stall share of each ubatch that
+// had eligible misses: above the target, share += STEP (more shadows, less waiting); at or below it, share *= 1/2
+// (back to precision while the reads keep up).  Starts at 1.
+class vis_prec_controller {
+public:
+    static constexpr double STEP = 0.125;
+    explicit vis_prec_controller(double target_) : target(target_) {}
+    double  share() const { return s; }
+    int64_t n_switches() const { return switches; }
+    void update(int64_t stall_us, int64_t ubatch_us);
+
+private:
+    double  target;
+    double  s = 1;
+    int64_t switches = 0;
+};
+
+// the precision state of a context: its settings, the image tokens of the running ubatch, the controller
+class vis_moe_precision {
+public:
+    explicit vis_moe_precision(const vis_moe_prec_settings & s) : cfg(s), ctl(s.target) {}
+    const vis_moe_prec_settings & settings() const { return cfg; }
+    const char * mode_name() const;
+    vis_prec_rule rule() const;
+
+    void begin_ubatch(const llama_ubatch & ub);
+    // after the ubatch: the controller sees its stall share (auto only)
+    void end_ubatch(vis_moe_context & vm, int64_t ubatch_us);
+    const uint8_t * image() const { return any_image ? image_tok.data() : nullptr; }
+    const vis_prec_controller & controller() const { return ctl; }
+    bool eligible_seen = false;  // some layer of the running ubatch had eligible misses
+
+private:
+    vis_moe_prec_settings cfg;
+    vis_prec_controller   ctl;
+    std::vector<uint8_t>  image_tok;
+    bool                  any_image = false;
+    int64_t               stall0_us = 0;  // the layers' load time at the start of the ubatch
+};
+
+// context creation, after the slabs and --moe-shadow's loader: the shadow slots and the precision state, or nothing
+// when --moe-precision is off.  Throws std::runtime_error naming the flag (no --moe-shadow, ...).
+void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, int n_shadow_slots, bool file_store);
+
+// pass 0 of a managed layer, before the full-precision plan: which of the ubatch's misses run from shadows
+// (L.shadow.serve).  ids: the experts the pairs run [k, n_tokens]; weights [1, k, n_tokens].
+void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32_t * ids, const ggml_tensor * ids_t,
+                            const ggml_tensor * weights);
+// after pass 0 loaded what it needs: the full-precision experts of the served misses read in the background
+void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il);
+
+// the totals of every layer, with the controller's state
+void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_stats & out);

@@ -1,0 +1,65 @@
+// vis-moe-shadow-slots.h - the shadow slots of a managed layer (docs/precision.md, issue #14 item 2): a second,
+// smaller slot pool whose slabs hold low-bit shadow experts (the --moe-shadow sidecar, vis-moe-shadow.h) in the
+// shadow type, and the shadow passes that compute from them.
+//
+// Exactness of a shadow pass.  A shadow pass is a pass like the full-precision ones (vis-moe-passes.h): every pass
+// runs the whole ubatch through upstream's mul_mat_id, on a slab [ne0, ne1, n_slots (+ 1)] of the shadow type
+// holding byte copies of shadow experts, with ids remapped to shadow slots; pairs of other passes are skipped (CPU,
+// id -1) or point at the staging slot.  Each expert served from its shadow therefore sees exactly the rows it sees
+// in upstream's mul_mat_id on the shadow tensor itself: the output of such a pair equals upstream's on a model whose
+// expert tensors are the shadow's (tests/test_precision.py checks this token for token).
+//
+// Which experts a ubatch serves from shadows is the precision policy's choice (vis-moe-precision.h); it is made per
+// expert, so the passes stay a partition of the ubatch's experts and the merge takes each pair from one pass.
+// Graph passes: the full-precision passes first (vis_moe_max_passes with the layer's slots), then the shadow passes
+// (the same bound with the shadow slots); the pass index of a shadow pass is first_pass + its number.
+#pragma once
+
+#include "vis-moe-policy.h"
+
+#include "ggml.h"
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct vis_moe_context;
+struct vis_moe_layer;
+struct vis_shadow_tensor;
+struct llama_model;
+
+struct vis_shadow_slots {
+    int     n_slots      = 0;      // 0: the layer serves nothing from shadows
+    int64_t expert_bytes = 0;      // bytes of one shadow expert (all its tensors)
+    bool    host_write   = false;  // the slabs are host memory the compute thread writes directly
+    std::array<ggml_tensor *, 4>             slab = {};  // [ne0, ne1, n_slots (+ staging)] of the shadow type
+    std::array<const vis_shadow_tensor *, 4> src  = {};  // the sidecar's tensors, in VIS_T_* order
+    std::vector<int32_t> slot_of;    // expert -> shadow slot, -1 if not there
+    std::vector<int32_t> expert_of;  // shadow slot -> expert, -1 if empty
+    std::unique_ptr<vis_moe_policy> policy;
+
+    // the ubatch being computed
+    std::vector<uint8_t> serve;                  // expert -> 1: its pairs run from its shadow
+    std::vector<std::vector<int32_t>> passes;    // the served experts, in passes of at most n_slots
+    int first_pass = 0;                          // graph index of shadow pass 0
+
+    bool on() const { return n_slots > 0; }
+};
+
+// shadow passes a ubatch of n_pairs pairs may need in layer L (0 without shadow slots)
+int vis_shadow_max_passes(const vis_moe_layer & L, int64_t n_pairs);
+
+// after the full-precision plan: the experts with L.shadow.serve set go into shadow passes (shadow hits first),
+// numbered from first_pass; their L.pass_of is set accordingly
+void vis_shadow_plan(vis_moe_layer & L, int first_pass);
+
+// shadow pass sp of the ubatch: its experts made resident in the shadow slots (LRU; misses read from the sidecar
+// through the I/O pool) and the id of every pair written (pairs of other passes: -1 on CPU, else the staging slot).
+// Throws vis_io_error on a failed read, with the slot table left consistent.
+void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp, const int32_t * ids, int64_t n_pairs,
+                         int32_t * out);
+
+// context creation: n_slots shadow slots for every managed layer (clamped to the expert count), slabs allocated
+// in the buffer type of the layer's slabs.  Throws std::runtime_error when they cannot be allocated.
+void vis_shadow_slots_create(vis_moe_context & vm, int n_slots);
