@@ -47,14 +47,16 @@ def router(n_expert: int = 4, n_embd: int = 8, seed: int = 0) -> np.ndarray:
 
 
 def trace_bytes(n_layer: int, n_expert: int, k: int, records: list) -> bytes:
-    """records: ("REC1", ub, il, ids [n,k], weights [n,k]) or ("SUB1", ub, il, exec [n,k], outcome [n,k])."""
+    """records: ("REC1", ub, il, ids [n,k], weights [n,k][, modality: 0 text (default), 1 image]) or
+    ("SUB1", ub, il, exec [n,k], outcome [n,k])."""
     out = [b"VISTRACE", struct.pack("<4I", 1, n_layer, n_expert, k)]
-    for kind, ub, il, a, b in records:
+    for kind, ub, il, a, b, *mod in records:
         a = np.asarray(a, np.int32)
         n, kk = a.shape
         if kind == "REC1":
             out += [struct.pack("<5i", vtrace.REC_TAG, ub, il, n, kk), np.zeros(n, np.int32).tobytes(),
-                    np.arange(n, dtype=np.int32).tobytes(), np.zeros(n, np.uint8).tobytes(), a.tobytes(),
+                    np.arange(n, dtype=np.int32).tobytes(), np.full(n, mod[0] if mod else 0, np.uint8).tobytes(),
+                    a.tobytes(),
                     np.asarray(b, np.float32).tobytes()]
         else:
             out += [struct.pack("<5i", vtrace.SUB_TAG, ub, il, n, kk), a.tobytes(), np.asarray(b, np.uint8).tobytes()]

@@ -48,10 +48,13 @@ def corpus_trace(model: str, text: str, trace_path: Path, ctx: int = DEFAULT_CTX
     return f, sha
 
 
-def traces_from_files(paths: list[str]) -> tuple[list[Trace], str]:
-    """``(traces, source)`` of ``--trace`` files (source: paths and sha256s, for the profile)."""
+def traces_from_files(paths: list[str], progress=None) -> tuple[list[Trace], str]:
+    """``(traces, source)`` of ``--trace`` files (source: paths and sha256s, for the profile); ``progress(done,
+    total)`` over the bytes of all the files if given (``pyvis.cli.Progress``)."""
     from ..assets import sha256_file
-    traces = [load(p) for p in paths]
+    sizes = [Path(p).stat().st_size if Path(p).is_file() else 0 for p in paths]
+    traces = [load(p, progress and (lambda done, _n, base=sum(sizes[:i]): progress(base + done, sum(sizes))))
+              for i, p in enumerate(paths)]
     return traces, "traces " + ", ".join(f"{p} sha256:{sha256_file(Path(p))}" for p in paths)
 
 

@@ -159,8 +159,9 @@ class Trace:
         return p
 
 
-def parse(data: bytes, name: str = "<bytes>") -> Trace:
-    """A ``--moe-trace`` file's contents (``name`` only for messages)."""
+def parse(data: bytes, name: str = "<bytes>", progress=None) -> Trace:
+    """A ``--moe-trace`` file's contents (``name`` only for messages); ``progress(bytes_done, bytes_total)`` is
+    called after each record if given (``pyvis.cli.Progress`` throttles itself)."""
     if len(data) < HEADER_BYTES or data[:8] != MAGIC:
         raise TraceError(f"{name}: not a vis-moe routing trace (bad magic)")
     version, n_layer, n_expert, k_model = np.frombuffer(data, np.uint32, 4, 8)
@@ -203,6 +204,10 @@ def parse(data: bytes, name: str = "<bytes>") -> Trace:
         cols["weights"].append(np.frombuffer(data, np.float32, n * k, off).reshape(n, k)); off += 4 * n * k
         cols["exec_ids"].append(cols["ids"][-1])
         cols["outcome"].append(np.zeros((n, k), np.uint8))
+        if progress and off < len(data):
+            progress(off, len(data))
+    if progress:
+        progress(len(data), len(data))
     if not cols["ids"]:
         empty = {c: np.zeros(0, np.uint8 if c == "modality" else np.int32) for c in _ROW_COLUMNS}
         return Trace(int(n_layer), int(n_expert), int(k_model), **empty, ids=np.zeros((0, k), np.int32),
@@ -211,21 +216,22 @@ def parse(data: bytes, name: str = "<bytes>") -> Trace:
                  meta={"format": "vis-moe trace v1"})
 
 
-def read(path: str | os.PathLike) -> Trace:
-    """A ``--moe-trace`` file."""
-    t = parse(Path(path).read_bytes(), str(path))
+def read(path: str | os.PathLike, progress=None) -> Trace:
+    """A ``--moe-trace`` file (``progress``: as for :func:`parse`)."""
+    t = parse(Path(path).read_bytes(), str(path), progress)
     t.meta["source"] = str(path)
     return t
 
 
-def load(path: str | os.PathLike) -> Trace:
-    """A ``--moe-trace`` file or a trace saved with :meth:`Trace.save`."""
+def load(path: str | os.PathLike, progress=None) -> Trace:
+    """A ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``progress``: as for :func:`parse`, called
+    for ``--moe-trace`` files only)."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
     with open(p, "rb") as f:
         if f.read(8) == MAGIC:
-            return read(p)
+            return read(p, progress)
     try:
         z = np.load(p, allow_pickle=False)
         meta = json.loads(str(z["meta"])) if "meta" in z else {}

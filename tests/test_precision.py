@@ -1,0 +1,237 @@
+"""The precision policy (issue #14 item 2, docs/precision.md): misses served from shadow experts.
+
+- a shadow pass computes what upstream's mul_mat_id computes on the shadow tensor: with --moe-precision all and no
+  refetch every managed expert runs from its shadow, and the logits equal, bit for bit, upstream's on the *hybrid*
+  model (the model with the shadow's expert tensors in place, plain layout), on four architectures, with one and
+  several shadow passes per ubatch; an image prompt through libmtmd gives the hybrid's routing trace and text;
+- everything off, and --moe-precision vision on text-only prompts: byte-identical to no precision at all;
+- vision on an image prompt: image ubatches are vision-dominated, misses run from shadows, stats add up;
+- gate: only decode steps, and the served count follows the threshold;
+- auto: the controller moves the share (target 1: the share halves to 0, switches counted);
+- no sidecar, bad values, a failing shadow read: clear errors.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import numpy as np
+import pytest
+
+import pyvis  # noqa: F401
+from pyvis.runtime import moe
+from pyvis.runtime import shadow as sh
+from pyvis.runtime import trace as vtrace
+from pyvis.runtime.native import VisError
+from pyvis.runtime.settings import MoeParams, PrecisionParams, applied
+from conftest import run
+
+PROMPT = b"Shadow experts stand in for the missing ones while the full weights are read"
+N_DECODE = 6
+# architecture -> shadow type (the rows of each fixture divide into its blocks)
+ARCH_TYPE = {"qwen3moe": "Q4_0", "deepseek2": "Q5_0", "gptoss": "Q5_1", "mixtral": "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def shadows(fixture_dir, tmp_path_factory):
+    """name -> (model, shadow, hybrid model)"""
+    d = tmp_path_factory.mktemp("precision")
+    out = {}
+    for name, typ in ARCH_TYPE.items():
+        model = fixture_dir / f"{name}.gguf"
+        s = d / f"{name}.shadow-{typ}.gguf"
+        sh.write_shadow(model, typ, s, threads=2)
+        out[name] = (model, s, sh.write_hybrid(model, s, d / f"{name}.hybrid.gguf"))
+    return out
+
+
+def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode=N_DECODE):
+    """Logits of a prompt (one batch) and n_decode greedy steps through the low-level API (llama_cpp.Llama takes no
+    use_extra_bufts), and the precision stats of the context (None without a cache)."""
+    import llama_cpp as L
+    from pyvis.runtime import native
+    cm = applied(moe, precision=prec) if moe else contextlib.nullcontext()
+    with cm:
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
+        model = L.llama_model_load_from_file(str(path).encode(), mp)
+        assert model, native.last_error()
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_threads, cp.n_threads_batch = 256, 2, 2
+        ctx = L.llama_init_from_model(model, cp)
+    assert ctx, native.last_error()
+    vocab = L.llama_model_get_vocab(model)
+    nv = L.llama_vocab_n_tokens(vocab)
+    toks = (L.llama_token * 128)()
+    n = L.llama_tokenize(vocab, prompt, len(prompt), toks, 128, True, False)
+    rows = []
+    b = L.llama_batch_init(n, 0, 1)
+    try:
+        def decode(tokens, pos0):
+            for i, t in enumerate(tokens):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
+                b.seq_id[i][0] = 0
+            b.n_tokens = len(tokens)
+            assert L.llama_decode(ctx, b) == 0, native.last_error()
+            for i in range(len(tokens)):
+                rows.append(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (nv,)).copy())
+        decode([toks[i] for i in range(n)], 0)
+        for s in range(n_decode):
+            decode([int(np.argmax(rows[-1]))], n + s)
+        stats = native.prec_stats(ctx, -1) if moe else None
+        return np.array(rows), stats
+    finally:
+        L.llama_batch_free(b)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def _same(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", list(ARCH_TYPE))
+def test_all_from_shadows_is_upstream_on_the_hybrid_model(shadows, name, monkeypatch):
+    model, shadow, hybrid = shadows[name]
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "0")  # the prompt in passes, not streamed (streams read full experts)
+    ref, _ = _greedy(hybrid, extra_bufts=False)       # managed layers compute on the plain layout
+    base, _ = _greedy(model, extra_bufts=False)
+    assert not _same(ref, base)                        # the shadow changes the output: the check below is not vacuous
+    for slots, shadow_slots in ((2, 2), (4, "auto"), (2, 64)):
+        got, st = _greedy(model, moe=MoeParams(slots=slots),
+                          prec=PrecisionParams(str(shadow), "all", prec_refetch=False, shadow_slots=shadow_slots))
+        assert _same(got, ref), (name, slots, shadow_slots)
+        assert st["n_shadow"] == st["n_eligible"] > 0 and st["n_shadow_pairs"] > 0 and st["n_refetch"] == 0
+        assert st["n_shadow_reads"] + st["n_shadow_hits"] == st["n_shadow"]
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
+def test_off_and_vision_on_text_are_byte_identical(shadows, name):
+    model, shadow, _ = shadows[name]
+    for slots in (2, 6):
+        plain, _ = _greedy(model, moe=MoeParams(slots=slots))
+        for prec in (PrecisionParams(str(shadow)), PrecisionParams(str(shadow), "vision", prec_vision=0.0),
+                     PrecisionParams(str(shadow), "gate", prec_gate=0.0)):
+            got, st = _greedy(model, moe=MoeParams(slots=slots), prec=prec)
+            assert _same(got, plain), (slots, prec)
+            assert st["n_shadow"] == 0 and st["n_shadow_pairs"] == 0 and st["n_vision_ubatches"] == 0
+
+
+def test_gate_rule_serves_decode_misses_only(shadows):
+    model, shadow, _ = shadows["qwen3moe"]
+    plain, _ = _greedy(model, moe=MoeParams(slots=2))
+    got, st = _greedy(model, moe=MoeParams(slots=2), prec=PrecisionParams(str(shadow), "gate", prec_gate=1.0))
+    n_prompt = got.shape[0] - N_DECODE
+    # the prompt ran in full precision: its logits are the exact ones; decode steps then differ
+    assert _same(got[:n_prompt], plain[:n_prompt]) and not _same(got, plain)
+    assert 0 < st["n_shadow"] == st["n_eligible"] and st["n_shadow_pairs"] <= N_DECODE * 8 * 3
+    # a lower threshold serves fewer
+    _, st2 = _greedy(model, moe=MoeParams(slots=2), prec=PrecisionParams(str(shadow), "gate", prec_gate=0.12))
+    assert st2["n_shadow"] < st["n_shadow"]
+
+
+def test_auto_controller_backs_off_when_reads_keep_up(shadows):
+    """auto with --moe-prec-target 1: no stall share is above it, so every ubatch with eligible misses halves the
+    share until it is 0; the first ubatches still serve from shadows."""
+    model, shadow, _ = shadows["qwen3moe"]
+    _, st = _greedy(model, moe=MoeParams(slots=2), n_decode=16,
+                    prec=PrecisionParams(str(shadow), "auto", prec_gate=1.0, prec_target=1.0))
+    assert st["share_pct"] == 0 and st["n_switches"] >= 7
+    assert 0 < st["n_shadow"] < st["n_eligible"]
+    # target 0: the controller never moves, every eligible miss runs from its shadow
+    _, st0 = _greedy(model, moe=MoeParams(slots=2), n_decode=16,
+                     prec=PrecisionParams(str(shadow), "auto", prec_gate=1.0, prec_target=0.0))
+    assert st0["share_pct"] == 100 and st0["n_switches"] == 0 and st0["n_shadow"] == st0["n_eligible"] > 0
+
+
+def test_refetch_reads_the_full_expert_in_the_background(shadows):
+    model, shadow, _ = shadows["qwen3moe"]
+    _, st = _greedy(model, moe=MoeParams(slots=6), prec=PrecisionParams(str(shadow), "gate", prec_gate=1.0))
+    assert st["n_refetch"] > 0
+    _, off = _greedy(model, moe=MoeParams(slots=6),
+                     prec=PrecisionParams(str(shadow), "gate", prec_gate=1.0, prec_refetch=False))
+    assert off["n_refetch"] == 0 and off["n_shadow"] > st["n_shadow"]  # nothing refilled: more misses stay misses
+
+
+# ---- images (libmtmd) ---------------------------------------------------------------------------------------------
+def _mtmd(bindir, fixture_dir, model, *extra, env=None):
+    return run([bindir / "llama-mtmd-cli", "-m", model, "--mmproj", fixture_dir / "qwen3vlmoe-mmproj.gguf",
+                "--image", fixture_dir / "test-image.png", "-p", "Describe the image.", "-n", "6", "--temp", "0",
+                "-c", "512", "-t", "2", *extra], timeout=240, extra_env=env)
+
+
+@pytest.fixture(scope="module")
+def vlm_shadow(fixture_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("vlm-precision")
+    model = fixture_dir / "qwen3vlmoe.gguf"
+    s = sh.write_shadow(model, "Q4_0", d / "vl.shadow.gguf", threads=2)["path"]
+    return model, s, sh.write_hybrid(model, s, d / "vl.hybrid.gguf")
+
+
+def _prec_table(text):
+    """The total row of the --moe-stats precision table: eligible, shadow, pairs, hits, reads, ..., vision."""
+    m = re.search(r"vis-moe:\s+total\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+(\d+)",
+                  text[text.find("precision (--moe-precision"):])
+    assert m, text[-3000:]
+    g = m.groups()
+    return dict(eligible=int(g[0]), shadow=int(g[1]), pairs=int(g[2]), hits=int(g[3]), reads=int(g[4]),
+                refetch=int(g[7]), vision=int(g[9]))
+
+
+def test_image_prompt_all_from_shadows_is_the_hybrid(bindir, fixture_dir, vlm_shadow, tmp_path):
+    model, shadow, hybrid = vlm_shadow
+    env = {"VIS_MOE_STREAM_PASSES": "0"}
+    ref = _mtmd(bindir, fixture_dir, hybrid, "-nr", "--moe-trace", tmp_path / "ref.trace")
+    got = _mtmd(bindir, fixture_dir, model, "--moe-slots", "4", "--moe-shadow", shadow, "--moe-precision", "all",
+                "--moe-prec-refetch", "off", "--moe-stats", "--moe-trace", tmp_path / "got.trace", env=env)
+    assert ref.returncode == 0 and got.returncode == 0, got.stderr[-3000:]
+    a, b = vtrace.read(tmp_path / "ref.trace"), vtrace.read(tmp_path / "got.trace")
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights.view(np.uint32), b.weights.view(np.uint32))
+    assert got.stdout == ref.stdout
+
+
+def test_vision_policy_serves_image_misses(bindir, fixture_dir, vlm_shadow):
+    model, shadow, _ = vlm_shadow
+    common = ["--moe-slots", "4", "--moe-shadow", shadow, "--moe-stats"]
+    r = _mtmd(bindir, fixture_dir, model, *common, "--moe-precision", "vision")
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = _prec_table(r.stderr)
+    assert t["vision"] > 0 and t["shadow"] > 0 and t["pairs"] >= t["shadow"] and t["hits"] + t["reads"] == t["shadow"]
+    # libmtmd decodes an image in ubatches of their own: all image tokens, so even a threshold of 1 is met
+    r1 = _mtmd(bindir, fixture_dir, model, *common, "--moe-precision", "vision", "--moe-prec-vision", "1")
+    assert r1.returncode == 0 and _prec_table(r1.stderr)["vision"] == t["vision"]
+
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+def _cli(bindir, model, *extra, env=None):
+    r = run([bindir / "llama-cli", "-m", model, "-p", "Hi", "-n", "2", "-st", "--temp", "0", "-c", "128", "-t", "2",
+             "--no-warmup", "--moe-slots", "2", *extra], timeout=180, extra_env=env)
+    return r, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--moe-precision", "vision"], "add --moe-shadow FILE (make one with: pyvis shadow MODEL"),
+    (["--moe-precision", "sometimes"], "--moe-precision: expected off, vision, gate, all or auto, got 'sometimes'"),
+    (["--moe-prec-gate", "1.5"], "--moe-prec-gate: expected a number in 0..1"),
+    (["--moe-prec-vision", "x"], "--moe-prec-vision: expected a number in 0..1"),
+    (["--moe-prec-target", "-1"], "--moe-prec-target: expected a number in 0..1"),
+    (["--moe-shadow-slots", "0"], "--moe-shadow-slots: expected an integer in 1..65536 (or auto), got '0'"),
+    (["--moe-prec-refetch", "sometimes"], "--moe-prec-refetch: expected on or off"),
+])
+def test_bad_settings_are_clear_errors(bindir, fixture_dir, extra, says):
+    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", *extra)
+    assert r.returncode != 0 and says in out, out[-2000:]
+
+
+def test_bad_settings_through_python(fixture_dir):
+    with pytest.raises(VisError, match="add --moe-shadow FILE"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, precision="gate", n_ctx=128, verbose=False)
+    with pytest.raises(VisError, match="--moe-prec-gate"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, precision="gate", prec_gate=2.0, n_ctx=128, verbose=False)
+
+
+def test_failed_shadow_read_fails_the_decode(bindir, shadows):
+    model, shadow, _ = shadows["qwen3moe"]
+    r, out = _cli(bindir, model, "--moe-shadow", shadow, "--moe-precision", "all", "--moe-prec-refetch", "off",
+                  env={"VIS_MOE_FAULT_READ": "*", "VIS_MOE_STREAM_PASSES": "0"})
+    assert r.returncode != 0 and "injected by VIS_MOE_FAULT_READ" in out and shadow.name in out, out[-2000:]
