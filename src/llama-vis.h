@@ -208,6 +208,29 @@ struct llama_vis_moe_prec_stats {
 LLAMA_API int32_t llama_vis_moe_get_prec_stats(const struct llama_context * ctx, int32_t il,
                                                struct llama_vis_moe_prec_stats * out);
 
+// Entropy-weighted capacity (lossy; --moe-capacity, src/vis-moe-capacity.cpp, docs/precision.md): per managed layer
+// and ubatch with image tokens, at most C distinct missing experts that only image tokens route are loaded; the other
+// image pairs are rerouted to experts in memory, or dropped as a last resort.
+struct llama_vis_moe_cap_stats {
+    int64_t n_ubatches;   // (layer, ubatch) evaluations with image tokens the capacity rule saw
+    int64_t capacity;     // sum of their capacities C
+    double  rv_sum;       // sum of their effective visual ratios R_v (mean: rv_sum / n_ubatches)
+    int64_t n_missing;    // distinct missing experts only image tokens routed
+    int64_t n_loaded;     // ... loaded within the capacity
+    int64_t n_overflow;   // ... over it
+    int64_t n_forced;     // overflow experts loaded after all (a pair had no target and could not be dropped)
+    int64_t n_rerouted;   // (token, expert) pairs rerouted to an expert in memory
+    int64_t n_dropped;    // pairs dropped (gate weight 0)
+    int64_t bytes_saved;  // expert bytes not read: (n_overflow - n_forced) experts
+};
+// Layer il, or totals with il = -1.  0, or -1 if ctx has no expert cache or il is out of range.
+LLAMA_API int32_t llama_vis_moe_get_cap_stats(const struct llama_context * ctx, int32_t il,
+                                              struct llama_vis_moe_cap_stats * out);
+// MACS's weight of each of n_tokens embedding rows (n_embd floats each): w = sigmoid(-delta * z), z the z-scored
+// Shannon entropy of softmax(row) over the rows (the capacity rule's image-token weights).  0, or -1 on bad arguments.
+LLAMA_API int32_t llama_vis_moe_macs_weights(const float * embd, int64_t n_tokens, int64_t n_embd, float delta,
+                                             float * out);
+
 // ---------------------------------------------------------------------------
 // Lookahead prediction and prefetch (exact; src/vis-moe-prefetch.cpp, docs/prediction.md)
 //

@@ -8,6 +8,7 @@
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
@@ -512,6 +513,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         // the shadow slots and the policy; throws without a sidecar
         vis_moe_precision_attach(*vm, s, ap.shadow_slots > 0 ? ap.shadow_slots : std::min(ap.n_slots, (int) hp.n_expert),
                                  ap.any_deferred);
+    }
+    if (s.cap.on() && !hp.no_alloc) {
+        vis_moe_capacity_attach(*vm, model, s);  // throws on a bad modality profile
     }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads

@@ -8,12 +8,14 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
+#include "llama-model.h"
 
 #include <cinttypes>
 #include <set>
@@ -93,8 +95,11 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     if (vm->trace) {
         vm->trace->begin_ubatch(ub);
     }
+    if (vm->modality) {
+        vm->modality->begin_ubatch(ub, (int64_t) vm->model->hparams.n_embd_inp());
+    }
     if (vm->precision) {
-        vm->precision->begin_ubatch(ub);
+        vm->precision->begin_ubatch();
     }
 }
 

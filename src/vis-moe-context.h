@@ -13,6 +13,7 @@
 
 #include "llama-vis.h"
 #include "vis-moe-policy.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-shadow-slots.h"
 #include "vis-moe-store.h"
 #include "vis-moe-trace.h"
@@ -38,6 +39,8 @@ class vis_moe_prefetcher;
 class vis_moe_stager;
 struct vis_moe_shadow;
 class vis_moe_precision;
+class vis_moe_modality;
+struct vis_modality_profile;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -95,6 +98,7 @@ struct vis_moe_layer {
     // shadow experts (vis-moe-shadow-slots.h, --moe-precision): the shadow slots and what they served
     vis_shadow_slots shadow;
     llama_vis_moe_prec_stats prec_stats = {};
+    llama_vis_moe_cap_stats  cap_stats  = {};  // entropy-weighted capacity (vis-moe-capacity.h)
 
     // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
     const int32_t * run_ids(const int32_t * routed) const { return sub_active ? exec.data() : routed; }
@@ -179,6 +183,12 @@ struct vis_moe_context {
     std::unique_ptr<vis_moe_shadow>    shadow;
     std::unique_ptr<vis_moe_precision> precision;
     int64_t shadow_slab_bytes = 0;
+    // the modality of the running ubatch (vis-moe-modality.h: image tokens, MACS weights), with precision or capacity
+    std::unique_ptr<vis_moe_modality>     modality;
+    // entropy-weighted capacity (--moe-capacity, vis-moe-capacity.h): on, its rule, the experts' modality bias
+    bool                                  capacity = false;
+    vis_cap_rule                          capacity_rule;
+    std::unique_ptr<vis_modality_profile> modality_profile;
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for

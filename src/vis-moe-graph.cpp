@@ -65,8 +65,8 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         return;
     }
     managed = true;
-    if (vm->sub && vm->sub->rule(il).mode == VIS_SUB_ROUTER) {
-        scores = scores_;
+    if ((vm->sub && vm->sub->rule(il).mode == VIS_SUB_ROUTER) || vm->capacity) {
+        scores = scores_;  // router substitution and capacity reroutes choose by router score
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);

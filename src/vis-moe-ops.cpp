@@ -71,6 +71,7 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             }
             collect_background(a.vm, a.L, a.ud.il, a.ids, a.n_pairs);
             const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
+            vis_moe_capacity_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);  // image pairs over capacity rerouted
             const int32_t * run = a.L.run_ids(a.ids);
             vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
             vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);

@@ -2,10 +2,10 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-shadow-slots.h"
 
-#include "llama-batch.h"
 #include "llama-impl.h"
 
 #include <algorithm>
@@ -112,13 +112,6 @@ static int64_t total_load_us(const vis_moe_context & vm) {
     return us;
 }
 
-void vis_moe_precision::begin_ubatch(const llama_ubatch & ub) {
-    // libmtmd decodes an image's embeddings in ubatches of their own, so a ubatch is all image or all text
-    any_image = ub.embd != nullptr && ub.token == nullptr;
-    image_tok.assign(ub.n_tokens, any_image ? 1 : 0);
-    eligible_seen = false;
-}
-
 void vis_moe_precision::end_ubatch(vis_moe_context & vm, int64_t ubatch_us) {
     const int64_t now = total_load_us(vm);
     if (cfg.mode == VIS_PREC_AUTO && eligible_seen) {
@@ -141,6 +134,9 @@ void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, 
         return;  // no managed layer: the shadow loader said so
     }
     vm.precision = std::make_unique<vis_moe_precision>(c);
+    if (!vm.modality) {
+        vm.modality = std::make_unique<vis_moe_modality>(s.cap.delta);  // which tokens are image tokens
+    }
     vis_shadow_slots_create(vm, n_shadow_slots);
     if (!vm.io) {
         vm.io = std::make_unique<vis_io_pool>(s.tier.io_threads, s.tier.direct_io);  // the sidecar is read per expert
@@ -174,7 +170,7 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
     in.weights  = (const float *) weights->data;
     in.w_rank   = (int64_t) (weights->nb[1] / sizeof(float));
     in.w_tok    = (int64_t) (weights->nb[2] / sizeof(float));
-    in.image    = vm.precision->image();
+    in.image    = vm.modality ? vm.modality->image() : nullptr;
     in.decode   = vm.ub_decode;
     std::vector<uint8_t> resident(L.n_expert);
     for (int e = 0; e < L.n_expert; ++e) {

@@ -23,7 +23,6 @@
 struct vis_moe_context;
 struct vis_moe_layer;
 struct ggml_tensor;
-struct llama_ubatch;
 
 // the rule of a ubatch, the controller's share resolved
 struct vis_prec_rule {
@@ -75,18 +74,15 @@ public:
     const char * mode_name() const;
     vis_prec_rule rule() const;
 
-    void begin_ubatch(const llama_ubatch & ub);
+    void begin_ubatch() { eligible_seen = false; }
     // after the ubatch: the controller sees its stall share (auto only)
     void end_ubatch(vis_moe_context & vm, int64_t ubatch_us);
-    const uint8_t * image() const { return any_image ? image_tok.data() : nullptr; }
     const vis_prec_controller & controller() const { return ctl; }
     bool eligible_seen = false;  // some layer of the running ubatch had eligible misses
 
 private:
     vis_moe_prec_settings cfg;
     vis_prec_controller   ctl;
-    std::vector<uint8_t>  image_tok;
-    bool                  any_image = false;
     int64_t               stall0_us = 0;  // the layers' load time at the start of the ubatch
 };
 

@@ -30,6 +30,8 @@ using profile_file = vis_profile_file;
 } // namespace
 
 const vis_profile_kind VIS_PROFILE_SHADOW = { "shadow", "--moe-shadow", "pyvis shadow MODEL --type TYPE --out FILE" };
+const vis_profile_kind VIS_PROFILE_MODALITY = { "modality", "--moe-cap-profile",
+                                                "pyvis calibrate modality --trace TRACE -m MODEL --out FILE" };
 
 vis_profile_file::~vis_profile_file() {
     if (g) {
@@ -118,7 +120,7 @@ void vis_profile_open(vis_profile_file & f, const llama_model & model, bool meta
     const std::string kind = f.str("vis.profile.kind");
     if (kind != f.pk.kind) {
         std::string where;
-        for (const vis_profile_kind * o : { &BUDDY, &PREDICT, &VIS_PROFILE_SHADOW }) {
+        for (const vis_profile_kind * o : { &BUDDY, &PREDICT, &VIS_PROFILE_SHADOW, &VIS_PROFILE_MODALITY }) {
             if (kind == o->kind) {
                 where = " (it goes to " + std::string(o->flag) + ")";
             }

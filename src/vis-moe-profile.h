@@ -26,7 +26,8 @@ struct vis_profile_kind {
     const char * flag;
     const char * make;
 };
-extern const vis_profile_kind VIS_PROFILE_SHADOW;  // --moe-shadow (vis-moe-shadow.h)
+extern const vis_profile_kind VIS_PROFILE_SHADOW;    // --moe-shadow (vis-moe-shadow.h)
+extern const vis_profile_kind VIS_PROFILE_MODALITY;  // --moe-cap-profile (vis-moe-modality.h)
 
 // an open sidecar file: its GGUF contexts, and errors that name the flag, the file and the fix
 struct vis_profile_file {

@@ -280,6 +280,32 @@ const flag_row ROWS[] = {
       "--moe-mem / --moe-cache-mib they share the budget) (default: auto)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.prec.shadow_slots = v == "auto" ? -1 : (int32_t) parse_int(w, v, 1, MAX_SLOTS, " (or auto)"); } },
+    { "--moe-capacity", "VIS_MOE_CAPACITY", "off|auto|N",
+      "vis-moe: entropy-weighted capacity (lossy, MACS): in a ubatch with image tokens, a managed layer loads at\n"
+      "most N*(1+rho*(R_v-0.5)) missing experts that only image tokens route (R_v: the image tokens' share of the\n"
+      "entropy weights); the other image pairs run the best-scored expert in memory instead. Text tokens are never\n"
+      "rerouted. auto = N is the layer's slot count (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.cap.capacity = v == "off" ? -1 : v == "auto" ? 0 : (int32_t) parse_int(w, v, 1, MAX_SLOTS, " (or off, auto)"); } },
+    { "--moe-cap-rho", "VIS_MOE_CAP_RHO", "R",
+      "vis-moe: --moe-capacity: how strongly the effective visual ratio and the experts' modality bias scale it\n"
+      "(0..4; default: 1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.cap.rho = parse_real(w, v, 0, 4); } },
+    { "--moe-cap-delta", "VIS_MOE_CAP_DELTA", "D",
+      "vis-moe: --moe-capacity: entropy sensitivity of an image token's weight sigmoid(-D*z) (0..16; default: 1)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.cap.delta = parse_real(w, v, 0, 16); } },
+    { "--moe-cap-drop", "VIS_MOE_CAP_DROP", "on|off",
+      "vis-moe: --moe-capacity: drop an image pair that no expert in memory can take (CPU; off: load its expert)\n"
+      "(default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.cap.drop = parse_switch(w, v, false); } },
+    { "--moe-cap-profile", "VIS_MOE_CAP_PROFILE", "FILE",
+      "vis-moe: --moe-capacity: experts' modality bias (visual/text/shared) from pyvis calibrate modality\n"
+      "(default: none, every expert shared)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.cap.profile = parse_path(w, v); } },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -375,6 +401,10 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     real("--moe-prec-vision", c.vision, 0, 1);
     real("--moe-prec-gate", c.gate, 0, 1);
     real("--moe-prec-target", c.target, 0, 1);
+    range("--moe-capacity",      s.cap.capacity, -1, MAX_SLOTS, " (-1 = off, 0 = auto)");
+    range("--moe-cap-drop",      s.cap.drop, 0, 1, "");
+    real("--moe-cap-rho", s.cap.rho, 0, 4);
+    real("--moe-cap-delta", s.cap.delta, 0, 16);
     if (p.n_slots > 0 && p.cache_mib > 0) {
         throw vis_error("--moe-slots and --moe-cache-mib are alternatives: give one of them");
     }

@@ -70,6 +70,17 @@ struct vis_moe_prec_settings {
     bool on() const { return mode != VIS_PREC_OFF; }
 };
 
+// entropy-weighted capacity (lossy; off by default): --moe-capacity, --moe-cap-*
+struct vis_moe_cap_settings {
+    int32_t capacity = -1;            // distinct missing image-only experts per layer and ubatch; -1 off, 0 auto (slots)
+    double  rho      = 1.0;           // adaptation strength
+    double  delta    = 1.0;           // entropy sensitivity of the image tokens' weights
+    int32_t drop     = 1;             // drop a pair with no reroute target (CPU), else load its expert
+    std::string profile;              // modality profile (pyvis calibrate modality), "" = no bias
+
+    bool on() const { return capacity >= 0; }
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
@@ -82,6 +93,7 @@ struct vis_moe_settings {
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
     vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
     vis_moe_prec_settings prec;             // --moe-shadow, --moe-precision, --moe-prec-*, --moe-shadow-slots
+    vis_moe_cap_settings  cap;              // --moe-capacity, --moe-cap-*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

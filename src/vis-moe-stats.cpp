@@ -228,6 +228,27 @@ void vis_moe_print_prec_stats(const vis_moe_context & vm) {
     }
 }
 
+static void print_cap_row(const std::string & label, const llama_vis_moe_cap_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8.1f %6.3f %8" PRId64 " %8" PRId64 " %8" PRId64 " %7" PRId64 " %9" PRId64
+                         " %8" PRId64 " %10.2f\n", label.c_str(), s.n_ubatches,
+                 s.n_ubatches ? (double) s.capacity / s.n_ubatches : 0.0, s.n_ubatches ? s.rv_sum / s.n_ubatches : 0.0,
+                 s.n_missing, s.n_loaded, s.n_overflow, s.n_forced, s.n_rerouted, s.n_dropped, s.bytes_saved / 1048576.0);
+}
+
+static void print_cap_stats(const vis_moe_context & vm) {
+    std::fprintf(stderr, "vis-moe: entropy-weighted capacity (--moe-capacity): missing image-only experts per layer\n");
+    std::fprintf(stderr, "vis-moe: %5s %8s %8s %6s %8s %8s %8s %7s %9s %8s %10s\n", "layer", "ubatches", "cap avg",
+                 "R_v", "missing", "loaded", "overflow", "forced", "rerouted", "dropped", "MiB saved");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].stats.managed) {
+            print_cap_row(std::to_string(il), vm.layers[il].cap_stats);
+        }
+    }
+    llama_vis_moe_cap_stats t;
+    vis_moe_total_cap_stats(vm, t);
+    print_cap_row("total", t);
+}
+
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
                  label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
@@ -254,6 +275,9 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     }
     if (vm.precision) {
         vis_moe_print_prec_stats(vm);
+    }
+    if (vm.capacity) {
+        print_cap_stats(vm);
     }
     if (vm.ttft_us >= 0) {
         std::fprintf(stderr, "vis-moe: time to first token: %.1f ms (the last prompt: %" PRId64 " ubatch%s computed)\n",
@@ -441,6 +465,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
         L.stats = {};
         L.sub_stats = {};
         L.prec_stats = {};
+        L.cap_stats = {};
         L.stats.n_slots = n_slots;
         L.stats.managed = managed;
     }

@@ -12,10 +12,12 @@ import pytest
 
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
-from pyvis.runtime.settings import MoeParams, PrecisionParams, PredictParams, SubParams, TierParams, applied
+from pyvis.runtime.settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TierParams,
+                                    applied)
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
-CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "const char *": ctypes.c_char_p}
+CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
+          "const char *": ctypes.c_char_p}
 KW = dict(n_ctx=64, n_threads=2, verbose=False)
 
 
@@ -24,7 +26,7 @@ def _header():
     enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
              for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
     structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
-                            re.findall(r"(int32_t|int64_t|const char \*)\s*(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
+                            re.findall(r"(int32_t|int64_t|double|const char \*)\s*(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
                for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
     funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
     return structs, funcs, enums
@@ -50,7 +52,7 @@ def test_the_mirror_is_the_header():
 
 def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
-    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams)
+    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams, CapacityParams)
               for f in __import__("dataclasses").fields(cls)]
     env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib"}
     assert {settings.flag_of(f) for f in fields} == set(rows) - env_only  # env/flag only

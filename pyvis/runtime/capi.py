@@ -366,6 +366,55 @@ def llama_vis_moe_get_prec_stats(ctx, il: int, out) -> int:
     of range."""
 
 
+# // Entropy-weighted capacity (lossy; --moe-capacity, src/vis-moe-capacity.cpp, docs/precision.md): per managed layer
+# // and ubatch with image tokens, at most C distinct missing experts that only image tokens route are loaded; the other
+# // image pairs are rerouted to experts in memory, or dropped as a last resort.
+# struct llama_vis_moe_cap_stats {
+#     int64_t n_ubatches;   // (layer, ubatch) evaluations with image tokens the capacity rule saw
+#     int64_t capacity;     // sum of their capacities C
+#     double  rv_sum;       // sum of their effective visual ratios R_v (mean: rv_sum / n_ubatches)
+#     int64_t n_missing;    // distinct missing experts only image tokens routed
+#     int64_t n_loaded;     // ... loaded within the capacity
+#     int64_t n_overflow;   // ... over it
+#     int64_t n_forced;     // overflow experts loaded after all (a pair had no target and could not be dropped)
+#     int64_t n_rerouted;   // (token, expert) pairs rerouted to an expert in memory
+#     int64_t n_dropped;    // pairs dropped (gate weight 0)
+#     int64_t bytes_saved;  // expert bytes not read: (n_overflow - n_forced) experts
+# };
+class llama_vis_moe_cap_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_ubatches", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("rv_sum", ctypes.c_double),
+        ("n_missing", ctypes.c_int64),
+        ("n_loaded", ctypes.c_int64),
+        ("n_overflow", ctypes.c_int64),
+        ("n_forced", ctypes.c_int64),
+        ("n_rerouted", ctypes.c_int64),
+        ("n_dropped", ctypes.c_int64),
+        ("bytes_saved", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_cap_stats(const struct llama_context * ctx, int32_t il,
+#                                               struct llama_vis_moe_cap_stats * out);
+@ctypes_function("llama_vis_moe_get_cap_stats",
+                 [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_cap_stats)], ctypes.c_int32)
+def llama_vis_moe_get_cap_stats(ctx, il: int, out) -> int:
+    """Capacity stats of layer il, or totals with il = -1. 0, or -1 if ctx has no expert cache or il is out of
+    range."""
+
+
+# LLAMA_API int32_t llama_vis_moe_macs_weights(const float * embd, int64_t n_tokens, int64_t n_embd, float delta,
+#                                              float * out);
+@ctypes_function("llama_vis_moe_macs_weights",
+                 [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                  ctypes.POINTER(ctypes.c_float)], ctypes.c_int32)
+def llama_vis_moe_macs_weights(embd, n_tokens: int, n_embd: int, delta: float, out) -> int:
+    """MACS's weight of each of n_tokens embedding rows: sigmoid(-delta * z-scored softmax entropy). 0, or -1 on
+    bad arguments."""
+
+
 # struct llama_vis_moe_prefetch_stats {
 #     int64_t n_steps;        // steps (ubatches) the layer was predicted for
 #     int64_t n_predicted;    // experts predicted for the layer from the layer before it (top-B, d = 1)

@@ -206,6 +206,30 @@ def prec_stats(ctx, layer: int = -1) -> dict | None:
     return _struct_dict(s)
 
 
+def cap_stats(ctx, layer: int = -1) -> dict | None:
+    """Entropy-weighted capacity stats of one layer, or totals (layer=-1): image ubatches, capacity, R_v, missing
+    image-only experts loaded / over capacity / forced, pairs rerouted / dropped, bytes saved (docs/precision.md);
+    all zero when --moe-capacity is off; None without a cache."""
+    s = capi.llama_vis_moe_cap_stats()
+    if capi.llama_vis_moe_get_cap_stats(_ctx_ptr(ctx), c_int("layer", layer), ctypes.byref(s)) != 0:
+        return None
+    return _struct_dict(s)
+
+
+def macs_weights(embd, delta: float = 1.0):
+    """MACS's weight of each embedding row [N, D] as the runtime computes it (llama_vis_moe_macs_weights)."""
+    import numpy as np
+    e = np.ascontiguousarray(embd, np.float32)
+    if e.ndim != 2 or e.shape[1] == 0:
+        raise VisError(f"macs_weights: embeddings must be [N, D] with D > 0, got shape {e.shape}")
+    out = np.zeros(e.shape[0], np.float32)
+    fp = ctypes.POINTER(ctypes.c_float)
+    if capi.llama_vis_moe_macs_weights(e.ctypes.data_as(fp), e.shape[0], e.shape[1], float(delta),
+                                       out.ctypes.data_as(fp)) != 0:
+        raise VisError(last_error())
+    return out
+
+
 def prefetch_stats(ctx, layer: int = -1) -> dict | None:
     """Lookahead prefetch stats of one layer, or totals (layer=-1): the next layer's prediction (recall and
     precision counts), reads ahead issued / used / wasted / late / cancelled, bytes, wait and saved time

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -160,6 +160,21 @@ class PrecisionParams:
         return _table_flags(self, optional=("shadow",))
 
 
+@dataclass(frozen=True)
+class CapacityParams:
+    """Entropy-weighted capacity (lossy; docs/precision.md): image pairs over a layer's capacity of missing experts
+    rerouted to experts in memory.  Values as the flags take them."""
+    capacity: int | str = "off"          # off | auto | N
+    cap_rho: float = 1.0                 # adaptation strength
+    cap_delta: float = 1.0               # entropy sensitivity of the image tokens' weights
+    cap_drop: bool = True                # drop a pair without a reroute target (CPU), else load its expert
+    cap_profile: str | None = None       # modality profile (pyvis calibrate modality)
+
+    def flags(self) -> list[tuple[str, str]]:
+        """(flag, value) pairs for the C table; every field (the profile only when given)."""
+        return _table_flags(self, optional=("cap_profile",))
+
+
 def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """The fields of a settings class without a C struct as (flag, value) strings for llama_vis_moe_thread_apply;
     `optional` fields are left out when None."""
@@ -233,16 +248,17 @@ def _apply_table(params) -> None:
 
 @contextlib.contextmanager
 def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
-            predict: PredictParams | None = None, precision: PrecisionParams | None = None):
+            predict: PredictParams | None = None, precision: PrecisionParams | None = None,
+            capacity: CapacityParams | None = None):
     """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub``,
-    ``predict`` and ``precision`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
+    ``predict``, ``precision`` and ``capacity`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
     before: its own override if it had one, else none (it follows the process-wide settings again, including
     changes made meanwhile).  The settings are checked on entry (VisError); on success the thread's last error is
     clear, so an error read after a failed load or context creation inside the block belongs to it."""
     previous = (get_params(), get_tier_params()) if capi.llama_vis_moe_thread_params_active() else None
     prev = getattr(_thread_table, "value", None) or {}
     now = dict(prev)
-    for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision)):
+    for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity)):
         if p is not None:
             now[cls] = p
     _set_thread(moe or get_params(), tier or get_tier_params())

@@ -87,12 +87,19 @@ def entropy_scores(embd: np.ndarray, delta: float = 1.0, eps: float = 1e-6) -> n
 
     ``w_i = sigmoid(-delta * (H_i - mean H) / (std H + eps))``, then min-max normalised
     over the image. Low-entropy (peaked) feature rows score high."""
+    w = macs_weights(embd, delta, eps)
+    return normalize(w) if w.size else w
+
+
+def macs_weights(embd: np.ndarray, delta: float = 1.0, eps: float = 1e-6) -> np.ndarray:
+    """MACS's load weight of each visual token: ``sigmoid(-delta * (H_i - mean H) / (std H + eps))`` with ``H`` the
+    softmax entropy of its row.  The runtime's --moe-capacity computes the same per image ubatch (C:
+    vis_macs_weights, through ``pyvis.runtime.native.macs_weights``)."""
     h = token_entropy(embd)
     if h.size == 0:
         return h
     zt = (h - h.mean()) / (h.std() + eps)
-    w = 1.0 / (1.0 + np.exp(delta * zt))
-    return normalize(w)
+    return 1.0 / (1.0 + np.exp(delta * zt))
 
 
 def random_scores(n: int, seed: int = 0) -> np.ndarray:

@@ -1,0 +1,109 @@
+"""Entropy-weighted capacity (issue #14 item 3, docs/precision.md): image pairs over a layer's capacity of missing
+experts rerouted to experts in memory (MACS on one device).  The rule itself is checked by hand in
+tests/test-vis-capacity.cpp; here the runtime:
+
+- text prompts with --moe-capacity on: byte-identical (text tokens are never rerouted);
+- an image prompt: the image ubatches see the rule (R_v = 1: libmtmd decodes images in ubatches of their own),
+  experts over capacity are rerouted, and the loaded + overflow counts add up; a capacity no image needs changes
+  nothing (same text and routing trace as off);
+- the MACS weights of the runtime equal pyvis's (the pruning score's entropy);
+- a modality profile from `pyvis calibrate modality` loads; a wrong file and bad values are clear errors.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import pyvis  # noqa: F401
+from pyvis.runtime import moe, native
+from pyvis.runtime import trace as vtrace
+from pyvis.runtime.native import VisError
+from pyvis.vlm import prune
+from conftest import greedy_logits, run
+
+PROMPT = "Capacity is for images; text keeps every expert it routes."
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen3vlmoe"])
+def test_text_is_byte_identical(fixture_dir, name):
+    model = fixture_dir / f"{name}.gguf"
+    ref, _ = greedy_logits(model, PROMPT, 4, slots=2)
+    got, llm = greedy_logits(model, PROMPT, 4, slots=2, capacity=1, cap_rho=2.0)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    assert moe.cap_stats(llm)["n_ubatches"] == 0
+
+
+def _mtmd(bindir, fixture_dir, *extra, trace=None):
+    t = ["--moe-trace", trace] if trace else []
+    return run([bindir / "llama-mtmd-cli", "-m", fixture_dir / "qwen3vlmoe.gguf",
+                "--mmproj", fixture_dir / "qwen3vlmoe-mmproj.gguf", "--image", fixture_dir / "test-image.png",
+                "-p", "Describe the image.", "-n", "6", "--temp", "0", "-c", "512", "-t", "2", "--moe-slots", "4",
+                "--moe-stats", *t, *extra], timeout=240)
+
+
+def _cap_total(text):
+    i = text.find("entropy-weighted capacity (--moe-capacity)")
+    m = re.search(r"vis-moe:\s+total\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)",
+                  text[i:])
+    assert i >= 0 and m, text[-3000:]
+    g = m.groups()
+    return dict(ubatches=int(g[0]), cap=float(g[1]), rv=float(g[2]), missing=int(g[3]), loaded=int(g[4]),
+                overflow=int(g[5]), forced=int(g[6]), rerouted=int(g[7]), dropped=int(g[8]))
+
+
+def test_image_prompt_reroutes_over_capacity(bindir, fixture_dir, tmp_path):
+    off = _mtmd(bindir, fixture_dir, trace=tmp_path / "off.trace")
+    big = _mtmd(bindir, fixture_dir, "--moe-capacity", "64", trace=tmp_path / "big.trace")
+    one = _mtmd(bindir, fixture_dir, "--moe-capacity", "1", "--moe-cap-rho", "0")
+    for r in (off, big, one):
+        assert r.returncode == 0, r.stderr[-3000:]
+    t = _cap_total(one.stderr)
+    assert t["ubatches"] > 0 and t["rv"] == 1.0 and t["cap"] == 1.0
+    assert t["loaded"] + t["overflow"] == t["missing"] and t["loaded"] <= t["ubatches"]
+    assert t["overflow"] > 0 and t["rerouted"] > 0 and t["forced"] == 0
+    # a capacity above what any layer misses: nothing over it, the same text and routing as off
+    b = _cap_total(big.stderr)
+    assert b["overflow"] == 0 and b["rerouted"] == 0 and b["rv"] == 1.0 and b["cap"] == 96.0   # 64 * (1 + 0.5)
+    assert big.stdout == off.stdout
+    a, c = vtrace.read(tmp_path / "off.trace"), vtrace.read(tmp_path / "big.trace")
+    assert np.array_equal(a.ids, c.ids) and np.array_equal(a.weights.view(np.uint32), c.weights.view(np.uint32))
+
+
+def test_runtime_weights_are_pyvis_weights():
+    rng = np.random.default_rng(3)
+    embd = rng.standard_normal((37, 64)).astype(np.float32) * rng.uniform(0.1, 4.0, (37, 1)).astype(np.float32)
+    for delta in (0.5, 1.0, 3.0):
+        c = native.macs_weights(embd, delta)
+        py = prune.macs_weights(embd, delta)
+        assert np.allclose(c, py, rtol=0, atol=2e-6), np.abs(c - py).max()
+    # pruning's entropy score is these weights, min-max normalised
+    w = prune.macs_weights(embd)
+    assert np.allclose(prune.entropy_scores(embd), (w - w.min()) / (w.max() - w.min()))
+    with pytest.raises(VisError, match="embeddings must be"):
+        native.macs_weights(np.zeros((3, 0), np.float32))
+
+
+def test_modality_profile_and_errors(bindir, fixture_dir, tmp_path):
+    tr = tmp_path / "cal.trace"
+    assert _mtmd(bindir, fixture_dir, trace=tr).returncode == 0
+    prof = tmp_path / "vl.modality.gguf"
+    r = run([sys.executable, "-m", "pyvis", "calibrate", "modality", "--trace", tr, "-m",
+             fixture_dir / "qwen3vlmoe.gguf", "--out", prof], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ok = _mtmd(bindir, fixture_dir, "--moe-capacity", "2", "--moe-cap-profile", prof)
+    assert ok.returncode == 0 and _cap_total(ok.stderr)["ubatches"] > 0, ok.stderr[-2000:]
+    # another model's file, a model, and bad values
+    bad = _mtmd(bindir, fixture_dir, "--moe-capacity", "2", "--moe-cap-profile", fixture_dir / "qwen3vlmoe.gguf")
+    assert bad.returncode != 0 and "--moe-cap-profile" in bad.stderr and "pyvis calibrate modality" in bad.stderr
+    for extra, says in ((["--moe-capacity", "0"], "--moe-capacity: expected an integer in 1..65536 (or off, auto)"),
+                        (["--moe-cap-rho", "5"], "--moe-cap-rho: expected a number in 0..4"),
+                        (["--moe-cap-delta", "-1"], "--moe-cap-delta: expected a number in 0..16"),
+                        (["--moe-cap-drop", "x"], "--moe-cap-drop: expected on or off")):
+        r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "-p", "hi", "-n", "1", "-st",
+                 "--moe-slots", "2", *extra], timeout=60)
+        assert r.returncode != 0 and says in r.stdout + r.stderr, (extra, (r.stdout + r.stderr)[-1500:])
+    with pytest.raises(VisError, match="--moe-cap-rho"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, capacity=2, cap_rho=9.0, n_ctx=128, verbose=False)
