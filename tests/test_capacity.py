@@ -107,3 +107,28 @@ def test_modality_profile_and_errors(bindir, fixture_dir, tmp_path):
         assert r.returncode != 0 and says in r.stdout + r.stderr, (extra, (r.stdout + r.stderr)[-1500:])
     with pytest.raises(VisError, match="--moe-cap-rho"):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=2, capacity=2, cap_rho=9.0, n_ctx=128, verbose=False)
+
+
+def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
+    """pyvis chat mirrors --moe-shadow / --moe-precision / --moe-capacity (with pruning at keep 0.5: the three
+    together), and pyvis.vlm.Session / prepare take PrecisionParams / CapacityParams."""
+    from pyvis import vlm
+    from pyvis.runtime import shadow as sh
+    from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams
+    model, mmproj, image = (fixture_dir / "qwen3vlmoe.gguf", fixture_dir / "qwen3vlmoe-mmproj.gguf",
+                            fixture_dir / "test-image.png")
+    shadow = sh.write_shadow(model, "Q4_0", tmp_path / "s.gguf", threads=2)["path"]
+    r = run([sys.executable, "-m", "pyvis", "chat", "-m", model, "--mmproj", mmproj, "--image", image, "-p",
+             "Describe the image.", "--keep-ratio", "0.5", "-n", "3", "--moe-slots", "4", "--moe-stats",
+             "--moe-shadow", shadow, "--moe-precision", "vision", "--moe-capacity", "2", "--moe-prec-gate", "0.05"],
+            timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "precision (--moe-precision vision, q4_0 shadows)" in r.stderr and _cap_total(r.stderr)["ubatches"] > 0
+    r = run([sys.executable, "-m", "pyvis", "chat", "-m", model, "--mmproj", mmproj, "--image", image,
+             "--moe-slots", "4", "--moe-prec-gate", "2"], timeout=60)
+    assert r.returncode == 1 and "error: --moe-prec-gate: expected a number in 0..1" in r.stderr   # the C table's check
+    with vlm.Session(model, mmproj, n_ctx=512, moe=MoeParams(slots=4), n_threads=2,
+                     precision=PrecisionParams(str(shadow), "vision"), capacity=CapacityParams(3)) as s:
+        p = s.prepare("Describe the image.", [image], keep_ratio=1.0, method="none")
+        st, ct = native.prec_stats(s.main.ptr), native.cap_stats(s.main.ptr)
+        assert st["n_vision_ubatches"] > 0 and ct["n_ubatches"] > 0 and p.n_past > 0

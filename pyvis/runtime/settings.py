@@ -290,6 +290,8 @@ def _parse(cls, field: str):
         return str
     if ann is int:
         return int
+    if ann is float:
+        return float
     if ann is bool:
         def on_off(s: str) -> bool:
             if s not in _BOOL_IN:
@@ -306,7 +308,7 @@ def _parse(cls, field: str):
 
 
 def add_arguments(group, cls: type, names: list[str]) -> None:
-    """Add the --moe-* options of these fields of ``cls`` (MoeParams or TierParams) to an argparse group, with the
+    """Add the --moe-* options of these fields of ``cls`` (a settings dataclass) to an argparse group, with the
     C tools' help text; the values land in ``args.moe_<field>`` (defaults: the dataclass's)."""
     rows = {f.name: f for f in flags()}
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}

@@ -4,13 +4,14 @@ named and explained by the C settings table)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from ..runtime import settings
 from ..runtime.native import VisError
-from ..runtime.settings import MoeParams
+from ..runtime.settings import CapacityParams, MoeParams, PrecisionParams
 from . import prune
 
 
@@ -44,6 +45,9 @@ def add_common_args(s, moe_trace: bool = False, many_alphas: bool = False) -> No
     g = s.add_argument_group("expert cache (docs/residency.md; the C tools' flags)")
     names = ["slots", "cache_mib", "pinned_layers"] + (["stats", "trace"] if moe_trace else [])
     settings.add_arguments(g, MoeParams, names)
+    g = s.add_argument_group("shadow experts, precision and capacity (lossy; docs/precision.md; the C tools' flags)")
+    settings.add_arguments(g, PrecisionParams, [f.name for f in dataclasses.fields(PrecisionParams)])
+    settings.add_arguments(g, CapacityParams, [f.name for f in dataclasses.fields(CapacityParams)])
 
 
 def moe_params(args) -> MoeParams | None:
@@ -52,16 +56,25 @@ def moe_params(args) -> MoeParams | None:
     return None if moe == MoeParams() else moe
 
 
+def lossy_params(args) -> tuple[PrecisionParams | None, CapacityParams | None]:
+    """The --moe-shadow / --moe-precision / --moe-prec-* / --moe-shadow-slots and --moe-capacity / --moe-cap-* options
+    (None where all are defaults)."""
+    prec, cap = settings.from_args(PrecisionParams, args), settings.from_args(CapacityParams, args)
+    return (None if prec == PrecisionParams() else prec), (None if cap == CapacityParams() else cap)
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from .. import vlm
     moe = moe_params(args)
+    prec, cap = lossy_params(args)
     if not args.image:
         print("error: give at least one --image (for text-only prompts use `pyvis generate`)", file=sys.stderr)
         return 1
     try:
         t0 = time.monotonic()
         s = vlm.Session(args.model, args.mmproj, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                        n_ubatch=args.ubatch_size, n_threads=args.threads, moe=moe, verbose=args.verbose)
+                        n_ubatch=args.ubatch_size, n_threads=args.threads, moe=moe, verbose=args.verbose,
+                        precision=prec, capacity=cap)
         t_load = time.monotonic() - t0
     except (vlm.VLMError, VisError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,13 +39,15 @@ class Ctx:
     ``n_embd_inp``: floats per embedding row."""
 
     def __init__(self, model, params, moe: MoeParams | None, verbose: bool, n_batch: int, n_embd_inp: int,
-                 borrowed=None):
+                 borrowed=None, precision=None, capacity=None):
         self.n_batch, self.n_embd_inp = int(n_batch), int(n_embd_inp)
         if borrowed is not None:          # a context owned by someone else (a llama_cpp.Llama)
             self.ctx, self.owned = borrowed, False
         else:
             self.owned = True
-            with applied(moe or MoeParams()):     # this context only; the caller's settings stay
+            # this context only; the caller's settings stay.  precision / capacity: shadow experts and the
+            # entropy-weighted capacity (PrecisionParams, CapacityParams; docs/precision.md)
+            with applied(moe or MoeParams(), precision=precision, capacity=capacity):
                 try:
                     self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
                 except ValueError as e:

@@ -143,13 +143,15 @@ class Session:
     the session does not free them, and the Llama's own token bookkeeping does not see the prompt,
     so generate through :meth:`Prepared.generate`).
     ``moe`` configures the fork's expert cache (:class:`pyvis.moe.MoeParams`; slots < n_expert turns
-    it on).  ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch``
+    it on); ``precision`` (:class:`pyvis.moe.PrecisionParams`: shadow experts and the precision policy) and
+    ``capacity`` (:class:`pyvis.moe.CapacityParams`: entropy-weighted capacity for image tokens) add the lossy
+    options of docs/precision.md to that context.  ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch``
     defaults to it."""
 
     def __init__(self, model_path, mmproj_path, *, n_ctx: int = 4096, n_batch: int = 512,
                  n_ubatch: int | None = None, n_threads: int | None = None, moe: MoeParams | None = None,
                  use_gpu: bool = True, n_gpu_layers: int = 0, image_max_tokens: int = -1,
-                 verbose: bool = False):
+                 verbose: bool = False, precision=None, capacity=None):
         llm = model_path if isinstance(model_path, llama_cpp.Llama) else None
         if llm is None:
             model_path = check_file(model_path, "model")
@@ -182,7 +184,8 @@ class Session:
         self.n_embd_inp = int(L.llama_model_n_embd_inp(self.model.model))
         if llm is None:
             self.moe = moe
-            self.main = Ctx(self.model, self._context_params(), moe, verbose, self.n_batch, self.n_embd_inp)
+            self.main = Ctx(self.model, self._context_params(), moe, verbose, self.n_batch, self.n_embd_inp,
+                            precision=precision, capacity=capacity)
         else:
             self.main = Ctx(None, None, None, verbose, self.n_batch, self.n_embd_inp, borrowed=llm._ctx)
             self.moe = moe if moe is not None else (MoeParams() if _native.moe_n_managed(self.main.ptr) else None)
