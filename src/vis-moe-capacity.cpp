@@ -63,9 +63,13 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
     }
     std::stable_sort(missing.begin(), missing.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
     st.n_missing += (int64_t) missing.size();
+    const int64_t over0 = st.n_overflow;
     std::vector<uint8_t> over(n_expert, 0);
+    int64_t loads = 0;  // loaded within capacity, then forced: at most rule.max_loads
+    auto may_load = [&]() { return rule.max_loads < 0 || loads < rule.max_loads; };
     for (size_t i = 0; i < missing.size(); ++i) {
-        if ((int) i < cap) {
+        if ((int) i < cap && may_load()) {
+            loads++;
             in_mem[missing[i].second] = 1;
             st.n_loaded++;
         } else {
@@ -73,8 +77,8 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
             st.n_overflow++;
         }
     }
-    if (missing.size() <= (size_t) cap) {
-        return false;
+    if (st.n_overflow == over0) {
+        return false;  // everything fits
     }
     // 5-6: reroute the overflow pairs, tokens of lowest weight first
     std::vector<int64_t> order(in.n_tokens);
@@ -123,10 +127,18 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
                 dropped[t * in.k + r] = 1;
                 st.n_dropped++;
                 changed = true;
-            } else {
-                forced[e] = 1;  // the expert is loaded after all, for every pair still on it
+            } else if (may_load() || own < 0) {
+                // the expert is loaded after all, for every pair still on it (with a bound on loads, only when
+                // nothing is in memory at all, which the bound's first pass always leaves room for)
+                forced[e] = 1;
                 in_mem[e] = 1;
+                loads++;
                 st.n_forced++;
+            } else {
+                row[r] = own;  // drop off but the loads are bounded: dropped all the same
+                dropped[t * in.k + r] = 1;
+                st.n_dropped++;
+                changed = true;
             }
         }
     }
@@ -159,6 +171,19 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
     for (int e = 0; e < L.n_expert; ++e) {
         resident[e] = L.slot_of[e] >= 0 ? 1 : 0;
     }
+    if (vis_moe_capacity_passes(vm, L) > 0) {
+        // the graph has only the passes the capacity needs: hits and loads must fit them
+        int64_t hits = 0;
+        std::vector<uint8_t> seen(L.n_expert, 0);
+        for (int64_t j = 0; j < n_pairs; ++j) {
+            const int e = in.ids[j];
+            if (e >= 0 && e < L.n_expert && !seen[e]) {
+                seen[e] = 1;
+                hits += resident[e];
+            }
+        }
+        rule.max_loads = std::max<int64_t>(0, (int64_t) vm.full_passes(L, n_pairs, true) * L.n_slots - hits);
+    }
     std::vector<int32_t> exec(in.ids, in.ids + n_pairs);
     std::vector<uint8_t> dropped(n_pairs);
     const int64_t over0 = L.cap_stats.n_overflow, forced0 = L.cap_stats.n_forced;
@@ -178,6 +203,15 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
             w[(j / k) * w_tok + (j % k) * w_rank] = 0.0f;
         }
     }
+}
+
+int vis_moe_capacity_passes(const vis_moe_context & vm, const vis_moe_layer & L) {
+    if (!vm.capacity || !vm.capacity_rule.drop || !L.cpu_passes || L.n_slots <= 0) {
+        return 0;
+    }
+    const int base = vm.capacity_rule.base > 0 ? vm.capacity_rule.base : L.n_slots;
+    const long cmax = std::max<long>(0, std::lround(base * (1.0 + vm.capacity_rule.rho * 0.5)));
+    return 1 + (int) ((cmax + L.n_slots - 1) / L.n_slots);
 }
 
 void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s) {

@@ -35,6 +35,7 @@ struct vis_cap_rule {
     int    base = 0;                 // N: distinct missing image-only experts per layer and ubatch
     double rho  = 1.0;
     bool   drop = true;              // a pair without a target is dropped (else its expert is forced in)
+    int    max_loads = -1;           // experts it may load (within capacity and forced) at most, -1 = no bound
     const int8_t * bias = nullptr;   // [n_expert] modality bias, null = all shared
 };
 
@@ -63,6 +64,11 @@ void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, co
 // ubatch's pairs (L.exec, L.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image tokens.
 void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
                            const ggml_tensor * weights, const ggml_tensor * scores);
+
+// the full-precision passes the capacity bounds an image ubatch of layer L to: the hits (at most its slots) and the
+// experts it may load, C at most round(N (1 + rho / 2)): 1 + ceil(C / slots).  0 when it bounds nothing (off, or
+// drops impossible: a GPU layer or --moe-cap-drop off, where a pair without a target forces its expert in)
+int vis_moe_capacity_passes(const vis_moe_context & vm, const vis_moe_layer & L);
 
 // the totals of every layer
 void vis_moe_total_cap_stats(const vis_moe_context & vm, llama_vis_moe_cap_stats & out);

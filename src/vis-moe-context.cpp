@@ -17,6 +17,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <set>
 
@@ -74,8 +75,28 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
     vm.reset();
 }
 
-bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs) const {
-    return stream_passes > 0 && L.can_stream() && vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > stream_passes;
+bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
+    return stream_passes > 0 && L.can_stream() && !(image && vis_moe_capacity_passes(*this, L) > 0) &&
+           vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > stream_passes;
+}
+
+int vis_moe_context::full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots);
+    const int cap = image ? vis_moe_capacity_passes(*this, L) : 0;
+    return cap > 0 ? std::min(n, cap) : n;
+}
+
+int vis_moe_context::shadow_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
+    if (!precision || !L.shadow.on()) {
+        return 0;
+    }
+    const int n = vis_shadow_max_passes(L, n_pairs);
+    if (image && vis_moe_capacity_passes(*this, L) > 0) {
+        // the capacity bounds the experts loaded to what the full passes hold: the shadows served are among them
+        const int64_t most = (int64_t) full_passes(L, n_pairs, image) * L.n_slots;
+        return std::min<int>(n, (int) ((most + L.shadow.n_slots - 1) / L.shadow.n_slots));
+    }
+    return n;
 }
 
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {

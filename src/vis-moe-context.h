@@ -206,7 +206,12 @@ struct vis_moe_context {
     ~vis_moe_context();
 
     // does a ubatch with n_pairs (token, expert) pairs stream layer L (more than stream_passes passes needed)?
-    bool streams(const vis_moe_layer & L, int64_t n_pairs) const;
+    // image: the ubatch is image embeddings (the entropy-weighted capacity may bound its experts: never streamed)
+    bool streams(const vis_moe_layer & L, int64_t n_pairs, bool image = false) const;
+    // the passes on L's full-precision slabs such a ubatch may need (the graph builds that many, pass 0 numbers
+    // the shadow passes after them), and the shadow passes after them (0 without shadow slots)
+    int full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const;
+    int shadow_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const;
 
     // userdata of a custom op, stable for the context's lifetime
     vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind);

@@ -28,7 +28,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + (vm->precision ? vis_shadow_max_passes(L, pairs) : 0);
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vm->shadow_passes(L, pairs, false);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
@@ -36,7 +36,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
                                          ggml_tensor * selected_experts, ggml_tensor * weights_, ggml_tensor * scores_,
-                                         ggml_tensor * cur, int64_t n_tokens)
+                                         ggml_tensor * cur, int64_t n_tokens, bool image_ubatch)
     : ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
     vm = const_cast<vis_moe_context *>(vm_);
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
@@ -69,12 +69,12 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         scores = scores_;  // router substitution and capacity reroutes choose by router score
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
-    n_pass = vis_moe_max_passes(L.n_expert, pairs, L.n_slots);
+    n_pass = vm->full_passes(L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
     n_full = n_pass;
-    if (vm->precision && !vm->streams(L, pairs)) {
-        n_pass += vis_shadow_max_passes(L, pairs);  // the shadow passes follow the full-precision ones
+    if (!vm->streams(L, pairs, image_ubatch)) {
+        n_pass += vm->shadow_passes(L, pairs, image_ubatch);  // the shadow passes follow the full-precision ones
     }
-    if (vm->streams(L, pairs)) {
+    if (vm->streams(L, pairs, image_ubatch)) {
         // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
         // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
         // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page

@@ -7,10 +7,13 @@
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-modality.h"
 #include "vis-moe-substitute.h"
 
 #include <cstring>
 #include <exception>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <fcntl.h>
@@ -75,7 +78,16 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             const int32_t * run = a.L.run_ids(a.ids);
             vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
             vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);
-            vis_shadow_plan(a.L, vis_moe_max_passes(a.L.n_expert, a.n_pairs, a.L.n_slots));  // as the graph counts
+            const bool image = a.vm.modality && a.vm.modality->has_image();
+            const int n_full = a.vm.full_passes(a.L, a.n_pairs, image);
+            vis_shadow_plan(a.L, n_full);  // numbered as the graph counts
+            if ((int) a.L.passes.size() > n_full ||
+                (int) a.L.shadow.passes.size() > a.vm.shadow_passes(a.L, a.n_pairs, image)) {
+                throw std::runtime_error("vis-moe: layer " + std::to_string(a.ud.il) + " planned " +
+                                         std::to_string(a.L.passes.size()) + " + " +
+                                         std::to_string(a.L.shadow.passes.size()) + " passes, more than its graph has "
+                                         "(plan bug): the ubatch is not computed");
+            }
             vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, run, a.n_pairs, a.out);
             vis_moe_substitute_fetch(a.vm, a.L, a.ud.il, background);
             vis_moe_precision_refetch(a.vm, a.L, a.ud.il);

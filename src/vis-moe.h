@@ -40,10 +40,11 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
 class vis_moe_layer_graph {
 public:
     // scores: what the router ranked the experts by [n_expert, n_tokens] (router substitution reads it);
-    // cur: the FFN input [n_embd, 1, n_tokens] (the routers of the layers ahead read it: --moe-predict)
+    // cur: the FFN input [n_embd, 1, n_tokens] (the routers of the layers ahead read it: --moe-predict);
+    // image_ubatch: the ubatch is image embeddings (--moe-capacity may bound its experts, vis-moe-capacity.h)
     vis_moe_layer_graph(const vis_moe_context * vm, ggml_context * ctx, ggml_cgraph * gf, int il,
                         ggml_tensor * selected_experts, ggml_tensor * weights, ggml_tensor * scores, ggml_tensor * cur,
-                        int64_t n_tokens);
+                        int64_t n_tokens, bool image_ubatch = false);
 
     int n_passes() const { return n_pass; }
 

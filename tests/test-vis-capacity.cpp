@@ -155,6 +155,30 @@ static void test_drop_and_force() {
     CHECK(o.exec[1] == 3 && o.st.n_rerouted == 1 && o.st.n_dropped == 0 && no_duplicates(o, 2, true));
 }
 
+static void test_load_bound() {
+    // the graph's passes bound the loads: C = 6 but max_loads = 2; three image tokens on disjoint missing experts
+    const std::vector<int32_t> ids = { 0, 1,   2, 3,   4, 5 };
+    const std::vector<float>   tw  = { .9f, .5f, .1f };
+    const std::vector<uint8_t> img = { 1, 1, 1 };
+    const std::vector<float>   sc  = { 0, 0, 0, 0, 0, 0,   1, 2, 0, 0, 0, 0,   2, 1, 0, 0, 0, 0 };
+    vis_cap_rule r;
+    r.base = 6;
+    r.rho = 0;
+    r.max_loads = 2;
+    outcome o = run(r, 6, {}, ids, 2, tw, img, sc);
+    CHECK(o.st.capacity == 6 && o.st.n_loaded == 2 && o.st.n_overflow == 4 && o.st.n_forced == 0);
+    CHECK(o.exec[0] == 0 && o.exec[1] == 1);
+    CHECK(o.exec[2] == 1 && o.exec[3] == 0);  // token 1: best score first (1), then the other (0)
+    CHECK(o.exec[4] == 0 && o.exec[5] == 1);
+    CHECK(o.st.n_rerouted == 4 && no_duplicates(o, 2, true));
+    std::set<int> loaded(o.exec.begin(), o.exec.end());
+    CHECK(loaded.size() == 2);
+    // no bound: all six load
+    r.max_loads = -1;
+    o = run(r, 6, {}, ids, 2, tw, img, sc);
+    CHECK(o.st.n_loaded == 6 && !o.changed);
+}
+
 static void test_macs_weights() {
     // rows: flat (max entropy), peaked, in between; delta 1
     const float embd[3 * 4] = { 0, 0, 0, 0,   9, 0, 0, 0,   1, 0, 0, 0 };
@@ -191,6 +215,7 @@ int main() {
     test_capacity_and_reroute();
     test_bias_ranks();
     test_drop_and_force();
+    test_load_bound();
     test_macs_weights();
     return vis_check_done("test-vis-capacity");
 }

@@ -132,3 +132,25 @@ def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
         p = s.prepare("Describe the image.", [image], keep_ratio=1.0, method="none")
         st, ct = native.prec_stats(s.main.ptr), native.cap_stats(s.main.ptr)
         assert st["n_vision_ubatches"] > 0 and ct["n_ubatches"] > 0 and p.n_past > 0
+
+
+def test_capacity_keeps_a_tight_image_ubatch_out_of_streaming(bindir, fixture_dir):
+    """One slot per layer: the exact image ubatch needs more passes than --moe-stream-passes and streams the layer;
+    with the capacity its experts are bounded (hits + at most round(N (1 + rho / 2)) loads), so the graph has
+    1 + ceil(C / slots) passes and the layer is not streamed."""
+    def go(*extra):
+        r = run([bindir / "llama-mtmd-cli", "-m", fixture_dir / "qwen3vlmoe.gguf",
+                 "--mmproj", fixture_dir / "qwen3vlmoe-mmproj.gguf", "--image", fixture_dir / "test-image.png",
+                 "-p", "Describe the image.", "-n", "2", "--temp", "0", "-c", "512", "-t", "2", "--moe-slots", "1",
+                 "--moe-stream-passes", "4", "--moe-stats", *extra], timeout=240)
+        assert r.returncode == 0 and "plan bug" not in r.stderr, r.stderr[-3000:]
+        return r.stderr
+    def streamed(text):   # experts streamed (the prompt's text ubatches stream in both runs)
+        m = re.search(r"prefill streaming: (\d+) experts", text)
+        return int(m.group(1)) if m else 0
+    exact = go()
+    capped = go("--moe-capacity", "auto")
+    t = _cap_total(capped)
+    assert t["ubatches"] > 0 and t["cap"] == 2.0 and t["overflow"] > 0
+    # the image ubatch's layers (16 experts each, most of them routed) no longer stream
+    assert streamed(exact) - streamed(capped) >= 2 * 8, (streamed(exact), streamed(capped))
