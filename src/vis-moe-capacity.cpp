@@ -263,23 +263,3 @@ int32_t llama_vis_moe_macs_weights(const float * embd, int64_t n_tokens, int64_t
     vis_macs_weights(embd, n_tokens, n_embd, n_embd, delta, out);
     return 0;
 }
-
-int32_t llama_vis_moe_get_cap_stats(const llama_context * ctx, int32_t il, llama_vis_moe_cap_stats * out) {
-    vis_clear_last_error();
-    const vis_moe_context * vm = vis_moe_of(ctx);
-    if (!vm || !out) {
-        vis_set_last_error(!out ? "llama_vis_moe_get_cap_stats: NULL output" : "llama_vis_moe_get_cap_stats: the context has no expert cache");
-        return -1;
-    }
-    if (il >= (int32_t) vm->layers.size() || il < -1) {
-        vis_set_last_error("llama_vis_moe_get_cap_stats: layer " + std::to_string(il) + " out of range -1.." +
-                           std::to_string(vm->layers.size() - 1));
-        return -1;
-    }
-    if (il >= 0) {
-        *out = vm->layers[il].cap_stats;
-    } else {
-        vis_moe_total_cap_stats(*vm, *out);
-    }
-    return 0;
-}

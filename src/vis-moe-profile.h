@@ -19,7 +19,7 @@
 struct llama_model;
 struct gguf_context;
 
-// ---- the header every sidecar shares (profiles and shadows, docs/precision.md) ----
+// ---- the header every sidecar shares (profiles and shadows, docs/shadow.md) ----
 // a kind of sidecar: vis.profile.kind, the flag that reads it and the command that makes one (the fix)
 struct vis_profile_kind {
     const char * kind;

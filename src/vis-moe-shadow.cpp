@@ -1,4 +1,4 @@
-// vis-moe-shadow.cpp - loading and checking a shadow-expert sidecar (vis-moe-shadow.h, docs/precision.md).
+// vis-moe-shadow.cpp - loading and checking a shadow-expert sidecar (vis-moe-shadow.h, docs/shadow.md).
 #include "vis-moe-shadow.h"
 #include "vis-moe-context.h"
 #include "vis-moe-profile.h"

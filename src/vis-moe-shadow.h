@@ -1,4 +1,4 @@
-// vis-moe-shadow.h - shadow experts (--moe-shadow, docs/precision.md, issue #14): a GGUF sidecar written by
+// vis-moe-shadow.h - shadow experts (--moe-shadow, docs/shadow.md, issue #14): a GGUF sidecar written by
 // `pyvis shadow MODEL --type T` with a low-bit copy of every routed expert of some layers, under the model's tensor
 // names (blk.L.ffn_{gate,up,down,gate_up}_exps.weight) with the model's ne and the shadow type.
 //

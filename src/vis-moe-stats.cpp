@@ -357,69 +357,57 @@ int32_t llama_vis_moe_get_stats(const llama_context * ctx, int32_t il, llama_vis
     return 0;
 }
 
-int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama_vis_moe_sub_stats * out) {
+// the per-layer stats getters of the C API: layer il's (layer(vm, il)) or the totals (total(vm, out)) with il = -1
+template <typename S, typename Layer, typename Total>
+static int32_t get_layer_stats(const char * fn, const llama_context * ctx, int32_t il, S * out, Layer layer, Total total) {
     vis_clear_last_error();
     const vis_moe_context * vm = vis_moe_of(ctx);
     if (!vm || !out) {
-        vis_set_last_error(!out ? "llama_vis_moe_get_sub_stats: NULL output" : "llama_vis_moe_get_sub_stats: the context has no expert cache");
+        vis_set_last_error(std::string(fn) + (!out ? ": NULL output" : ": the context has no expert cache"));
         return -1;
     }
     if (il >= (int32_t) vm->layers.size() || il < -1) {
-        vis_set_last_error("llama_vis_moe_get_sub_stats: layer " + std::to_string(il) + " out of range -1.." +
+        vis_set_last_error(std::string(fn) + ": layer " + std::to_string(il) + " out of range -1.." +
                            std::to_string(vm->layers.size() - 1));
         return -1;
     }
     if (il >= 0) {
-        *out = vm->layers[il].sub_stats;
+        *out = layer(*vm, il);
     } else {
-        vis_moe_total_sub_stats(*vm, *out);
+        total(*vm, *out);
     }
-    out->stall_saved_us = stall_saved_us(*vm, out->bytes_saved);
     return 0;
+}
+
+int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama_vis_moe_sub_stats * out) {
+    const int32_t r = get_layer_stats("llama_vis_moe_get_sub_stats", ctx, il, out,
+        [](const vis_moe_context & vm, int l) { return vm.layers[l].sub_stats; }, vis_moe_total_sub_stats);
+    if (r == 0) {
+        out->stall_saved_us = stall_saved_us(*vis_moe_of(ctx), out->bytes_saved);
+    }
+    return r;
 }
 
 int32_t llama_vis_moe_get_prec_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prec_stats * out) {
-    vis_clear_last_error();
-    const vis_moe_context * vm = vis_moe_of(ctx);
-    if (!vm || !out) {
-        vis_set_last_error(!out ? "llama_vis_moe_get_prec_stats: NULL output" : "llama_vis_moe_get_prec_stats: the context has no expert cache");
-        return -1;
-    }
-    if (il >= (int32_t) vm->layers.size() || il < -1) {
-        vis_set_last_error("llama_vis_moe_get_prec_stats: layer " + std::to_string(il) + " out of range -1.." +
-                           std::to_string(vm->layers.size() - 1));
-        return -1;
-    }
-    if (il >= 0) {
-        *out = vm->layers[il].prec_stats;
-    } else {
-        vis_moe_total_prec_stats(*vm, *out);
-    }
-    return 0;
+    return get_layer_stats("llama_vis_moe_get_prec_stats", ctx, il, out,
+        [](const vis_moe_context & vm, int l) { return vm.layers[l].prec_stats; }, vis_moe_total_prec_stats);
+}
+
+int32_t llama_vis_moe_get_cap_stats(const llama_context * ctx, int32_t il, llama_vis_moe_cap_stats * out) {
+    return get_layer_stats("llama_vis_moe_get_cap_stats", ctx, il, out,
+        [](const vis_moe_context & vm, int l) { return vm.layers[l].cap_stats; }, vis_moe_total_cap_stats);
 }
 
 int32_t llama_vis_moe_get_prefetch_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prefetch_stats * out) {
-    vis_clear_last_error();
-    const vis_moe_context * vm = vis_moe_of(ctx);
-    if (!vm || !out) {
-        vis_set_last_error(!out ? "llama_vis_moe_get_prefetch_stats: NULL output"
-                                : "llama_vis_moe_get_prefetch_stats: the context has no expert cache");
-        return -1;
+    const int32_t r = get_layer_stats("llama_vis_moe_get_prefetch_stats", ctx, il, out,
+        [](const vis_moe_context & vm, int l) {
+            return vm.prefetch ? vm.prefetch->stats(l) : llama_vis_moe_prefetch_stats{};
+        }, vis_moe_total_prefetch_stats);
+    if (r == 0) {
+        const vis_moe_context & vm = *vis_moe_of(ctx);
+        out->saved_us = vm.prefetch ? prefetch_saved_us(vm, *out) : 0;
     }
-    if (il >= (int32_t) vm->layers.size() || il < -1) {
-        vis_set_last_error("llama_vis_moe_get_prefetch_stats: layer " + std::to_string(il) + " out of range -1.." +
-                           std::to_string(vm->layers.size() - 1));
-        return -1;
-    }
-    if (!vm->prefetch) {
-        *out = {};
-    } else if (il >= 0) {
-        *out = vm->prefetch->stats(il);
-    } else {
-        vis_moe_total_prefetch_stats(*vm, *out);
-    }
-    out->saved_us = vm->prefetch ? prefetch_saved_us(*vm, *out) : 0;
-    return 0;
+    return r;
 }
 
 int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_stats * out) {

@@ -1,4 +1,4 @@
-"""Shadow experts (issue #14 item 1, docs/precision.md): `pyvis shadow` and `--moe-shadow`.
+"""Shadow experts (issue #14 item 1, docs/shadow.md): `pyvis shadow` and `--moe-shadow`.
 
 - the sidecar's tensors dequantise (through ggml) to within the type's error of the model's experts;
 - they are exactly what ggml_quantize_chunk gives for the same rows (the writer quantises nothing itself);

@@ -1,5 +1,5 @@
 """Shadow experts: a GGUF sidecar with a low-bit copy of every routed expert of a model's chosen layers
-(``pyvis shadow``, ``--moe-shadow``; docs/precision.md, issue #14).
+(``pyvis shadow``, ``--moe-shadow``; docs/shadow.md, issue #14).
 
 Each model tensor ``blk.L.ffn_{gate,up,down,gate_up}_exps.weight`` of a chosen layer is dequantised to f32 and
 quantised to the shadow type through our own ggml build (:mod:`pyvis.runtime.ggml_quant`: ``to_float`` and
@@ -277,7 +277,7 @@ def _cmd_shadow(args) -> int:
 def register(sub) -> None:
     s = sub.add_parser("shadow", help="write a low-bit copy of a model's routed experts (GGUF sidecar for --moe-shadow)",
                        description="Quantise every routed expert of the chosen layers to TYPE through our ggml build "
-                       "and write them to a GGUF sidecar tied to MODEL by its fingerprint (docs/precision.md). "
+                       "and write them to a GGUF sidecar tied to MODEL by its fingerprint (docs/shadow.md). "
                        "--moe-shadow loads and validates it; --moe-precision says which misses run from it.")
     s.add_argument("model", help="GGUF model")
     s.add_argument("--type", required=True, metavar="T", help="shadow type, e.g. Q2_K, Q3_K, Q4_0 (no imatrix types)")
