@@ -11,13 +11,15 @@
 #      decode (--moe-substitute router, half the experts in slots, file store, a small host cache) whose
 #      background reads upload on the second stream; it must finish, read in the background, say "asynchronous"
 #      in its uploads line, and give the same text with tier 2 pinned, --moe-pin-mib off and pinning refused
-#      (GGML_CUDA_NO_PINNED=1).
+#      (GGML_CUDA_NO_PINNED=1);
+#   5. shadow experts and capacity (docs/precision.md): --moe-precision all against upstream on the hybrid model
+#      (KLD bound, as step 2), and an image prompt with --moe-precision vision --moe-capacity finishing.
 # Everything goes to one report: $OUT/gpu-report.md (the device tool brings $OUT back), else ./gpu-report.md.
 #
 #   bash scripts/gpu-check.sh            # ~15-25 min on an H100 machine (16 cores)
 #
-# VIS_GPU_CHECK_STEPS="2 4" runs only those of steps 2-4 (default: all; the build always runs on a GPU).
-# Written without a GPU to test it on.  VIS_GPU_CHECK_CPU=1 runs steps 2 and 3 on the CPU build instead (no
+# VIS_GPU_CHECK_STEPS="2 4" runs only those of steps 2-5 (default: all; the build always runs on a GPU).
+# Written without a GPU to test it on.  VIS_GPU_CHECK_CPU=1 runs steps 2, 3 and 5 on the CPU build instead (no
 # nvidia-smi, no CUDA build, step 3 on a 2-layer model): that is how its logic was checked.  Each step logs and
 # continues, so one failure still leaves a report.
 set -uo pipefail
@@ -31,7 +33,7 @@ logrun() { echo "+ $*" >> "$LOG"; "$@" >> "$LOG" 2>&1; }
 printf '# vis-moe GPU check\n\n' > "$REPORT"
 say "- date: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 CPU_MODE="${VIS_GPU_CHECK_CPU:-0}"
-STEPS=" ${VIS_GPU_CHECK_STEPS:-2 3 4} "
+STEPS=" ${VIS_GPU_CHECK_STEPS:-2 3 4 5} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 NGL=(-ngl 99)
 LAYERS=16
@@ -52,11 +54,11 @@ else
     BIN="$ROOT/build-cuda/bin"
 fi
 logrun .venv/bin/python -m pyvis.cli fixtures
+TEXT="$(mktemp)"; .venv/bin/python -c "print(' '.join(f'word{i % 97} experts route tokens to slabs' for i in range(400)))" > "$TEXT"
 
 if want 2; then
 say ""; say "## 2. byte identity on the GPU (KL divergence against the plain -ngl 99 run)"
 say ""; say "| fixture | config | mean KLD | max KLD | same top-1 |"; say "|---|---|---|---|---|"
-TEXT="$(mktemp)"; .venv/bin/python -c "print(' '.join(f'word{i % 97} experts route tokens to slabs' for i in range(400)))" > "$TEXT"
 for m in qwen3moe deepseek2 gptoss mixtral qwen3vlmoe; do
     M="models/fixtures/$m.gguf"; base="$(mktemp)"
     PPL=("$BIN/llama-perplexity" -m "$M" -f "$TEXT" -c 128 -b 128 --chunks 3 "${NGL[@]}")
@@ -137,5 +139,42 @@ done
 say ""; say "Pass: exit 0, background reads > 0, the same text in the three configurations, and (GPU) an uploads line"
 say "saying asynchronous. 'none' in uploads/pinning on a GPU means the cache chose synchronous uploads or no host"
 say "cache: see gpu-check.log for the vis-moe lines of that run."
+fi
+if want 5; then
+say ""; say "## 5. shadow experts and capacity on the GPU (docs/precision.md)"
+say ""
+say "--moe-precision all with no refetch runs every managed expert from its shadow: against upstream on the hybrid"
+say "model (the shadow's tensors in place, -nr), both -ngl 99. On CPU this is bit-exact (tests/test_precision.py); on"
+say "CUDA the batched mul_mat_id may differ in the last bits, so the KLD is bounded, as in step 2."
+say ""; say "| fixture | config | mean KLD | max KLD | same top-1 |"; say "|---|---|---|---|---|"
+SH_DIR="$(mktemp -d)"
+for m in qwen3moe deepseek2; do
+    M="models/fixtures/$m.gguf"; S="$SH_DIR/$m.shadow.gguf"; H="$SH_DIR/$m.hybrid.gguf"; base="$(mktemp)"
+    logrun .venv/bin/python -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_1', '$S', threads=4); sh.write_hybrid('$M', '$S', '$H')" \
+        || { say "| $m | shadow/hybrid not written | | | |"; continue; }
+    PPL=("$BIN/llama-perplexity" -f "$TEXT" -c 128 -b 128 --chunks 3 "${NGL[@]}")
+    logrun "${PPL[@]}" -m "$H" -nr --kl-divergence-base "$base" || { say "| $m | hybrid base run failed | | | |"; continue; }
+    read -r E K <<<"$(.venv/bin/python -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
+    for cfg in "--moe-slots $K" "--moe-slots 2 --moe-shadow-slots 2"; do
+        out="$(VIS_MOE_STREAM_PASSES=0 "${PPL[@]}" -m "$M" --kl-divergence-base "$base" --kl-divergence $cfg \
+               --moe-shadow "$S" --moe-precision all --moe-prec-refetch off 2>&1)"; echo "$out" >> "$LOG"
+        mean="$(echo "$out" | sed -n 's/^Mean *KLD: *\([0-9.e+-]*\).*/\1/p')"
+        max="$(echo "$out" | sed -n 's/^Maximum KLD: *\([0-9.e+-]*\).*/\1/p')"
+        top="$(echo "$out" | sed -n 's/^Same top p: *\([0-9.]*\).*/\1 %/p')"
+        say "| $m | \`all from shadows $cfg\` | ${mean:-fail} | ${max:-fail} | ${top:-fail} |"
+    done
+    rm -f "$base"
+done
+say ""; say "An image prompt with the vision policy and the capacity (llama-mtmd-cli -ngl 99): it must finish, and the"
+say "capacity forces experts in instead of dropping (drops are CPU-only)."
+M=models/fixtures/qwen3vlmoe.gguf; S="$SH_DIR/vl.shadow.gguf"
+logrun .venv/bin/python -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_0', '$S', threads=4)"
+out="$("$BIN/llama-mtmd-cli" -m "$M" --mmproj models/fixtures/qwen3vlmoe-mmproj.gguf --image models/fixtures/test-image.png \
+       -p "Describe the image." -n 8 --temp 0 -c 512 "${NGL[@]}" --moe-slots 4 --moe-stats --moe-shadow "$S" \
+       --moe-precision vision --moe-capacity 2 2>&1)"; rc=$?; echo "$out" >> "$LOG"
+prec="$(echo "$out" | awk '/precision \(--moe-precision/ {on = 1} on && /^vis-moe: total/ {print $3, $4; exit}')"
+cap="$(echo "$out" | awk '/entropy-weighted capacity/ {on = 1} on && /^vis-moe: total/ {print $8, $9, $10; exit}')"
+say "- exit $rc; precision total (eligible, served): ${prec:-none}; capacity total (overflow, forced, rerouted): ${cap:-none}"
+rm -rf "$SH_DIR"
 fi
 echo "report: $REPORT"
