@@ -83,7 +83,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         // With staging buffers in the slabs (vis-moe-stage.h), the same graph reads staged copies of the tensors.
         managed = false;
         stream  = true;
-        staged  = vis_moe_stage_ubatch(*vm, pairs);
+        staged  = vis_moe_stage_ubatch(*vm, pairs, image_ubatch);
         n_pass  = 1;
         n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,

@@ -106,7 +106,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
                    n_buf == 2 ? ", the next layer in the background while one computes" : " while the layer waits");
 }
 
-bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs) {
+bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool image) {
     if (!vm.stage || vm.stream_passes <= 0) {
         return false;
     }
@@ -114,7 +114,7 @@ bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs) {
         if (!L.managed) {
             continue;
         }
-        if (!vm.streams(L, n_pairs)) {
+        if (!vm.streams(L, n_pairs, image)) {
             return false;
         }
     }

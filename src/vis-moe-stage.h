@@ -92,4 +92,4 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s);
 
 // does the ubatch with n_pairs (token, expert) pairs per layer stream every managed layer from staging buffers?
 // (every managed layer must stream: a layer served from the slabs would overwrite the staged experts)
-bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs);
+bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool image = false);
