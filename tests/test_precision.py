@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import re
 
 import numpy as np
@@ -235,3 +236,40 @@ def test_failed_shadow_read_fails_the_decode(bindir, shadows):
     r, out = _cli(bindir, model, "--moe-shadow", shadow, "--moe-precision", "all", "--moe-prec-refetch", "off",
                   env={"VIS_MOE_FAULT_READ": "*", "VIS_MOE_STREAM_PASSES": "0"})
     assert r.returncode != 0 and "injected by VIS_MOE_FAULT_READ" in out and shadow.name in out, out[-2000:]
+
+
+def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
+    """Under --moe-mem the shadow slots share the budget: one per full slot (auto), or a fixed number taken off the
+    top, so the runtime's plan gives fewer full slots in the same slab bytes; pyvis plan --shadow does the same."""
+    from pyvis.runtime import plan as vplan
+    shadow = sh.write_shadow(medium_model, "Q4_0", tmp_path / "m.shadow.gguf", threads=2)["path"]
+    shape = vplan.read_shape(medium_model)
+    e, b = max(shape.expert_bytes.values()), vplan.shadow_expert_bytes(shadow, medium_model)
+    assert 0 < b < e
+    budget, L = 300, 4
+
+    def slots(**kw):
+        llm = moe.load(medium_model, mem=budget, n_ctx=256, n_ubatch=512, n_threads=2, verbose=False, **kw)
+        n = moe.layer_stats(llm, 0).n_slots
+        del llm
+        return n
+    plain = slots()
+    paired = slots(shadow=str(shadow), precision="vision")
+    fixed = slots(shadow=str(shadow), precision="vision", shadow_slots=20)
+    room = (plain + 1) * e * L                       # the slab bytes the plain plan had (at most)
+    assert paired * (e + b) * L <= room and (paired + 1) * (e + b) * L > plain * e * L, (plain, paired)
+    assert fixed * e * L + 20 * b * L <= room and (fixed + 1) * e * L + 20 * b * L > plain * e * L, (plain, fixed)
+    # with --moe-precision off the sidecar is only checked: the plan is the plain one
+    assert slots(shadow=str(shadow)) == plain
+    # pyvis plan: the same sharing
+    p0 = vplan.make_plan(shape, budget_mib=budget, n_ctx=256)
+    p1 = vplan.make_plan(shape, budget_mib=budget, n_ctx=256, shadow_expert=b)
+    p2 = vplan.make_plan(shape, budget_mib=budget, n_ctx=256, shadow_expert=b, shadow_slots=20)
+    assert p1["n_slots"] < p0["n_slots"] and p2["n_slots"] < p0["n_slots"]
+    assert p1["shadow_slots"] == p1["n_slots"] and p2["shadow_slots"] == 20
+    assert p1["slab_bytes"] + p1["shadow_bytes"] <= p0["slab_bytes"] + (e + b) * L
+    r = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", str(budget), "-c", "256", "--shadow",
+             shadow], timeout=60)
+    assert r.returncode == 0 and f"shadow slabs: {p1['n_slots']} x 4 layers" in r.stdout, r.stdout + r.stderr
+    r = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--shadow", medium_model], timeout=60)
+    assert r.returncode == 1 and "not a vis profile" in r.stderr

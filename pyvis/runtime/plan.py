@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .profile import ProfileError
+
 MIB = 1 << 20
 _I32 = (1 << 31) - 1
 _MAX_MIB = ((1 << 63) - 1) // MIB
@@ -146,9 +148,11 @@ def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
               pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None,
-              gpu: bool | None = None) -> dict:
+              gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1) -> dict:
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
-    None = whether this build has one."""
+    None = whether this build has one.  shadow_expert: bytes of one shadow expert (--moe-shadow with
+    --moe-precision on, :func:`shadow_expert_bytes`); its slots share the budget as the runtime shares it: one per
+    full slot (shadow_slots -1, auto), or shadow_slots per layer taken off the top."""
     from . import native as _native
     check_args(budget_mib=budget_mib, n_ctx=n_ctx, n_ubatch=n_ubatch, pinned=pinned, slots=slots, host_mib=host_mib,
                device_mib=device_mib)
@@ -165,8 +169,11 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     expert = max((shape.expert_bytes[il] for il in managed), default=0)
     managed_bytes = sum(shape.expert_bytes[il] * shape.n_expert for il in managed)
     unified = device_mib is None
+    fixed_shadow = shadow_expert * shadow_slots * len(managed) if shadow_slots > 0 else 0
+    if shadow_slots <= 0:
+        expert += shadow_expert                                   # each slot paired with a shadow slot
     req = dict(budget=(budget_mib or 0) * MIB,
-               resident_bytes=shape.total_bytes - managed_bytes - shape.row_gathered_bytes,
+               resident_bytes=shape.total_bytes - managed_bytes - shape.row_gathered_bytes + fixed_shadow,
                kv_bytes=shape.kv_bytes_per_token * n_ctx, reserve_bytes=reserve_bytes(shape, n_ubatch),
                expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
                n_expert_used=shape.n_expert_used, unified=int(unified),
@@ -176,10 +183,27 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     p["managed_layers"] = len(managed)
     p["pinned_layers"] = pinned
     p["managed_bytes"] = managed_bytes
+    n_sh = 0 if not shadow_expert else (shadow_slots if shadow_slots > 0 else p["n_slots"])
+    p["shadow_slots"], p["shadow_bytes"] = n_sh, n_sh * shadow_expert * len(managed)
+    if shadow_expert and shadow_slots <= 0:
+        # paired: the planner sized slots of expert + shadow bytes (staging slot included); split them for display
+        p["shadow_bytes"] = (p["n_slots"] + (0 if req["no_staging"] else 1)) * shadow_expert * len(managed)
+        p["slab_bytes"] -= p["shadow_bytes"]
     # with --moe-mem alone (no --slots) and store = file, a model that fits whole runs upstream's path
     p["whole_model_fits"] = (not slots and not all_pinned and device_mib is None
                              and _native.whole_model_fits(shape.total_bytes, p["budget"]))
     return p
+
+
+def shadow_expert_bytes(shadow_path, model_path) -> int:
+    """Bytes of the largest shadow expert (all its tensors) of a ``pyvis shadow`` sidecar of this model."""
+    from . import shadow as sh
+    sf = sh.read_shadow(shadow_path, model_path)
+    per_layer: dict[int, int] = {}
+    for name, (_src, ne, t) in sf.tensors.items():
+        il = int(name.split(".")[1])
+        per_layer[il] = per_layer.get(il, 0) + int(t.n_bytes) // max(int(ne[2]), 1)
+    return max(per_layer.values(), default=0)
 
 
 def _fmt(b: int) -> str:
@@ -203,10 +227,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             if args.budget != "auto" or args.device_mib is not None:
                 raise ValueError("--device sets the budget (the unit's --moe-mem): drop --budget / --device-mib")
             budget = sku.moe_mem_mib
+        sh_bytes = shadow_expert_bytes(args.shadow, args.model) if args.shadow else 0
         p = make_plan(shape, budget_mib=budget, n_ctx=args.ctx_size, n_ubatch=args.ubatch_size, pinned=args.pinned,
                       slots=args.slots, host_mib=args.host_mib, device_mib=args.device_mib,
-                      gpu=True if sku else None)
-    except ValueError as e:
+                      gpu=True if sku else None, shadow_expert=sh_bytes,
+                      shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots)
+    except (ValueError, ProfileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
@@ -231,6 +257,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             (f"tier 1  slabs: {p['n_slots']} slot{'s' if p['n_slots'] != 1 else ''}"
              f"{'' if rq['no_staging'] else ' (+1 staging)'} x "
              f"{p['managed_layers']} layers", p["slab_bytes"]),
+            *([(f"tier 1  shadow slabs: {p['shadow_slots']} x {p['managed_layers']} layers "
+                f"(--moe-precision)", p["shadow_bytes"])] if p["shadow_slots"] else []),
             ("tier 2  host expert cache", p["host_bytes"]),
             ("tier 3  GGUF file only (read on demand)", p["file_only_bytes"])]
     for label, b in rows:
@@ -261,6 +289,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shadow_slots(s: str):
+    if s == "auto":
+        return s
+    v = int(s)
+    if not 1 <= v <= 65536:
+        raise ValueError(s)
+    return v
+
+
 def register(sub) -> None:
     s = sub.add_parser("plan", help="show how a model would be split over slabs, host cache and file on this machine",
                        description="Plan the memory tiers for MODEL on this machine: the budget (the cgroup v1/v2 "
@@ -282,5 +319,9 @@ def register(sub) -> None:
     s.add_argument("--device", default=None, metavar="SKU",
                    help="plan for a Jetson Orin instead of this machine: the budget the installed service gets "
                         "(orin-nano-8g, orin-nx-8g, orin-nx-16g, agx-orin-32g, agx-orin-64g; jetson/install.sh)")
+    s.add_argument("--shadow", default=None, metavar="FILE",
+                   help="with --moe-precision on: the --moe-shadow sidecar, whose slots share the budget")
+    s.add_argument("--shadow-slots", type=_shadow_slots, default="auto", metavar="auto|N",
+                   help="shadow slots per managed layer, as --moe-shadow-slots (default: auto, one per full slot)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)
