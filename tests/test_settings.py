@@ -4,6 +4,7 @@ integers checked before they reach C (issue #12: items 2, 3, 4)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import threading
 from pathlib import Path
@@ -189,9 +190,11 @@ def test_cli_options_mirror_the_c_flag_table():
     from pyvis.cli import build_parser
     rows = {f.name: f for f in native.flags()}
     sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices
-    for cmd, names in [("chat", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace"]),
+    lossy = [settings.flag_of(f.name) for cls in (PrecisionParams, CapacityParams) for f in dataclasses.fields(cls)]
+    for cmd, names in [("chat", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace"]
+                        + lossy),
                        ("prune-report", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"]),
-                       ("prune-eval", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"])]:
+                       ("prune-eval", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"] + lossy)]:
         opts = {o: a for a in sub[cmd]._actions for o in a.option_strings if o.startswith("--moe-")}
         assert sorted(opts) == sorted(names), cmd
         for n in names:

@@ -15,8 +15,9 @@ from ..runtime.settings import CapacityParams, MoeParams, PrecisionParams
 from . import prune
 
 
-def add_common_args(s, moe_trace: bool = False, many_alphas: bool = False) -> None:
-    """Options shared by `pyvis chat`, `pyvis prune-report` and `pyvis prune-eval`."""
+def add_common_args(s, moe_trace: bool = False, many_alphas: bool = False, lossy: bool = False) -> None:
+    """Options shared by `pyvis chat`, `pyvis prune-report` and `pyvis prune-eval`; ``lossy``: also the shadow /
+    precision / capacity flags (chat and prune-eval, which run the model with them)."""
     s.add_argument("-m", "--model", required=True, help="language model GGUF")
     s.add_argument("--mmproj", required=True, help="multimodal projector GGUF")
     g = s.add_argument_group("pruning")
@@ -45,9 +46,10 @@ def add_common_args(s, moe_trace: bool = False, many_alphas: bool = False) -> No
     g = s.add_argument_group("expert cache (docs/residency.md; the C tools' flags)")
     names = ["slots", "cache_mib", "pinned_layers"] + (["stats", "trace"] if moe_trace else [])
     settings.add_arguments(g, MoeParams, names)
-    g = s.add_argument_group("shadow experts, precision and capacity (lossy; docs/precision.md; the C tools' flags)")
-    settings.add_arguments(g, PrecisionParams, [f.name for f in dataclasses.fields(PrecisionParams)])
-    settings.add_arguments(g, CapacityParams, [f.name for f in dataclasses.fields(CapacityParams)])
+    if lossy:
+        g = s.add_argument_group("shadow experts, precision and capacity (lossy; docs/precision.md; the C tools' flags)")
+        for cls in (PrecisionParams, CapacityParams):
+            settings.add_arguments(g, cls, [f.name for f in dataclasses.fields(cls)])
 
 
 def moe_params(args) -> MoeParams | None:
@@ -127,5 +129,5 @@ def register(sub) -> None:
                    help="token selection (default: affinity; ignored at --keep-ratio 1)")
     s.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
     s.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
-    add_common_args(s, moe_trace=True)
+    add_common_args(s, moe_trace=True, lossy=True)
     s.set_defaults(fn=_cmd_chat)

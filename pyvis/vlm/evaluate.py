@@ -189,5 +189,5 @@ def register(sub) -> None:
                    "(default: %(default)r)")
     s.add_argument("--match", default="exact", choices=["exact", "prefix"], help="answer matching (default: exact)")
     s.add_argument("--json", help="write every prediction and number here")
-    add_common_args(s)
+    add_common_args(s, lossy=True)
     s.set_defaults(fn=_cmd)
