@@ -29,20 +29,27 @@ int vis_prec_decide(const vis_prec_rule & rule, int n_expert, const std::vector<
     if (by_vision) {
         st.n_vision_ubatches++;
     }
-    // per routed expert: routed by a text token?  the largest gate weight of its pairs
+    // per routed expert: routed by a text token?  the largest share of a token's gate weight among its pairs (the
+    // share, not the weight: models scale their gate weights differently, e.g. deepseek2's routed scaling factor)
     std::vector<uint8_t> routed(n_expert, 0), text(n_expert, 0);
     std::vector<float>   wmax(n_expert, 0.0f);
     for (int64_t t = 0; t < in.n_tokens; ++t) {
         const bool img = in.image && in.image[t];
+        double sum = 0;
+        for (int r = 0; in.weights && r < in.k; ++r) {
+            const float w = in.weights[t * in.w_tok + r * in.w_rank];
+            sum += std::isfinite(w) && w > 0 ? w : 0.0;
+        }
         for (int r = 0; r < in.k; ++r) {
             const int e = in.ids[t * in.k + r];
             if (e < 0 || e >= n_expert) {
                 continue;
             }
             const float w = in.weights ? in.weights[t * in.w_tok + r * in.w_rank] : 1.0f;
+            const float share = !in.weights ? 1.0f : std::isfinite(w) && sum > 0 ? (float) (w / sum) : INFINITY;
             routed[e] = 1;
             text[e]   = text[e] || !img;
-            wmax[e]   = std::max(wmax[e], std::isfinite(w) ? w : INFINITY);
+            wmax[e]   = std::max(wmax[e], share);
         }
     }
     std::vector<std::pair<float, int>> eligible;  // (largest gate weight, expert)

@@ -5,7 +5,8 @@
 // vis-moe-shadow-slots.h) instead of waiting for the full-precision expert, which is then read in the background
 // (the substitution machinery's reader, vis-moe-fetch.h) so later tokens hit it.  Who may, per layer and ubatch:
 //   vision  experts routed only by image tokens, in a ubatch whose image-token share is >= --moe-prec-vision
-//   gate    in a decode step, experts whose gate weight is < --moe-prec-gate for every token (HOBBIT's rule)
+//   gate    in a decode step, experts whose share of the token's gate weight is < --moe-prec-gate for every token
+//           (HOBBIT's rule on the share, which does not depend on how a model scales its gate weights)
 //   all     every miss (the worst case; the tests' reference)
 //   auto    vision or gate, and a controller (AIMD on the measured stall share) decides how many of the eligible
 //           misses, lowest gate weight first, actually run from shadows
@@ -29,7 +30,7 @@ struct vis_prec_rule {
     int    mode   = VIS_PREC_OFF;
     double vision = 0.5;
     double gate   = 0.1;
-    double share  = 1;  // the share of the eligible misses served from shadows (lowest gate weight first)
+    double share  = 1;  // the share of the eligible misses served from shadows (lowest gate-weight share first)
 };
 
 // one layer's routing of one ubatch, as pass 0 sees it

@@ -246,7 +246,7 @@ const flag_row ROWS[] = {
     { "--moe-precision", "VIS_MOE_PRECISION", "off|vision|gate|all|auto",
       "vis-moe: serve a miss from its --moe-shadow copy (lossy) while the full expert is read in the background.\n"
       "vision = experts only image tokens route, in a ubatch whose image share is >= --moe-prec-vision;\n"
-      "gate = decode misses whose gate weight is < --moe-prec-gate for every token; all = every miss (worst\n"
+      "gate = decode misses whose share of the token's gate weight is < --moe-prec-gate; all = every miss (worst\n"
       "case); auto = vision and gate under a stall-share controller (--moe-prec-target) (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "off")    s.prec.mode = VIS_PREC_OFF;
@@ -261,8 +261,8 @@ const flag_row ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.prec.vision = parse_real(w, v, 0, 1); } },
     { "--moe-prec-gate", "VIS_MOE_PREC_GATE", "W",
-      "vis-moe: --moe-precision gate: a missing expert runs from its shadow when its gate weight is below W\n"
-      "(0..1) for every token of the decode step (default: 0.1)",
+      "vis-moe: --moe-precision gate: a missing expert runs from its shadow when its share of the token's gate\n"
+      "weight is below W (0..1) for every token of the decode step (default: 0.1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.prec.gate = parse_real(w, v, 0, 1); } },
     { "--moe-prec-target", "VIS_MOE_PREC_TARGET", "S",

@@ -100,14 +100,18 @@ static void test_gate() {
     r.gate = 0.19f;
     d = run(r, 6, {}, ids, w, 3, {}, true);
     CHECK((served(d) == std::vector<int>{ 1 }));
-    // a non-finite weight is never below the threshold
-    d = run(r, 6, {}, { 0, 1 }, { NAN, .01f }, 2, {}, true);
+    // a non-finite weight is never below the threshold (and does not count in the token's total)
+    d = run(r, 6, {}, { 0, 1, 2 }, { NAN, .01f, .99f }, 3, {}, true);
     CHECK((served(d) == std::vector<int>{ 1 }));
+    // the share, not the weight: scaling a token's weights (deepseek2's routed scale) changes nothing
+    d = run(r, 6, {}, ids, { 2.8f, .6f, .6f, 2.0f, 1.2f, .76f }, 3, {}, true);
+    CHECK((served(d) == std::vector<int>{ 1 }));  // 1: .15; 4: .76 / 3.96 = .192 is not below .19
 }
 
 static void test_all_off_auto_and_share() {
     const std::vector<int32_t> ids = { 0, 1, 2, 3, 4, 5 };
-    const std::vector<float>   w   = { .5f, .1f, .3f, .05f, .02f, .03f };
+    // shares: token 0 (sum 1): .5 .1 .4; token 1 (sum .5): .9 .04 .06
+    const std::vector<float>   w   = { .5f, .1f, .4f, .45f, .02f, .03f };
     vis_prec_rule r;
     r.mode = VIS_PREC_ALL;
     decision d = run(r, 8, { 5 }, ids, w, 3);
@@ -115,11 +119,11 @@ static void test_all_off_auto_and_share() {
     r.mode = VIS_PREC_OFF;
     d = run(r, 8, {}, ids, w, 3, {}, true);
     CHECK(d.n == 0 && d.st.n_eligible == 0);
-    // the share: ceil(share * eligible), lowest largest-weight first: 4 (.02), 5 (.03), 3 (.05), 1 (.1), 2, 0
+    // the share: ceil(share * eligible), lowest gate-weight share first: 4 (.04), 5 (.06), 1 (.1), 2 (.4), 0, 3
     r.mode = VIS_PREC_ALL;
     r.share = 0.5;
     d = run(r, 8, {}, ids, w, 3);
-    CHECK((served(d) == std::vector<int>{ 3, 4, 5 }) && d.st.n_eligible == 6 && d.st.n_shadow == 3);
+    CHECK((served(d) == std::vector<int>{ 1, 4, 5 }) && d.st.n_eligible == 6 && d.st.n_shadow == 3);
     r.share = 0.2;  // ceil(1.2) = 2
     d = run(r, 8, {}, ids, w, 3);
     CHECK((served(d) == std::vector<int>{ 4, 5 }));
@@ -129,7 +133,7 @@ static void test_all_off_auto_and_share() {
     // auto: vision or gate
     r.mode = VIS_PREC_AUTO;
     r.share = 1;
-    r.gate = 0.04;
+    r.gate = 0.07;
     d = run(r, 8, {}, ids, w, 3, {}, true);  // decode, text: the gate rule alone
     CHECK((served(d) == std::vector<int>{ 4, 5 }));
     d = run(r, 8, {}, ids, w, 3, { 1, 0 }, false);  // prefill, image share 1/2 >= 0.5: token 0's experts
