@@ -509,7 +509,12 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (!s.prec.shadow.empty() && !hp.no_alloc) {
         vis_moe_shadow_attach(*vm, s.prec.shadow, s.prec.on());  // the log line of the sidecar loaded above
     }
-    if (s.prec.on() && !hp.no_alloc) {
+    if (s.prec.on() && !hp.no_alloc && ap.pageable > 0 && vm->shadow) {
+        // the plan is at its floor (resident weights left pageable): shadow slabs would be memory it does not have
+        // (measured: OOM-killed at 12.5 % of a 5.7 GB model, docs/precision-speed.md)
+        vm->note("--moe-precision: the memory budget cannot hold the resident weights next to the minimal slabs, so "
+                 "there is no room for shadow slots: precision is off for this context (raise --moe-mem)");
+    } else if (s.prec.on() && !hp.no_alloc) {
         // the shadow slots and the policy; throws without a sidecar
         vis_moe_precision_attach(*vm, s, ap.shadow_slots > 0 ? ap.shadow_slots : std::min(ap.n_slots, (int) hp.n_expert),
                                  ap.any_deferred);
