@@ -273,3 +273,11 @@ def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
     assert r.returncode == 0 and f"shadow slabs: {p1['n_slots']} x 4 layers" in r.stdout, r.stdout + r.stderr
     r = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--shadow", medium_model], timeout=60)
     assert r.returncode == 1 and "not a vis profile" in r.stderr
+    # a budget at the plan's floor (resident weights left pageable) has no room for shadow slots: precision is off
+    from pyvis import _paths
+    floor = run([_paths.lib_dir() / "llama-cli", "-m", medium_model, "--moe-mem", "140", "--moe-shadow", shadow,
+                 "--moe-precision", "vision", "-p", "hi", "-n", "1", "-st", "-c", "256", "-t", "2", "--no-warmup",
+                 "-lv", "4"], timeout=120)
+    out = floor.stdout + floor.stderr
+    assert floor.returncode == 0 and "there is no room for shadow slots: precision is off" in out, out[-2000:]
+    assert "precision (lossy)" not in out
