@@ -30,7 +30,8 @@ struct vis_moe_context;
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free);
 
 // every managed layer's background reads collected (waited for, or cancelled when not started), then every slot
-// emptied in the slot table and the policy: nothing is resident in or being written to the slabs.  Compute thread;
+// and every shadow slot emptied in the slot tables and the policies: nothing is resident in or being written to the
+// slabs (the shadow slabs included: their pages are lent, or staging overwrites them).  Compute thread;
 // throws vis_io_error on a failed background read (after its slot was released).  Staging uses it too.
 void vis_moe_empty_slots(vis_moe_context & vm);
 

@@ -34,28 +34,84 @@ vis_moe_stager::~vis_moe_stager() {
     ggml_free(ctx);
 }
 
+// where the staging tensors go: the host slab buffers (the slots' and, with --moe-precision, the shadow slots') are
+// regions of whole pages; each (staging buffer, expert tensor kind) needs one contiguous block of the largest
+// streamable layer's tensor of that kind.  First fit, largest blocks first; false when they do not all fit.
+struct stage_block {
+    ggml_backend_buffer_t buf = nullptr;
+    char * addr = nullptr;
+};
+static bool place_blocks(const std::vector<ggml_backend_buffer_t> & bufs, int n_buf,
+                         const std::array<int64_t, VIS_T_COUNT> & kind_bytes,
+                         std::vector<std::array<stage_block, VIS_T_COUNT>> & out) {
+    struct region { ggml_backend_buffer_t buf; char * p; char * end; };
+    std::vector<region> regions;
+    for (ggml_backend_buffer_t b : bufs) {
+        char * base = (char *) ggml_backend_buffer_get_base(b);
+        char * end  = base + ggml_backend_buffer_get_size(b);
+        char * p    = (char *) GGML_PAD((uintptr_t) base, 4096);
+        if (p < end) {
+            regions.push_back({ b, p, end });
+        }
+    }
+    std::vector<std::pair<int, int>> items;  // (buffer, kind), largest first
+    for (int b = 0; b < n_buf; ++b) {
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (kind_bytes[ti] > 0) {
+                items.emplace_back(b, ti);
+            }
+        }
+    }
+    std::stable_sort(items.begin(), items.end(), [&](const auto & x, const auto & y) {
+        return kind_bytes[x.second] > kind_bytes[y.second];
+    });
+    out.assign(n_buf, std::array<stage_block, VIS_T_COUNT>{});
+    for (const auto & [b, ti] : items) {
+        auto r = std::find_if(regions.begin(), regions.end(),
+                              [&](const region & g) { return g.end - g.p >= kind_bytes[ti]; });
+        if (r == regions.end()) {
+            return false;
+        }
+        out[b][ti] = { r->buf, r->p };
+        r->p += kind_bytes[ti];
+    }
+    return true;
+}
+
 void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
-    if (!s.stream_stage || vm.stream_passes <= 0 || vm.n_managed == 0 || vm.bufs.size() != 1 ||
-        !ggml_backend_buffer_is_host(vm.bufs[0])) {
+    if (!s.stream_stage || vm.stream_passes <= 0 || vm.n_managed == 0 || vm.bufs.empty()) {
         return;
     }
+    for (ggml_backend_buffer_t b : vm.bufs) {
+        if (!ggml_backend_buffer_is_host(b)) {
+            return;
+        }
+    }
     static_assert(VIS_T_COUNT == 4, "staging tensors: one per expert tensor kind");
-    int64_t stride = 0;  // bytes of one buffer: the largest streamable layer's expert tensors, each page-aligned
+    std::array<int64_t, VIS_T_COUNT> kind_bytes = {};  // per kind: the largest streamable layer's tensor, whole pages
+    int64_t stride = 0;                                // bytes of one staging buffer (the log)
     for (const auto & L : vm.layers) {
         if (!L.can_stream()) {
             continue;
         }
-        int64_t b = 0;
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             if (L.file[ti] && L.orig[ti]) {
-                b += GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096);
+                kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096));
             }
         }
-        stride = std::max(stride, b);
     }
-    ggml_backend_buffer_t buf = vm.bufs[0];
-    const int64_t size = (int64_t) ggml_backend_buffer_get_size(buf);
-    const int n_buf = stride > 0 ? (int) std::min<int64_t>(2, size / stride) : 0;
+    for (int64_t b : kind_bytes) {
+        stride += b;
+    }
+    int64_t size = 0;
+    for (ggml_backend_buffer_t b : vm.bufs) {
+        size += (int64_t) ggml_backend_buffer_get_size(b);
+    }
+    std::vector<std::array<stage_block, VIS_T_COUNT>> blocks;
+    int n_buf = 0;
+    for (int n = 2; n >= 1 && stride > 0 && n_buf == 0; --n) {
+        n_buf = place_blocks(vm.bufs, n, kind_bytes, blocks) ? n : 0;
+    }
     if (n_buf == 0) {
         if (stride > 0) {
             LLAMA_LOG_INFO("vis-moe: prefill streaming through the page cache: the slabs (%.0f MiB) cannot stage a "
@@ -65,12 +121,6 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
     }
     ggml_init_params ip = { ggml_tensor_overhead() * (size_t) (VIS_T_COUNT * vm.layers.size() + 8), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
-    char * base = (char *) ggml_backend_buffer_get_base(buf);
-    base = (char *) GGML_PAD((uintptr_t) base, 4096);
-    if ((int64_t) (base - (char *) ggml_backend_buffer_get_base(buf)) + n_buf * stride > size) {
-        ggml_free(ctx);
-        return;  // alignment ate the margin: stay with the page cache
-    }
     std::vector<std::array<ggml_tensor *, 4>> tens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
     std::vector<int> buf_of(vm.layers.size(), -1);
     int ordinal = 0;  // buffers alternate over the streamable layers, whatever lies between them
@@ -80,29 +130,29 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
             continue;
         }
         buf_of[il] = ordinal++ % n_buf;
-        char * p = base + buf_of[il] * stride;
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             const ggml_tensor * o = L.orig[ti];
             if (!L.file[ti] || !o) {
                 continue;
             }
+            const stage_block & blk = blocks[buf_of[il]][ti];
             ggml_tensor * t = ggml_new_tensor(ctx, o->type, GGML_MAX_DIMS, o->ne);
             ggml_format_name(t, "vis_moe_stage-%d.%d", il, ti);
             GGML_ASSERT(ggml_nbytes(t) == ggml_nbytes(o) && t->nb[2] == L.file[ti]->nb2);
-            if (ggml_backend_tensor_alloc(buf, t, p) != GGML_STATUS_SUCCESS) {
+            if (ggml_backend_tensor_alloc(blk.buf, t, blk.addr) != GGML_STATUS_SUCCESS) {
                 ggml_free(ctx);
                 return;
             }
             tens[il][ti] = t;
-            p += GGML_PAD((int64_t) ggml_nbytes(o), 4096);
         }
     }
     vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(buf_of));
     if (n_buf == 2 && !vm.fetch) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(std::max(1, s.tier.io_threads), s.tier.direct_io);
     }
-    LLAMA_LOG_INFO("vis-moe: prefill streaming staged in the slabs: %d buffer%s of %.0f MiB (a layer's experts), read "
-                   "with our own reads%s\n", n_buf, n_buf == 2 ? "s" : "", stride / 1048576.0,
+    LLAMA_LOG_INFO("vis-moe: prefill streaming staged in the %s: %d buffer%s of %.0f MiB (a layer's experts), read "
+                   "with our own reads%s\n", vm.bufs.size() > 1 ? "slabs and the shadow slabs" : "slabs", n_buf,
+                   n_buf == 2 ? "s" : "", stride / 1048576.0,
                    n_buf == 2 ? ", the next layer in the background while one computes" : " while the layer waits");
 }
 

@@ -9,7 +9,9 @@
 // nothing it uses, and a prompt long enough to stream routes nearly every expert, so the slab memory is the
 // natural staging area: no page cache, no second copy, no extra memory.
 //
-// How.  When the slabs hold at least one layer's expert tensors (two for double buffering) and every managed layer
+// How.  When the slabs hold at least one layer's expert tensors (two for double buffering; with --moe-precision the
+// shadow slabs count too: each expert tensor of a staging buffer needs one contiguous block, placed first fit over
+// the host slab buffers, so a budget split into slots and shadow slots still stages) and every managed layer
 // of the ubatch streams (so no layer fills a slot meanwhile), the graph of a streamed layer runs upstream's
 // mul_mat_id on staging tensors: the layer's expert tensors' shapes and types, their data in staging buffer
 // k % n_buffers for the k-th streamable layer (a dense layer between two does not make them share one).  The
@@ -40,7 +42,7 @@ struct vis_moe_layer;
 
 class vis_moe_stager {
 public:
-    // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffer;
+    // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffers;
     // buf_of: per layer, the buffer its tensors use (-1: not staged)
     vis_moe_stager(int n_buffers, ggml_context * ctx, std::vector<std::array<ggml_tensor *, 4>> tensors,
                    std::vector<int> buf_of);
@@ -87,7 +89,7 @@ private:
 };
 
 // context creation (vis-moe-attach.cpp), after the slabs: the stager when the slabs can stage a layer (CPU-only
-// run, one host slab buffer, streaming on, --moe-stream-stage not off); logs what it chose
+// run, host slab buffers, streaming on, --moe-stream-stage not off); logs what it chose
 void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s);
 
 // does the ubatch with n_pairs (token, expert) pairs per layer stream every managed layer from staging buffers?

@@ -46,9 +46,10 @@ def shadows(fixture_dir, tmp_path_factory):
     return out
 
 
-def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode=N_DECODE):
+def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode=N_DECODE, prompt2=None):
     """Logits of a prompt (one batch) and n_decode greedy steps through the low-level API (llama_cpp.Llama takes no
-    use_extra_bufts), and the precision stats of the context (None without a cache)."""
+    use_extra_bufts), then, with prompt2, that text (one batch) and n_decode more steps; and the precision stats of
+    the context (None without a cache)."""
     import llama_cpp as L
     from pyvis.runtime import native
     cm = applied(moe, precision=prec) if moe else contextlib.nullcontext()
@@ -66,7 +67,7 @@ def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode
     toks = (L.llama_token * 128)()
     n = L.llama_tokenize(vocab, prompt, len(prompt), toks, 128, True, False)
     rows = []
-    b = L.llama_batch_init(n, 0, 1)
+    b = L.llama_batch_init(128, 0, 1)
     try:
         def decode(tokens, pos0):
             for i, t in enumerate(tokens):
@@ -79,6 +80,12 @@ def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode
         decode([toks[i] for i in range(n)], 0)
         for s in range(n_decode):
             decode([int(np.argmax(rows[-1]))], n + s)
+        if prompt2:
+            pos = n + n_decode
+            n2 = L.llama_tokenize(vocab, prompt2, len(prompt2), toks, 128, False, False)
+            decode([toks[i] for i in range(n2)], pos)
+            for s in range(n_decode):
+                decode([int(np.argmax(rows[-1]))], pos + n2 + s)
         stats = native.prec_stats(ctx, -1) if moe else None
         return np.array(rows), stats
     finally:
@@ -89,6 +96,30 @@ def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode
 
 def _same(a, b):
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("stream", ["staged", "lent"])
+def test_a_streamed_prompt_forgets_the_shadow_slots(fixture_dir, tmp_path, monkeypatch, stream):
+    """A streamed ubatch lends the slab memory, or stages layers in it, the shadow slabs included (their pages go
+    back as zeros, or hold another layer's experts): every shadow slot must be forgotten.  A Q8_0 shadow of the Q8_0
+    fixture is the model's bytes, so every mix of full and shadow passes computes upstream's logits bit for bit: a
+    shadow slot still thought to hold its expert after the second prompt streamed would show.  10 slots per layer
+    (and 10 shadow slots) cannot stage a layer's 32 experts in the slabs alone: staging spans both."""
+    model = fixture_dir / "qwen3moe.gguf"
+    shadow = tmp_path / "qwen3moe.shadow-Q8_0.gguf"
+    sh.write_shadow(model, "Q8_0", shadow, threads=2)
+    import gguf
+    same = {t.name: bytes(np.asarray(t.data).view(np.uint8)) for t in gguf.GGUFReader(model).tensors}
+    assert all(bytes(np.asarray(t.data).view(np.uint8)) == same[t.name] for t in gguf.GGUFReader(shadow).tensors)
+    second = b" and a second prompt long enough to stream through every managed layer of the model once more"
+    ref, _ = _greedy(model, extra_bufts=False, prompt2=second)
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")  # every prompt streams; decode steps run in passes
+    monkeypatch.setenv("VIS_MOE_STREAM_STAGE", "on" if stream == "staged" else "off")
+    monkeypatch.setenv("VIS_MOE_STREAM_LEND", "off" if stream == "staged" else "on")
+    got, st = _greedy(model, extra_bufts=False, moe=MoeParams(slots=10), prompt2=second,
+                      prec=PrecisionParams(str(shadow), "all", prec_refetch=False))
+    assert _same(got, ref), stream
+    assert st["n_shadow_hits"] > 0 and st["n_shadow_reads"] > 30  # decode re-read what the streamed prompt dropped
 
 
 @pytest.mark.parametrize("name", list(ARCH_TYPE))
