@@ -5,6 +5,7 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-precision.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 
@@ -84,10 +85,13 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         managed = false;
         stream  = true;
         staged  = vis_moe_stage_ubatch(*vm, pairs, image_ubatch);
+        // a streamed ubatch whose every routed expert runs from its shadow (--moe-precision all, or an image ubatch
+        // under vision) stages the layer's shadows: fewer bytes, upstream's mul_mat_id on the shadow type
+        staged_shadow = staged && vm->stage->has_shadow(il) && vis_moe_precision_stages_shadows(*vm, image_ubatch);
         n_pass  = 1;
         n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,
-                                           vm->ud(il, staged ? 1 : 0, VIS_OP_STREAM));
+                                           vm->ud(il, staged_shadow ? 2 : staged ? 1 : 0, VIS_OP_STREAM));
         ggml_format_name(t, "vis_moe_stream-%d", il);
         ggml_build_forward_expand(gf, t);
         stream_ids = t;
@@ -161,8 +165,8 @@ ggml_tensor * vis_moe_layer_graph::weight(ggml_tensor * w) const {
     if (staged && w) {
         const vis_moe_layer & L = vm->layers[il];
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-            if (L.orig[ti] == w && vm->stage->weight(il, ti)) {
-                return vm->stage->weight(il, ti);
+            if (L.orig[ti] == w && vm->stage->weight(il, ti, staged_shadow)) {
+                return vm->stage->weight(il, ti, staged_shadow);
             }
         }
         return w;

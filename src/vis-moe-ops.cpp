@@ -223,13 +223,17 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
                 routed.push_back(ids[j]);
             }
         }
+        const bool shadow = a.ud.pass == 2;
         vm.n_streamed     += (int64_t) routed.size();
-        vm.bytes_streamed += (int64_t) routed.size() * L.expert_bytes;
+        vm.bytes_streamed += (int64_t) routed.size() * (shadow ? L.shadow.expert_bytes : L.expert_bytes);
         if (const vis_gguf_file * f = L.any_file()) {
             f->check_unchanged();  // never compute on a file replaced under us
         }
-        if (a.ud.pass == 1) {  // staged (vis-moe-stage.h): our reads into a staging buffer in the slabs
-            vm.stage->begin_layer(vm, a.ud.il, routed);
+        if (a.ud.pass >= 1) {  // staged (vis-moe-stage.h): our reads into a staging buffer in the slabs
+            vm.stage->begin_layer(vm, a.ud.il, routed, shadow);
+            if (shadow) {  // 2: of the layer's shadows (--moe-precision); the precision stats count them
+                vis_moe_precision_staged(vm, a.L, ids_t, weights, (int64_t) routed.size());
+            }
             return;
         }
         vis_moe_lend_slabs(vm);  // tight plans: the page cache gets the slabs' memory for this ubatch

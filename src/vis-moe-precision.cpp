@@ -188,6 +188,31 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
     vm.precision->eligible_seen = vm.precision->eligible_seen || L.prec_stats.n_eligible > before;
 }
 
+bool vis_moe_precision_stages_shadows(const vis_moe_context & vm, bool image_ubatch) {
+    if (!vm.precision || !vm.shadow) {
+        return false;
+    }
+    const vis_prec_rule r = vm.precision->rule();
+    return r.mode == VIS_PREC_ALL ||
+           (image_ubatch && (r.mode == VIS_PREC_VISION || r.mode == VIS_PREC_AUTO) && r.vision <= 1.0 && r.share >= 1.0);
+}
+
+void vis_moe_precision_staged(vis_moe_context & vm, vis_moe_layer & L, const ggml_tensor * ids_t,
+                              const ggml_tensor * weights, int64_t n_routed) {
+    if (!vm.precision || !L.shadow.on()) {
+        return;
+    }
+    const int32_t * ids = (const int32_t *) ids_t->data;
+    vis_moe_precision_plan(vm, L, ids, ids_t, weights);
+    auto & st = L.prec_stats;
+    for (int64_t j = 0; j < ggml_nelements(ids_t); ++j) {
+        st.n_shadow_pairs += ids[j] >= 0 && ids[j] < L.n_expert && L.shadow.serve[ids[j]] ? 1 : 0;
+    }
+    st.n_shadow_reads += n_routed;
+    st.bytes_shadow   += n_routed * L.shadow.expert_bytes;
+    st.bytes_saved    += n_routed * (L.expert_bytes - L.shadow.expert_bytes);
+}
+
 void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il) {
     if (!vm.precision || !vm.precision->settings().refetch || !vm.fetch || L.passes.size() > 1) {
         return;  // several full passes: every slot may serve a later pass of this ubatch

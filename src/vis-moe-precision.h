@@ -98,5 +98,14 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
 // after pass 0 loaded what it needs: the full-precision experts of the served misses read in the background
 void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il);
 
+// graph build of a streamed ubatch: does it run every routed expert of a layer from its shadow, so that staged
+// streaming reads the layers' shadows (vis-moe-stage.h)?  Yes for `all`, and for an image ubatch (libmtmd: every
+// token an embedding, so vision-dominated at any --moe-prec-vision and no expert routed by text) under vision, or
+// auto at the controller's full share; else the layer is staged in full precision.
+bool vis_moe_precision_stages_shadows(const vis_moe_context & vm, bool image_ubatch);
+// the stream op of a layer staged from its shadows: the policy's decision (every routed expert a served miss, the
+// slots being empty) and the stats: pairs, shadows read, bytes read and saved
+void vis_moe_precision_staged(vis_moe_context & vm, vis_moe_layer & L, const ggml_tensor * ids_t,
+                              const ggml_tensor * weights, int64_t n_routed);
 // the totals of every layer, with the controller's state
 void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_stats & out);

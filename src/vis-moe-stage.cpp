@@ -3,6 +3,8 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-shadow.h"
+#include "vis-moe-shadow-slots.h"
 
 #include "llama-impl.h"
 
@@ -18,13 +20,16 @@ static int64_t now_us() {
 }
 
 vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t,
-                               std::vector<int> b)
-    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), buf_of(std::move(b)), n_parts(tens.size(), 0), freq(tens.size()) {
+                               std::vector<std::array<ggml_tensor *, 4>> sh, std::vector<int> b)
+    : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), shtens(std::move(sh)), buf_of(std::move(b)),
+      n_parts(tens.size(), 0), sh_parts(tens.size(), 0), freq(tens.size()) {
+    shtens.resize(tens.size(), std::array<ggml_tensor *, 4>{});
     for (size_t il = 0; il < tens.size(); ++il) {
-        for (ggml_tensor * x : tens[il]) {
-            if (x) {
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (ggml_tensor * x = tens[il][ti]) {
                 n_parts[il]++;
                 freq[il].assign((size_t) x->ne[2], 0);
+                sh_parts[il] += shtens[il][ti] ? 1 : 0;
             }
         }
     }
@@ -32,6 +37,11 @@ vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<s
 
 vis_moe_stager::~vis_moe_stager() {
     ggml_free(ctx);
+}
+
+// the shadow tensor of expert tensor ti of layer L, where --moe-precision may serve the layer from shadows
+static const vis_shadow_tensor * shadow_of(const vis_moe_context & vm, const vis_moe_layer & L, int ti) {
+    return vm.precision && L.shadow.on() ? L.shadow.src[ti] : nullptr;
 }
 
 // where the staging tensors go: the host slab buffers (the slots' and, with --moe-precision, the shadow slots') are
@@ -97,6 +107,9 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             if (L.file[ti] && L.orig[ti]) {
                 kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096));
+                if (const vis_shadow_tensor * sh = shadow_of(vm, L, ti)) {
+                    kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD(sh->src.nb2 * sh->src.n_expert, 4096));
+                }
             }
         }
     }
@@ -122,6 +135,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
     ggml_init_params ip = { ggml_tensor_overhead() * (size_t) (VIS_T_COUNT * vm.layers.size() + 8), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     std::vector<std::array<ggml_tensor *, 4>> tens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
+    std::vector<std::array<ggml_tensor *, 4>> shtens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
     std::vector<int> buf_of(vm.layers.size(), -1);
     int ordinal = 0;  // buffers alternate over the streamable layers, whatever lies between them
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
@@ -144,9 +158,22 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
                 return;
             }
             tens[il][ti] = t;
+            if (const vis_shadow_tensor * sh = shadow_of(vm, L, ti)) {
+                // the layer's shadow tensor in the same block: a streamed ubatch that runs every routed expert from
+                // its shadow reads the shadow bytes (vis_moe_precision_stages_shadows)
+                const int64_t ne[4] = { sh->ne0, sh->ne1, sh->src.n_expert, 1 };
+                ggml_tensor * x = ggml_new_tensor(ctx, sh->type, GGML_MAX_DIMS, ne);
+                ggml_format_name(x, "vis_moe_stage_shadow-%d.%d", il, ti);
+                GGML_ASSERT(x->nb[2] == sh->src.nb2);
+                if (ggml_backend_tensor_alloc(blk.buf, x, blk.addr) != GGML_STATUS_SUCCESS) {
+                    ggml_free(ctx);
+                    return;
+                }
+                shtens[il][ti] = x;
+            }
         }
     }
-    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(buf_of));
+    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(shtens), std::move(buf_of));
     if (n_buf == 2 && !vm.fetch) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(std::max(1, s.tier.io_threads), s.tier.direct_io);
     }
@@ -171,27 +198,34 @@ bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool imag
     return true;
 }
 
-// the requests that read the given experts of layer il into its staging buffer
-static std::vector<vis_read_req> stage_reqs(const vis_moe_stager & st, const vis_moe_layer & L, int il,
-                                            const std::vector<int> & experts) {
-    std::vector<vis_read_req> reqs;
+// the requests that read the given experts of layer il (or their shadows) into its staging buffer
+std::vector<vis_read_req> vis_moe_stager::reqs(const vis_moe_layer & L, int il, const std::vector<int> & experts,
+                                               bool shadow) const {
+    std::vector<vis_read_req> out;
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-        ggml_tensor * t = st.weight(il, ti);
+        ggml_tensor * t = weight(il, ti, shadow);
         if (!t) {
             continue;
         }
+        const vis_deferred_tensor * src = shadow ? &L.shadow.src[ti]->src : L.file[ti];
         for (int e : experts) {
-            reqs.push_back({ L.file[ti], il, e, (char *) t->data + (size_t) e * t->nb[2] });
+            out.push_back({ src, il, e, (char *) t->data + (size_t) e * t->nb[2] });
         }
     }
-    return reqs;
+    return out;
+}
+
+// bytes of one expert of layer L as staged
+static int64_t staged_bytes(const vis_moe_layer & L, bool shadow) {
+    return shadow ? L.shadow.expert_bytes : L.expert_bytes;
 }
 
 void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
     if (ahead_layer < 0) {
         return;
     }
-    const int T = ahead_layer;
+    const int  T  = ahead_layer;
+    const bool sh = ahead_shadow;
     ahead_layer = -1;
     // reads not started yet are dropped: the layer's router has run, and what it needs is read below if missing
     for (const auto & j : vm.fetch->cancel_queued(T)) {
@@ -211,17 +245,19 @@ void vis_moe_stager::wait_ahead(vis_moe_context & vm, bool use) {
         for (const auto & r : j->reqs) {
             have[r.expert] = true;  // every tensor of a job's experts is in the job
         }
-        cnt.bytes += (int64_t) j->reqs.size() / n_parts[T] * vm.layers[T].expert_bytes;
+        cnt.bytes += (int64_t) j->reqs.size() / n_parts[T] * staged_bytes(vm.layers[T], sh);
     }
     if (!error.empty()) {
         throw vis_io_error("staged expert read failed: " + error +
                            " (check the disk and the model file; re-download or regenerate a damaged GGUF)");
     }
-    holds[buf_of[T]] = T;
+    holds[buf_of[T]] = 2 * T + (sh ? 1 : 0);
 }
 
-void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed) {
+void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed, bool ub_shadow) {
     vis_moe_layer & L = vm.layers[il];
+    const bool shadow = ub_shadow && has_shadow(il);
+    const int  key    = 2 * il + (shadow ? 1 : 0);
     if (!ubatch_started) {
         // the slab memory is about to hold staged experts: no slot may keep (or be given) an expert meanwhile
         ubatch_started = true;
@@ -235,9 +271,9 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector
         wait_ahead(vm, false);  // a read for another layer (never expected): finish it before its buffer is reused
     }
     const int b = buf_of[il];
-    if (holds[b] != il) {
+    if (holds[b] != key) {
         present[b].assign(L.n_expert, false);
-        holds[b] = il;
+        holds[b] = key;
     }
     // the routed experts not read ahead: now, in parallel (the I/O pool); and what this layer routed, for the order
     // of the next reads ahead of it
@@ -253,9 +289,9 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector
     if (!missing.empty()) {
         const int64_t t0 = now_us();
         vis_fetch_demand demand(vm.fetch.get());
-        vm.io->read(stage_reqs(*this, L, il, missing));
+        vm.io->read(reqs(L, il, missing, shadow));
         cnt.wait_us += now_us() - t0;
-        cnt.bytes += (int64_t) missing.size() * L.expert_bytes;
+        cnt.bytes += (int64_t) missing.size() * staged_bytes(L, shadow);
         for (int e : missing) {
             present[b][e] = true;
         }
@@ -290,10 +326,11 @@ void vis_moe_stager::begin_layer(vis_moe_context & vm, int il, const std::vector
         auto job = std::make_unique<vis_fetch_job>();
         job->il          = T;
         job->speculative = true;  // cancel_queued may drop it
-        job->reqs        = stage_reqs(*this, N, T, chunk);
+        job->reqs        = reqs(N, T, chunk, ub_shadow && has_shadow(T));
         vm.fetch->submit(std::move(job));
     }
-    ahead_layer = T;
+    ahead_layer  = T;
+    ahead_shadow = ub_shadow && has_shadow(T);
 }
 
 void vis_moe_stager::end_ubatch(vis_moe_context & vm) {

@@ -28,6 +28,7 @@
 // all of which were read for this layer; the result is upstream's, bit for bit.
 #pragma once
 
+#include "vis-moe-io-pool.h"
 #include "vis-moe-settings.h"
 
 #include "ggml.h"
@@ -44,20 +45,29 @@ class vis_moe_stager {
 public:
     // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffers;
     // buf_of: per layer, the buffer its tensors use (-1: not staged)
+    // shadow_tensors: per layer, the same blocks as the layer's shadow tensors (--moe-precision; empty arrays for a
+    // layer without shadows)
     vis_moe_stager(int n_buffers, ggml_context * ctx, std::vector<std::array<ggml_tensor *, 4>> tensors,
-                   std::vector<int> buf_of);
+                   std::vector<std::array<ggml_tensor *, 4>> shadow_tensors, std::vector<int> buf_of);
     ~vis_moe_stager();
     vis_moe_stager(const vis_moe_stager &) = delete;
     vis_moe_stager & operator=(const vis_moe_stager &) = delete;
 
     int n_buffers() const { return n_buf; }
-    // the staging tensor standing in for expert tensor ti of layer il (null: not staged)
-    ggml_tensor * weight(int il, int ti) const { return il < (int) tens.size() ? tens[il][ti] : nullptr; }
+    // the staging tensor standing in for expert tensor ti of layer il (null: not staged); shadow: the one of the
+    // layer's shadow tensor (the shadow type), in the same block
+    ggml_tensor * weight(int il, int ti, bool shadow = false) const {
+        const auto & t = shadow ? shtens : tens;
+        return il < (int) t.size() ? t[il][ti] : nullptr;
+    }
+    // can layer il stage its shadows (a streamed ubatch whose every routed expert runs from its shadow)
+    bool has_shadow(int il) const { return il < (int) shtens.size() && n_parts[il] > 0 && sh_parts[il] == n_parts[il]; }
 
     // the stream op of layer il (compute thread): slots emptied (first layer), layer il resident in its buffer,
     // the next layer's read started.  Throws vis_io_error on a failed read.
-    // routed: the distinct experts the ubatch routes at il
-    void begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed);
+    // routed: the distinct experts the ubatch routes at il; shadow: the ubatch reads shadows where a layer has them
+    // (vis_moe_precision_stages_shadows), the next layer's read ahead too
+    void begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed, bool shadow = false);
     // the ubatch ended: wait for a read in flight, forget the buffers (their memory is the slots' again)
     void end_ubatch(vis_moe_context & vm);
 
@@ -74,17 +84,21 @@ public:
 
 private:
     void wait_ahead(vis_moe_context & vm, bool use);
+    std::vector<vis_read_req> reqs(const vis_moe_layer & L, int il, const std::vector<int> & experts, bool shadow) const;
 
     int n_buf;
     ggml_context * ctx;
     std::vector<std::array<ggml_tensor *, 4>> tens;  // per layer (empty arrays for others)
+    std::vector<std::array<ggml_tensor *, 4>> shtens;  // per layer: the shadow tensors' stand-ins, same blocks
     std::vector<int> buf_of;                          // per layer: its buffer, -1 if not staged
     std::vector<int> n_parts;                         // per layer: expert tensors staged (reads per expert)
+    std::vector<int> sh_parts;                        // per layer: shadow tensors staged
     std::vector<std::vector<int64_t>> freq;           // per layer and expert: staged ubatches that routed it
     std::array<std::vector<bool>, 2> present;         // per buffer: experts of holds[b] read completely
     bool ubatch_started = false;   // the slots were emptied in this ubatch
-    std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds (read completely)
+    std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds, 2 il + 1 for its shadows
     int  ahead_layer = -1;         // the layer being read in the background (into buf_of[ahead_layer])
+    bool ahead_shadow = false;     // ... its shadows
     counters cnt;
 };
 

@@ -73,6 +73,7 @@ private:
     bool              managed = false;
     bool              stream  = false;  // this ubatch reads the layer's experts through the mapping (upstream graph)
     bool              staged  = false;  // ... into a staging buffer in the slabs instead (vis-moe-stage.h)
+    bool              staged_shadow = false;  // ... the layer's shadows (--moe-precision: every routed expert served)
     ggml_tensor     * stream_ids = nullptr;  // the stream op's output (the routed ids): the layer's matmuls follow it
     ggml_tensor     * ids_cont = nullptr;  // contiguous copy of the routed ids
     ggml_tensor     * weights  = nullptr;

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
+import pyvis.fixtures as fx
 from pyvis.runtime import moe
 from pyvis.runtime import shadow as sh
 from pyvis.runtime import trace as vtrace
@@ -125,7 +126,7 @@ def test_a_streamed_prompt_forgets_the_shadow_slots(fixture_dir, tmp_path, monke
 @pytest.mark.parametrize("name", list(ARCH_TYPE))
 def test_all_from_shadows_is_upstream_on_the_hybrid_model(shadows, name, monkeypatch):
     model, shadow, hybrid = shadows[name]
-    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "0")  # the prompt in passes, not streamed (streams read full experts)
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "0")  # the prompt in passes, not streamed (see the staged test below)
     ref, _ = _greedy(hybrid, extra_bufts=False)       # managed layers compute on the plain layout
     base, _ = _greedy(model, extra_bufts=False)
     assert not _same(ref, base)                        # the shadow changes the output: the check below is not vacuous
@@ -135,6 +136,27 @@ def test_all_from_shadows_is_upstream_on_the_hybrid_model(shadows, name, monkeyp
         assert _same(got, ref), (name, slots, shadow_slots)
         assert st["n_shadow"] == st["n_eligible"] > 0 and st["n_shadow_pairs"] > 0 and st["n_refetch"] == 0
         assert st["n_shadow_reads"] + st["n_shadow_hits"] == st["n_shadow"]
+
+
+@pytest.mark.parametrize("name", list(ARCH_TYPE))
+def test_all_staged_from_shadows_is_upstream_on_the_hybrid_model(shadows, name, monkeypatch):
+    """A prompt that streams, staged (vis-moe-stage.h), under --moe-precision all reads the layers' *shadows* into
+    the staging buffers: upstream's mul_mat_id on the shadow type, so the prompt and the decode steps after it (from
+    shadow slots) equal the hybrid model's logits bit for bit; the stats count every routed expert as served."""
+    model, shadow, hybrid = shadows[name]
+    spec = fx.FIXTURES[name]()
+    slots = min(spec.n_expert - 1, -(-2 * spec.n_expert // (spec.n_layer - spec.n_dense_lead)) + 1)
+    ref, _ = _greedy(hybrid, extra_bufts=False)
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")  # every prompt streams
+    monkeypatch.setenv("VIS_MOE_STREAM_STAGE", "on")
+    got, st = _greedy(model, extra_bufts=False, moe=MoeParams(slots=slots),
+                      prec=PrecisionParams(str(shadow), "all", prec_refetch=False))
+    assert _same(got, ref), name
+    assert st["n_shadow"] == st["n_eligible"] > 0 and st["n_shadow_pairs"] > 0
+    monkeypatch.setenv("VIS_MOE_PREC_VISION", "1")  # vision on a text prompt: staged in full precision, as upstream
+    got, st = _greedy(model, extra_bufts=False, moe=MoeParams(slots=slots),
+                      prec=PrecisionParams(str(shadow), "vision", prec_refetch=False))
+    assert _same(got, _greedy(model, extra_bufts=False)[0]) and st["n_shadow"] == 0
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
@@ -210,16 +232,21 @@ def _prec_table(text):
                 refetch=int(g[7]), vision=int(g[9]))
 
 
-def test_image_prompt_all_from_shadows_is_the_hybrid(bindir, fixture_dir, vlm_shadow, tmp_path):
+@pytest.mark.parametrize("stream", ["passes", "staged"])
+def test_image_prompt_all_from_shadows_is_the_hybrid(bindir, fixture_dir, vlm_shadow, tmp_path, stream):
+    """passes: every ubatch in passes from shadow slots; staged: every prompt ubatch (the image's too) streams,
+    staged from the layers' shadows (12 slots of 16 and as many shadow slots: the slabs hold two layers)."""
     model, shadow, hybrid = vlm_shadow
-    env = {"VIS_MOE_STREAM_PASSES": "0"}
+    env = {"VIS_MOE_STREAM_PASSES": "0"} if stream == "passes" else {"VIS_MOE_STREAM_PASSES": "1"}
+    slots = "4" if stream == "passes" else "12"
     ref = _mtmd(bindir, fixture_dir, hybrid, "-nr", "--moe-trace", tmp_path / "ref.trace")
-    got = _mtmd(bindir, fixture_dir, model, "--moe-slots", "4", "--moe-shadow", shadow, "--moe-precision", "all",
+    got = _mtmd(bindir, fixture_dir, model, "--moe-slots", slots, "--moe-shadow", shadow, "--moe-precision", "all",
                 "--moe-prec-refetch", "off", "--moe-stats", "--moe-trace", tmp_path / "got.trace", env=env)
     assert ref.returncode == 0 and got.returncode == 0, got.stderr[-3000:]
     a, b = vtrace.read(tmp_path / "ref.trace"), vtrace.read(tmp_path / "got.trace")
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights.view(np.uint32), b.weights.view(np.uint32))
     assert got.stdout == ref.stdout
+    assert ("vis-moe: staged streaming:" in got.stderr) == (stream == "staged"), got.stderr[-3000:]
 
 
 def test_vision_policy_serves_image_misses(bindir, fixture_dir, vlm_shadow):
@@ -232,6 +259,12 @@ def test_vision_policy_serves_image_misses(bindir, fixture_dir, vlm_shadow):
     # libmtmd decodes an image in ubatches of their own: all image tokens, so even a threshold of 1 is met
     r1 = _mtmd(bindir, fixture_dir, model, *common, "--moe-precision", "vision", "--moe-prec-vision", "1")
     assert r1.returncode == 0 and _prec_table(r1.stderr)["vision"] == t["vision"]
+    # an image ubatch that streams is staged from the shadows: every routed expert of a layer is a served miss
+    env = {"VIS_MOE_STREAM_PASSES": "1"}
+    r2 = _mtmd(bindir, fixture_dir, model, *common[2:], "--moe-slots", "12", "--moe-precision", "vision", env=env)
+    assert r2.returncode == 0 and "vis-moe: staged streaming:" in r2.stderr, r2.stderr[-3000:]
+    t2 = _prec_table(r2.stderr)
+    assert t2["vision"] > 0 and t2["shadow"] == t2["eligible"] == t2["reads"] > 0 and t2["pairs"] > t2["shadow"]
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
