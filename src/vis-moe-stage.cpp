@@ -132,7 +132,8 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
         }
         return;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * (size_t) (VIS_T_COUNT * vm.layers.size() + 8), nullptr, true };
+    // the expert tensors of every layer and their shadows
+    ggml_init_params ip = { ggml_tensor_overhead() * (size_t) (2 * VIS_T_COUNT * vm.layers.size() + 8), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     std::vector<std::array<ggml_tensor *, 4>> tens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
     std::vector<std::array<ggml_tensor *, 4>> shtens(vm.layers.size(), std::array<ggml_tensor *, 4>{});
