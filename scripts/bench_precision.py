@@ -14,8 +14,10 @@ For every budget (a fraction of the model file's bytes), every round and every c
 
     exact             (none)
     exact-passes      --moe-stream-passes 64
+    exact-stream      --moe-stream-passes 1   (every prompt ubatch that needs two passes streams, staged)
     precision         --moe-shadow SHADOW --moe-precision vision
     precision-passes  --moe-shadow SHADOW --moe-precision vision --moe-stream-passes 64
+    precision-stream  --moe-shadow SHADOW --moe-precision vision --moe-stream-passes 1
     capacity          --moe-capacity auto
     both              --moe-shadow SHADOW --moe-precision vision --moe-capacity auto
 
@@ -62,11 +64,14 @@ def configs(shadow: str) -> dict[str, tuple[str, list[str]]]:
     prec = ["--moe-shadow", shadow, "--moe-precision", "vision"]
     cap = ["--moe-capacity", "auto"]
     passes = ["--moe-stream-passes", "64"]
+    stream = ["--moe-stream-passes", "1"]
     return {
         "exact": ("mtmd", []),
         "exact-passes": ("mtmd", passes),
+        "exact-stream": ("mtmd", stream),
         "precision": ("mtmd", prec),
         "precision-passes": ("mtmd", prec + passes),
+        "precision-stream": ("mtmd", prec + stream),
         "capacity": ("mtmd", cap),
         "both": ("mtmd", prec + cap),
         "chat-exact": ("chat", []),
