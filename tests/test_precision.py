@@ -159,6 +159,21 @@ def test_all_staged_from_shadows_is_upstream_on_the_hybrid_model(shadows, name, 
     assert _same(got, _greedy(model, extra_bufts=False)[0]) and st["n_shadow"] == 0
 
 
+def test_staging_shadows_of_a_deep_model(tmp_path, monkeypatch):
+    """Sixteen layers: the staging context holds every layer's expert tensors and their shadows' stand-ins (it
+    once held only the former, and a 16-layer model aborted at load); staged from shadows, still the hybrid."""
+    import dataclasses
+    spec = dataclasses.replace(fx.FIXTURES["qwen3moe"](), name="qwen3moe-16L", n_layer=16)
+    model = tmp_path / "deep.gguf"
+    fx.write_model(spec, model)
+    shadow = sh.write_shadow(model, "Q4_0", tmp_path / "deep.shadow.gguf", threads=2)["path"]
+    ref, _ = _greedy(sh.write_hybrid(model, shadow, tmp_path / "deep.hybrid.gguf"), extra_bufts=False, n_decode=2)
+    monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")
+    got, st = _greedy(model, extra_bufts=False, moe=MoeParams(slots=8), n_decode=2,
+                      prec=PrecisionParams(str(shadow), "all", prec_refetch=False))
+    assert _same(got, ref) and st["n_shadow_reads"] > 0
+
+
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2"])
 def test_off_and_vision_on_text_are_byte_identical(shadows, name):
     model, shadow, _ = shadows[name]
