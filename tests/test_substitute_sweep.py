@@ -10,6 +10,7 @@ import pytest
 import pyvis  # noqa: F401
 from pyvis.testbed import corpus
 from pyvis.testbed import substitute_sweep as sw
+from pyvis.testbed import sweep_precision as sp
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "testbed" / "test" / "tiny-shared16-3L.gguf"
@@ -248,3 +249,257 @@ def test_cli_errors(capsys):
     assert "model not found" in capsys.readouterr().err
     assert main(["substitute-sweep", "--point", "shared+16@4", "--config", "router:zzz=1"]) == 1
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# precision rules (prec:RULE[:KEY=VALUE,...]; docs/precision-study.md)
+# --------------------------------------------------------------------------
+# the tables of a --moe-precision gate run (layers cut to two), as llama-perplexity prints them; the attach-time
+# log line ("precision (lossy)") is not a table
+PREC_OUT = """vis-moe: precision (lossy): --moe-precision gate, vision share >= 0.5, gate < 1; 8 shadow slots per managed layer (3.80 MiB of q4_0 slabs); full-precision refetch on
+0.00.552.566 I perplexity: calculating perplexity over 1 chunks, n_ctx=256, batch_size=256, n_seq=1
+0.13.230.100 I Final estimate: PPL = 23.5466 +/- 5.96765
+vis-moe: expert cache stats (2 managed layers)
+vis-moe: layer  slots     routed       hits     misses     hit%   MiB loaded   stall ms   passes
+vis-moe:     1      8       1964       1109        855    56.5%       360.70     296.80      258
+vis-moe:     2      8       1934       1088        846    56.3%       356.91     271.69      258
+vis-moe: total              3898       2197       1701    56.4%       717.61     568.49      516
+vis-moe: precision (--moe-precision gate, q4_0 shadows): misses served from shadow experts
+vis-moe: layer  eligibl   shadow    pairs  sh hits sh reads   MiB read  MiB saved  refetch  stall ms  vision
+vis-moe:     1      100      100      100       64       36       2.14      40.05      100     10.18       0
+vis-moe:     2      130      130      130       68       62       3.68      51.17      130     14.00       0
+vis-moe: total      230      230      230      132       98       5.82      91.22      230     24.18       0
+vis-moe: precision: 230 of 230 eligible misses ran from shadows (230 pairs); 91.22 MiB of full-precision reads left off the critical path
+vis-moe: tiers: slab hits 2197 | host-cache hits 0 | file reads 1701 (717.61 MiB payload, 740.00 MiB from storage with O_DIRECT, 0.50 s waiting, 1435 MiB/s) | model copies 0
+"""
+
+
+def test_parse_prec_config():
+    c = sw.parse_config("prec:gate=0.05:type=Q8_0")
+    assert isinstance(c, sw.PrecConfig) and (c.mode, c.rule, c.type, c.options) == ("prec", "gate", "Q8_0",
+                                                                                     {"gate": "0.05"})
+    assert not c.needs_profile() and c.side_key(sw.Point("m", "m.gguf", 8)) == ("shadow", "m.gguf", "Q8_0")
+    assert c.flags(8, "S.gguf") == ["--moe-substitute", "off", "--moe-shadow", "S.gguf", "--moe-precision", "gate",
+                                    "--moe-prec-gate", "0.05"]
+    # gate without a value: the runtime's default threshold, passed explicitly; all has no threshold
+    g = sw.parse_config("prec:gate:type=q4_0")
+    assert g.type == "Q4_0" and g.flags(4, "S")[-2:] == ["--moe-prec-gate", "0.1"]
+    assert sw.parse_config("prec:all:type=Q4_0").flags(4, "S") == [
+        "--moe-substitute", "off", "--moe-shadow", "S", "--moe-precision", "all"]
+    assert sw.parse_config("prec:all:type=Q4_0,refetch=off,slots=4").flags(4, "S")[-4:] == [
+        "--moe-shadow-slots", "4", "--moe-prec-refetch", "off"]
+    assert sw.parse_config("prec:auto:type=IQ4_NL,gate=0.2,target=0.1,vision=0.5").flags(4, "S")[4:] == [
+        "--moe-precision", "auto", "--moe-prec-gate", "0.2", "--moe-prec-target", "0.1", "--moe-prec-vision", "0.5"]
+    assert sw.is_prec("prec:all:type=Q4_0") and not sw.is_prec("router") and not sw.is_prec(sw.parse_config("off"))
+    with pytest.raises(sw.SweepError, match="shadow"):
+        sw.parse_config("prec:all:type=Q4_0").flags(4)
+    # strict: every part is checked, and the message names it
+    for bad, msg in (("prec", "prec:RULE"), ("prec:", "prec:RULE"), ("prec:fast:type=Q4_0", "one of all, vision"),
+                     ("prec:all", "type=T"), ("prec:gate=0.1", "type=T"), ("prec:all:type=F16", "quantized"),
+                     ("prec:all:type=Q9_9", "quantized"), ("prec:gate=1.5:type=Q4_0", "0..1"),
+                     ("prec:gate=x:type=Q4_0", "0..1"), ("prec:all=0.1:type=Q4_0", "only gate"),
+                     ("prec:all:type=Q4_0,type=Q8_0", "twice"), ("prec:all:type=Q4_0,foo=1", "KEY=VALUE"),
+                     ("prec:all:type", "KEY=VALUE"), ("prec:all:type=Q4_0:x", "prec:RULE"),
+                     ("prec:gate=0.1:type=Q4_0,gate=0.2", "gate is given twice"),
+                     ("prec:gate:type=Q4_0,gate=0.2", "gate key is for auto"),
+                     ("prec:all:type=Q4_0,target=0.2", "auto rule only"), ("prec:gate:type=Q4_0,vision=0.5", "vision"),
+                     ("prec:all:type=Q4_0,slots=0", "slots"), ("prec:all:type=Q4_0,refetch=yes", "refetch"),
+                     ("precision:all", "mode must be one of")):
+        with pytest.raises(sw.SweepError, match=msg):
+            sw.parse_config(bad)
+
+
+def test_parse_prec_stats():
+    r = sw.parse_stats(PREC_OUT)
+    assert r["cache"]["misses"] == 1701 and r["cache"]["mib_loaded"] == pytest.approx(717.61)
+    assert r["prec"] == {"eligible": 230, "shadow": 230, "pairs": 230, "sh_hits": 132, "sh_reads": 98,
+                         "mib_read": 5.82, "mib_saved": 91.22, "refetch": 230, "stall_ms": 24.18, "vision": 0,
+                         "mode": "gate", "type": "Q4_0"}
+    assert "sub" not in r and r["tiers"]["file_reads"] == 1701
+    # auto: the controller's share and switches from the summary line
+    auto = PREC_OUT.replace("--moe-precision gate, q4_0", "--moe-precision auto, q4_0").replace(
+        "off the critical path\n", "off the critical path; controller: share 25 %, 7 switches\n")
+    a = sw.parse_stats(auto)["prec"]
+    assert (a["mode"], a["share_pct"], a["switches"]) == ("auto", 25, 7)
+    # a column the parser does not know keeps its heading as its name; a row that does not fit is an error
+    more = PREC_OUT.replace("stall ms  vision", "stall ms  vision  extra").replace(
+        "24.18       0\n", "24.18       0  9\n")
+    assert sw.parse_stats(more)["prec"]["extra"] == 9
+    with pytest.raises(sw.SweepError, match="precision total row has 11 values for 10 columns"):
+        sw.parse_stats(PREC_OUT.replace("24.18       0\n", "24.18       0  9\n"))
+    # the share of the misses from shadows: shadow-served experts are not in the cache table
+    f = sp.prec_fields(r)
+    assert f["shadow_share"] == pytest.approx(230 / (230 + 1701)) and f["refetch_mib"] == pytest.approx(
+        230 * 717.61 / 1701)
+    assert f["shadow_use_share"] == pytest.approx(230 / (230 + 3898))
+    assert sp.prec_fields(sw.parse_stats(STATS_OFF)) == {}
+
+
+def test_parse_kld_identical_run():
+    """A rule that never fires gives the base's logits: llama-perplexity prints the paired uncertainties as nan or
+    -nan (a variance of differences that rounds below 0); they read as 0, not as a failed run."""
+    from pyvis.testbed import quality
+    out = ("Mean PPL(Q)                   :  22.205100 ±   0.610000\n"
+           "Mean PPL(base)                :  22.205100 ±   0.610000\n"
+           "Mean ln(PPL(Q)/PPL(base))     :   0.000000 ±       -nan\n"
+           "Mean PPL(Q)/PPL(base)         :   1.000000 ±       -nan\n"
+           "Mean PPL(Q)-PPL(base)         :   0.000000 ±        nan\n"
+           "Mean    KLD:   0.000000 ±   0.000000\nMaximum KLD:   0.000000\n99.0%   KLD:   0.000000\n"
+           "Median  KLD:   0.000000\nSame top p: 100.000 ±  0.000 %\n")
+    r = quality.parse_kld(out)
+    assert (r["ppl_ratio"], r["ppl_ratio_err"], r["kld"], r["same_top"]) == (1.0, 0.0, 0.0, 1.0)
+    r = quality.parse_kld(out.replace("-nan", "0.012000"))
+    assert r["ppl_ratio_err"] == 0.012
+    with pytest.raises(quality.QualityError, match="ppl_ratio"):
+        quality.parse_kld(out.replace("-nan", "inf"))
+
+
+def test_prec_table_and_recommendation():
+    res = _res({"off": (0.0, 10.0), "prec:all:type=Q4_0": (3.0, 20.0), "prec:gate=0.1:type=Q4_0": (0.5, 12.0)})
+    for c, served, misses in (("off", None, 10), ("prec:all:type=Q4_0", 30, 0), ("prec:gate=0.1:type=Q4_0", 5, 15)):
+        for kind in ("quality|c256x16|heldout", "speed|c256x1|t2"):
+            run = res["runs"][f"m@4/S8|{c}|{kind}"]
+            run.pop("sub", None)
+            run["cache"].update(misses=misses, mib_loaded=2.0 * misses, stall_ms=2.0)
+            if served is not None:
+                run["prec"] = {"eligible": served, "shadow": served, "pairs": served, "mib_read": 0.25 * served,
+                               "mib_saved": 1.75 * served, "refetch": served, "stall_ms": 1.0, "mode": "gate"}
+    res["shadows"] = {"m.gguf|Q4_0": {"model_mib": 64.0, "layers": 2, "type": "Q4_0"}}   # 2 MiB per expert
+    rows = {r["config"]: r for r in sw.table_rows(res)}
+    assert rows["off"]["avoided_share"] == 0.0 and "shadow_share" not in rows["off"]
+    a, g = rows["prec:all:type=Q4_0"], rows["prec:gate=0.1:type=Q4_0"]
+    assert a["shadow_share"] == 1.0 and g["shadow_share"] == pytest.approx(0.25) and g["avoided_share"] == 0.25
+    assert a["bg_mib"] == pytest.approx(60.0) and a["shadow_mib"] == pytest.approx(7.5) and a["stall_ms"] == 3.0
+    assert a["speedup"] == 2.0 and g["ppl_ratio"] is None
+    rec = sw.recommend(res)
+    assert rec["best"] == "prec:gate=0.1:type=Q4_0"
+    assert next(c for c in rec["candidates"] if c["config"] == rec["best"])["avoided_share_mean"] == 0.25
+    md = sw.format_table(res)
+    assert "| PPL ratio |" in md and "misses avoided (from shadows / substituted)" in md
+    assert "| `prec:all:type=Q4_0` | 10.3000 | 1.0300 | +3.00 |" in md and "| 0 + 8 sh + 60 |" in md
+    assert "25.0 % of misses from shadows" in md
+    # a substitution-only sweep keeps its table as it was
+    assert "| substituted |" in sw.format_table(_res({"off": (0.0, 10.0), "router": (3.0, 20.0)}))
+
+
+def test_prec_plots(tmp_path):
+    import matplotlib.image as mpimg
+    res = _res({"off": (0.0, 10.0), "prec:all:type=Q4_0": (3.0, 20.0), "router": (1.0, 15.0)})
+    # 10 experts from shadows next to the quality run's 10 full-precision misses
+    res["runs"]["m@4/S8|prec:all:type=Q4_0|quality|c256x16|heldout"]["prec"] = {"shadow": 10, "refetch": 0}
+    res["table"] = sw.table_rows(res)
+    assert {r["config"]: r["avoided_share"] for r in res["table"]} == {
+        "off": 0.0, "prec:all:type=Q4_0": 0.5, "router": 0.5}
+    paths = sw.write_outputs(res, tmp_path, "p")
+    for k in ("png", "png_avoided", "png_kld"):
+        assert mpimg.imread(paths[k]).shape[0] > 100
+
+
+@pytest.fixture(scope="module")
+def prec_sweep(tmp_path_factory):
+    """One sweep on the tiny model (off, all and a gate rule, -t 1) that the precision tests share: the Q4_0 shadow
+    is made once (by the sweep, staged with the model).  The counts checked are deterministic: a background refetch
+    is collected, waiting if it must, before the layer's next ubatch is planned, so load changes only times."""
+    if not TINY.is_file():
+        pytest.skip("tiny testbed model not built")
+    tmp = tmp_path_factory.mktemp("prec-sweep")
+    text = tmp / "heldout.txt"
+    text.write_text(corpus.heldout().text[:6_000])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VIS_KLD_DIR", str(tmp / "kld"))
+        mp.setenv("VIS_SHADOW_DIR", str(tmp / "sh"))
+        settings = sw.expand([sw.Point("tiny", str(TINY), 4)], [0.5])
+        configs = [sw.parse_config(c) for c in ("off", "prec:all:type=Q4_0", "prec:gate=0.1:type=Q4_0")]
+        o = sw.Options(text=str(text), ctx=256, chunks=1, speed_ctx=64, speed_chunks=1, threads=1,
+                       stage=str(tmp / "stage"))
+        res = sw.sweep(settings, configs, o, tmp / "r.json", progress=None)
+    return tmp, text, res
+
+
+def test_shadow_cache(prec_sweep, tmp_path, monkeypatch):
+    """The cache of ensure_shadow: reuse, a damaged file moved aside and written again, the writer's refusal."""
+    import shutil
+    from pyvis.runtime import shadow as sh
+    made = prec_sweep[0] / "sh" / "tiny-shared16-3L.shadow-Q4_0.gguf"     # written by the sweep
+    monkeypatch.setenv("VIS_SHADOW_DIR", str(tmp_path / "sh"))
+    f = sp.shadow_path(str(TINY), "Q4_0")
+    assert f == tmp_path / "sh" / "tiny-shared16-3L.shadow-Q4_0.gguf"
+    f.parent.mkdir()
+    shutil.copy2(made, f)
+    f2, info = sp.ensure_shadow(str(TINY), "Q4_0", 1)
+    assert f2 == f and not info["made"] and 0.1 < info["ratio"] < 0.2     # reused
+    # a damaged file is moved aside and written again (the writer itself: tests/test_shadow.py; here it copies
+    # the good file, which ensure_shadow then reads back as a shadow of the model)
+    f.write_bytes(b"not a gguf")
+    calls = []
+    with monkeypatch.context() as mp:
+        mp.setattr(sh, "write_shadow", lambda model, t, out, *a: calls.append((model, t)) or shutil.copy(made, out))
+        assert sp.ensure_shadow(str(TINY), "Q4_0", 1)[1]["made"] and calls == [(str(TINY), "Q4_0")]
+    assert f.with_name(f.name + ".bad").read_bytes() == b"not a gguf" and f.read_bytes() == made.read_bytes()
+    # the writer's refusal, as a SweepError: rows of 576 values do not fit 256-value blocks
+    with pytest.raises(sw.SweepError, match=r"no Q2_K shadow of tiny-shared16-3L.gguf: .*576 % 256 = 64"):
+        sp.ensure_shadow(str(TINY), "Q2_K", 1)
+    with pytest.raises(sw.SweepError, match="model not found"):
+        sp.ensure_shadow(str(tmp_path / "none.gguf"), "Q4_0")
+    s = sw.expand([sw.Point("tiny", str(TINY), 4)], [0.5], {str(TINY): 16})[0]
+    a = " ".join(sw.run_args(s, sw.parse_config("prec:gate=0.05:type=Q4_0"), 256, 1, "file", str(f)))
+    assert a.endswith(f"--moe-substitute off --moe-shadow {f} --moe-precision gate --moe-prec-gate 0.05")
+
+
+def test_prec_end_to_end_tiny(prec_sweep):
+    """off, all and a gate rule on the tiny model: the shadow is made once (staged with the model), all serves
+    every miss from it and differs from exact, gate at 0.1 never fires on the testbed (every selected expert
+    weighs 1 +- 1e-4, so its share of the token's gate weight is 1/k = 0.25) and equals exact."""
+    tmp, text, res = prec_sweep
+    assert {k: r["error"] for k, r in res["runs"].items() if "error" in r} == {}
+    assert res["shadows"][f"{TINY}|Q4_0"]["made"] and (tmp / "stage" / "tiny-shared16-3L.shadow-Q4_0.gguf").is_file()
+    rows = {r["config"]: r for r in res["table"]}
+    a, g = rows["prec:all:type=Q4_0"], rows["prec:gate=0.1:type=Q4_0"]
+    q = res["runs"][f"{TINY}@4/S8|prec:all:type=Q4_0|quality|c256x1|{text}"]
+    # all: every miss ran from the shadow (none left in the cache table), each queued for a refetch
+    assert q["cache"]["misses"] == 0 and q["prec"]["shadow"] == q["prec"]["eligible"] == q["prec"]["refetch"] > 0
+    assert a["shadow_share"] == 1.0 and a["kld"] > 1e-4 and a["tok_s"] > 0 and a["shadow_mib"] > 0
+    assert g["shadow_share"] == 0.0 and g["eligible_q"] == 0 and g["kld"] < 1e-6
+    assert "--moe-precision all" in q["command"] and "/stage/" in q["command"]
+    speed = res["runs"][f"{TINY}@4/S8|prec:all:type=Q4_0|speed|c64x1|t1"]
+    assert str(tmp / "sh") in speed["command"]             # the speed run reads the original shadow
+    assert speed["cache"]["misses"] == 0 and speed["prec"]["shadow"] > 0
+
+
+def test_run_loads_the_libraries_beside_the_binary(tmp_path, monkeypatch):
+    """llama-perplexity's RUNPATH is the build tree it was linked in: a copied build (VIS_LIB_DIR) must load its
+    own libraries (LD_LIBRARY_PATH), not those a concurrent rebuild rewrites (then: exit 127 from the loader, the
+    cause on the error's first line, which is all a sweep keeps)."""
+    from pyvis.testbed import quality
+    tool = tmp_path / "bin" / "llama-perplexity"
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\necho "LD=$LD_LIBRARY_PATH"\n[ -z "$FAIL" ] || { echo "ld.so: cannot open libllama.so.0" >&2; '
+                    'exit 127; }\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/elsewhere:{tool.parent}")
+    out, _ = quality._run([str(tool)], 10)
+    assert out.strip() == f"LD={tool.parent}:/elsewhere"
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(quality.QualityError) as e:
+        quality._run([str(tool)], 10)
+    assert str(e.value).splitlines()[0].startswith("llama-perplexity failed (exit 127: ld.so: cannot open libllama")
+
+
+def test_speed_repeats():
+    """--speed-repeats N: the median try (by tok/s) is kept with every try's tok/s; its own row key."""
+    m = sw._median_try([{"tok_s": 5.0}, {"error": "x"}, {"tok_s": 9.0}, {"tok_s": 7.0}])
+    assert (m["tok_s"], m["tok_s_tries"], m["tries"], m["failed_tries"]) == (7.0, [5.0, 9.0, 7.0], 4, 1)
+    assert sw._median_try([{"tok_s": 5.0}, {"tok_s": 9.0}])["tok_s"] == 9.0
+    assert "error" in sw._median_try([{"error": "x"}])
+    # --resume keeps finished runs of the same build: not failed ones, not the partial median of a cut-off pass
+    prev = {"runs": {"a": {"build": "B", "tok_s": 1.0}, "p": {"build": "B", "tok_s": 2.0, "partial": True},
+                     "e": {"build": "B", "error": "x"}, "o": {"build": "other", "tok_s": 3.0}}}
+    assert list(sw._kept_runs(prev, "B")) == ["a"] and sw._kept_runs(None, "B") == {}
+    s = sw.Setting(sw.Point("m", "m.gguf", 4), 16, 0.5, 8)
+    assert sw._row_key(s, sw.parse_config("off"), "speed", sw.Options(threads=1)).endswith("|speed|c256x1|t1")
+    assert sw._row_key(s, sw.parse_config("off"), "speed", sw.Options(threads=1, speed_repeats=3)).endswith("|t1|r3")
+    res = _res({"off": (0.0, 10.0), "router": (3.0, 20.0)})
+    res["options"]["speed_repeats"] = 3
+    res["runs"] = {(k + "|r3" if "|speed|" in k else k): v for k, v in res["runs"].items()}
+    assert [r["speedup"] for r in sw.table_rows(res)] == [1.0, 2.0]
+    assert "median of 3 tries" in sw.format_table(res)

@@ -82,6 +82,11 @@ def _base_args(cfg: Config, ctx: int, threads: int | None, batch: int | None) ->
 def _run(args: list[str], timeout: float | None) -> tuple[str, float]:
     env = dict(os.environ)
     env.setdefault("LLAMA_LOG_COLORS", "0")
+    # the tools' RUNPATH names the build tree they were linked in (build/bin): a copied build (VIS_LIB_DIR) would
+    # load that tree's libraries, other numerics, or none at all (exit 127) while a rebuild rewrites them
+    bin_dir = str(Path(args[0]).resolve().parent)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([bin_dir] + [d for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+                                                          if d and d != bin_dir])
     t0 = time.monotonic()
     try:
         p = subprocess.run(args, capture_output=True, text=True, errors="surrogateescape", timeout=timeout,
@@ -91,7 +96,10 @@ def _run(args: list[str], timeout: float | None) -> tuple[str, float]:
     dt = time.monotonic() - t0
     out = p.stdout + p.stderr
     if p.returncode != 0:
-        raise QualityError(f"llama-perplexity failed (exit {p.returncode}): {' '.join(args)}\n{out[-3000:]}")
+        # the last line of output (usually the cause) goes on the first line: sweeps keep only that one
+        last = next((ln.strip() for ln in reversed(out.splitlines()) if ln.strip()), "no output")
+        raise QualityError(f"llama-perplexity failed (exit {p.returncode}: {last[:300]}): {' '.join(args)}\n"
+                           f"{out[-3000:]}")
     return out, dt
 
 
@@ -120,6 +128,9 @@ def parse_kld(out: str) -> dict:
         "same_top": r"Same top p:\s*" + _NUM + r"\s*±\s*" + _NUM,
         "ppl_ratio": r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*" + _NUM + r"\s*±\s*" + _NUM,
     }
+    # a run equal to its base (e.g. a lossy rule that never fired) prints its paired uncertainties as nan or -nan:
+    # sqrt of a variance of differences that rounds below 0; they are 0
+    pats = {k: p.replace(r"±\s*" + _NUM, r"±\s*(" + _NUM[1:-1] + r"|[-+]?nan)") for k, p in pats.items()}
     res = {}
     for k, p in pats.items():
         m = re.search(p, out)
@@ -127,7 +138,7 @@ def parse_kld(out: str) -> dict:
             raise QualityError(f"could not find {k} in llama-perplexity's KL output:\n" + out[-2000:])
         res[k] = float(m.group(1))
         if m.lastindex and m.lastindex >= 2:
-            res[k + "_err"] = float(m.group(2))
+            res[k + "_err"] = 0.0 if "nan" in m.group(2) else float(m.group(2))
     res["same_top"] /= 100.0
     res["same_top_err"] /= 100.0
     m = re.search(r"computing over (\d+) chunks", out)

@@ -2,7 +2,9 @@
 
 A *point* is a model at a top-k (``MODEL@K``: a testbed preset or a GGUF path); a *setting* is a point at a
 cache size (``--moe-slots S``, S = round(fraction * n_expert)); a *configuration* is a substitution rule
-(``off``, ``router``, ``buddy`` with gate options, see :func:`parse_config`).  For every setting:
+(``off``, ``router``, ``buddy`` with gate options, see :func:`parse_config`) or a precision rule
+(``prec:all:type=Q4_0``, ``prec:gate=0.1:type=Q4_0``: a miss runs from a low-bit shadow of the expert,
+:mod:`pyvis.testbed.sweep_precision`).  For every setting:
 
 1. **Exact reference.** ``llama-perplexity --kl-divergence-base`` of the exact run (``--moe-substitute off``)
    at that k and slot count, in the decode regime (``-ub 1 -b CTX``: every ubatch one token, which is what
@@ -21,25 +23,23 @@ cache size (``--moe-slots S``, S = round(fraction * n_expert)); a *configuration
 
 ``buddy`` and ``tae=pN`` need a buddy profile of the model at that k: made once per (model, k) from a
 ``--moe-trace`` run over the calibration text (never the held-out text), with ``pyvis calibrate buddies
---trace``, cached under ``models/testbed/profiles/``.
+--trace``, cached under ``models/testbed/profiles/``.  A precision rule needs the shadow of the model in its type:
+made once per (model, type) with ``pyvis shadow``'s writer, cached under ``models/testbed/shadows/``.
 
 Output (``-o DIR``): ``NAME.json`` (every run, written after each one; ``--resume`` reuses its runs),
 ``NAME.md`` (the table) and ``NAME.png`` (Pareto: decode tok/s against PPL cost, one panel per setting;
-``NAME-avoided.png``: share of misses that got a stand-in against PPL cost; ``NAME-kld.png``: tok/s against
-mean KLD).
+``NAME-avoided.png``: share of misses that got a stand-in or ran from a shadow against PPL cost;
+``NAME-kld.png``: tok/s against mean KLD).  The runs themselves: :mod:`pyvis.testbed.sweep_runs`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import quality
 from .quality import QualityError
 from .sweep_parse import (CACHE_FIELDS, SUB_FIELDS, SUB_HEADINGS, SweepError, parse_eval_seconds,  # noqa: F401
                           parse_stats, parse_tiers)
@@ -48,119 +48,8 @@ from .sweep_grid import (CONFIG_KEYS, DEFAULT_CONFIGS, DEFAULT_FRACTIONS, DEFAUL
                          Point, Setting, SubConfig, _cmdline, _overrides, check_scored, expand, n_expert_of,
                          parse_config, parse_point, resolve_model, run_args, slots_for)
 from .sweep_profiles import ensure_profile, profile_dir, profile_summary  # noqa: F401
-
-
-# --------------------------------------------------------------------------
-# runs
-# --------------------------------------------------------------------------
-_BUILD_LIBS = ("libllama.so", "libggml-base.so", "libggml-cpu.so", "libllama-common.so", "libllama-perplexity-impl.so")
-_build_ids: dict = {}
-
-
-def build_id() -> str:
-    """sha256 (16 hex digits) of the native libraries llama-perplexity runs with: a rebuild with other numerics
-    must not reuse a cached reference."""
-    from .. import _paths
-    d = _paths.lib_dir()
-    files = [d / n for n in _BUILD_LIBS if (d / n).is_file()]
-    sig = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    if sig not in _build_ids:
-        h = hashlib.sha256()
-        for f in files:
-            h.update(f.name.encode())
-            h.update(f.resolve().read_bytes())
-        _build_ids[sig] = h.hexdigest()[:16]
-    return _build_ids[sig]
-
-
-def _ref_key(setting: Setting, ctx: int, chunks: int | None, text_sha: str) -> str:
-    p = Path(setting.point.model)
-    st = p.stat()
-    return hashlib.sha256(json.dumps([str(p.resolve()), st.st_size, int(st.st_mtime), "sweep-ref", setting.slots,
-                                      setting.point.k, ctx, chunks, text_sha, build_id()]).encode()).hexdigest()[:16]
-
-
-def reference(setting: Setting, text: str, ctx: int, chunks: int | None, threads: int | None,
-              timeout: float | None, progress=None, store: str = "file") -> tuple[Path, dict, bool]:
-    """The exact run's log-probabilities (cached); returns (file, its result, whether it was cached)."""
-    f, sha = quality._text_file(text)
-    key = _ref_key(setting, ctx, chunks, sha + store)
-    d = quality.kld_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    stem = f"{Path(setting.point.model).stem}-k{setting.point.k}-S{setting.slots}-ub1-{key}"
-    base, meta = d / f"{stem}.kld", d / f"{stem}.json"
-    if base.is_file() and meta.is_file():
-        return base, json.loads(meta.read_text()), True
-    a = run_args(setting, parse_config("off"), ctx, threads, store)
-    a += ["-f", str(f), "--kl-divergence-base", str(base) + ".part"]
-    if chunks:
-        a += ["--chunks", str(chunks)]
-    out, dt = quality._run(a, timeout)
-    r = quality.parse_ppl(out)
-    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out, dt), text_sha256=sha, ctx=ctx, command=_cmdline(a))
-    r.update(parse_stats(out))
-    os.replace(str(base) + ".part", base)
-    meta.write_text(json.dumps(r) + "\n")
-    return base, r, False
-
-
-_stage_lock = __import__("threading").Lock()
-
-
-def stage_model(model: str, stage_dir: str | Path) -> str:
-    """A copy of the model in stage_dir (a tmpfs such as /dev/shm): file-store reads from it are memory
-    copies, with the file store's semantics (background reads of substituted-away experts). Reused while
-    its size and mtime match."""
-    import shutil
-    src = Path(model)
-    dst = Path(stage_dir) / src.name
-    st = src.stat()
-    with _stage_lock:      # the quality pool's threads stage the same model at once
-        if dst.is_file():
-            dt = dst.stat()
-            if dt.st_size == st.st_size and int(dt.st_mtime) == int(st.st_mtime):
-                return str(dst)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.part")
-        shutil.copy2(src, tmp)
-        os.replace(tmp, dst)
-    return str(dst)
-
-
-def quality_run(setting: Setting, cfg: SubConfig, base: Path, ctx: int, threads: int | None,
-                profile: str | None, timeout: float | None, store: str = "file") -> dict:
-    a = run_args(setting, cfg, ctx, threads, store, profile)
-    a += ["--kl-divergence-base", str(base), "--kl-divergence"]
-    out, dt = quality._run(a, timeout)
-    r = quality.parse_kld(out)
-    r.update(seconds=dt, eval_seconds=parse_eval_seconds(out, dt), command=_cmdline(a))
-    r.update(parse_stats(out))
-    return r
-
-
-def speed_run(setting: Setting, cfg: SubConfig, text: str, ctx: int, chunks: int, threads: int | None,
-              profile: str | None, timeout: float | None) -> dict:
-    f, _ = quality._text_file(text)
-    a = run_args(setting, cfg, ctx, threads, "file", profile) + ["-f", str(f), "--chunks", str(chunks)]
-    out, dt = quality._run(a, timeout)
-    r = quality.parse_ppl(out)
-    ev = parse_eval_seconds(out, dt)
-    n_tok = r.get("chunks", chunks) * ctx
-    r.update(tokens=n_tok, seconds=dt, eval_seconds=ev, tok_s=n_tok / (ev or dt), command=_cmdline(a),
-             loadavg_1min=os.getloadavg()[0])   # other jobs on the cores or the disk skew tok/s
-    r.update(parse_stats(out))
-    for what in ("io", "cpu"):
-        r[f"{what}_pressure_avg10"] = _pressure(what)
-    return r
-
-
-def _pressure(what: str) -> float | None:
-    """'some avg10' of /proc/pressure/WHAT (Linux PSI): the share of the last 10 s some task waited for it."""
-    try:
-        m = re.search(r"some avg10=([0-9.]+)", Path(f"/proc/pressure/{what}").read_text())
-        return float(m.group(1)) if m else None
-    except OSError:
-        return None
+from .sweep_precision import PrecConfig, ensure_shadow, is_prec, parse_prec_config, shadow_dir  # noqa: F401
+from .sweep_runs import build_id, quality_run, reference, speed_run, stage_model  # noqa: F401
 
 
 # --------------------------------------------------------------------------
@@ -183,13 +72,15 @@ class Options:
     stage: str | None = None
     jobs: int = 1
     speed_threads: int | None = None
+    speed_repeats: int = 1
     verify_off: bool = False
     timeout: float | None = None
 
 
 def _row_key(setting: Setting, cfg: SubConfig, kind: str, o: Options) -> str:
     if kind == "speed":
-        return f"{setting.key()}|{cfg.spec}|speed|c{o.speed_ctx or o.ctx}x{o.speed_chunks}|t{o.speed_threads or o.threads}"
+        return (f"{setting.key()}|{cfg.spec}|speed|c{o.speed_ctx or o.ctx}x{o.speed_chunks}|t{o.speed_threads or o.threads}"
+                + (f"|r{o.speed_repeats}" if o.speed_repeats > 1 else ""))
     return f"{setting.key()}|{cfg.spec}|quality|c{o.ctx}x{o.chunks}|{o.text}"
 
 
@@ -213,8 +104,7 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
         check_scored(o.ctx, o.chunks)
     # runs of an earlier invocation with this build are kept (also those this one does not ask for, so that a
     # --no-quality or --no-speed pass over the same grid adds to the file instead of dropping the other kind)
-    old = {k: v for k, v in (previous or {}).get("runs", {}).items()
-           if "error" not in v and v.get("build") == res["build"]}
+    old = _kept_runs(previous, res["build"])
     res["runs"].update(old)
     res["references"].update((previous or {}).get("references", {}))
     kinds = (["quality"] if o.quality else []) + (["speed"] if o.speed else [])
@@ -248,28 +138,43 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
             return True
         return False
 
-    # 0. buddy profiles, one per (model, k)
-    profiles: dict[str, str | None] = {}
+    # 0. the files the configurations need (SubConfig.side_key): buddy profiles, one per (model, k), and shadow
+    #    sidecars of the precision rules, one per (model, type)
+    res["shadows"] = dict((previous or {}).get("shadows", {}))
+    sides: dict[tuple, str | None] = {}
     for s in settings:
         res["settings"].append({"key": s.key(), "label": s.label, "model": s.point.model, "k": s.point.k,
                                 "n_expert": s.n_expert, "fraction": s.fraction, "slots": s.slots})
-        pk = f"{s.point.model}@{s.point.k}"
-        if pk in profiles or not any(c.needs_profile() for c in configs):
-            continue
-        t0 = time.monotonic()
-        try:
-            pf, info = ensure_profile(s.point, o.calib_text, o.calib_ctx, o.calib_chunks, o.speed_threads or o.threads,
-                                      o.timeout, progress)
-            res["profiles"][pk] = info
-            profiles[pk] = str(pf)
-            say(f"profile of {s.point.label}: {pf} ({time.monotonic() - t0:.1f} s)")
-        except (SweepError, QualityError) as e:
-            res["profiles"][pk] = {"error": str(e).splitlines()[0]}
-            profiles[pk] = None
-            say(f"no profile for {s.point.label}: {str(e).splitlines()[0]}")
+        for c in configs:
+            sk = c.side_key(s.point)
+            if sk is None or sk in sides:
+                continue
+            t0 = time.monotonic()
+            kind, where = sk[0], (f"{s.point.model}@{s.point.k}" if sk[0] == "profile" else f"{sk[1]}|{sk[2]}")
+            what = f"{kind} of {s.point.label}" if kind == "profile" else f"{sk[2]} shadow of {Path(sk[1]).name}"
+            try:
+                if kind == "profile":
+                    f, info = ensure_profile(s.point, o.calib_text, o.calib_ctx, o.calib_chunks,
+                                             o.speed_threads or o.threads, o.timeout, progress)
+                else:
+                    f, info = ensure_shadow(sk[1], sk[2], o.speed_threads or o.threads, progress)
+                res["profiles" if kind == "profile" else "shadows"][where] = info
+                sides[sk] = str(f)
+                say(f"{what}: {f} ({time.monotonic() - t0:.1f} s)")
+            except (SweepError, QualityError) as e:
+                res["profiles" if kind == "profile" else "shadows"][where] = {"error": str(e).splitlines()[0]}
+                sides[sk] = None
+                say(f"no {what}: {str(e).splitlines()[0]}")
 
-    def profile_of(s: Setting):
-        return profiles.get(f"{s.point.model}@{s.point.k}")
+    def side_of(s: Setting, c: SubConfig, stage: bool = False):
+        """The profile or shadow c needs at s (SweepError when it could not be made); staged with the model."""
+        sk = c.side_key(s.point)
+        if sk is None:
+            return None
+        if not sides.get(sk):
+            raise SweepError(f"{c.spec}: no " + ("buddy profile" if sk[0] == "profile" else f"{sk[2]} shadow")
+                             + f" for {s.point.label}")
+        return stage_model(sides[sk], o.stage) if stage and o.stage and sk[0] == "shadow" else sides[sk]
 
     def staged(s: Setting) -> Setting:
         if not o.stage:
@@ -301,16 +206,14 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
         t0 = time.monotonic()
         r: dict = {"setting": s.key(), "config": c.spec, "kind": "quality", "build": res["build"]}
         try:
-            if c.needs_profile() and not profile_of(s):
-                raise SweepError(f"{c.spec}: no buddy profile for {s.point.label}")
+            side = side_of(s, c, stage=True)
             if base is None:
                 raise SweepError("no exact reference: " + ref.get("error", "?"))
             if c.mode == "off" and not o.verify_off:
                 r.update(ppl=ref["ppl"], ppl_err=ref["ppl_err"], kld=0.0, ppl_ratio=1.0, same_top=1.0,
                          from_reference=True, seconds=0.0, cache=ref.get("cache"), sub=ref.get("sub"))
             else:
-                r.update(quality_run(staged(s), c, base, o.ctx, o.threads, profile_of(s), o.timeout,
-                                     o.quality_store))
+                r.update(quality_run(staged(s), c, base, o.ctx, o.threads, side, o.timeout, o.quality_store))
             r["ppl_exact"] = ref["ppl"]
             r["cost_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
             what = f"{s.label} {c.spec} quality: PPL {r['ppl']:.4f} ({r['cost_pct']:+.2f} %), KLD {r['kld']:.5f}"
@@ -332,31 +235,60 @@ def sweep(settings: list[Setting], configs: list[SubConfig], o: Options, out_jso
                 else:
                     f.result()
 
-    # 2. speed runs, one at a time
+    # 2. speed runs, one at a time; with repeats, round-robin over the grid (a burst of other jobs' I/O then
+    #    hits one try of many configurations, not every try of one), the median try kept
     if o.speed:
-        for s in settings:
-            for c in configs:
+        todo = [(s, c) for s in settings for c in configs if not reuse(_row_key(s, c, "speed", o))]
+        tries: dict[str, list[dict]] = {}
+        n_rep = max(1, o.speed_repeats)
+        for rep in range(n_rep):
+            for s, c in todo:
                 key = _row_key(s, c, "speed", o)
-                if reuse(key):
-                    continue
                 t0 = time.monotonic()
                 r = {"setting": s.key(), "config": c.spec, "kind": "speed", "build": res["build"]}
                 try:
-                    if c.needs_profile() and not profile_of(s):
-                        raise SweepError(f"{c.spec}: no buddy profile for {s.point.label}")
                     r.update(speed_run(s, c, o.text, o.speed_ctx or o.ctx, o.speed_chunks,
-                                       o.speed_threads or o.threads, profile_of(s), o.timeout))
+                                       o.speed_threads or o.threads, side_of(s, c), o.timeout))
                     what = (f"{s.label} {c.spec} speed: {r['tok_s']:.1f} tok/s, "
                             f"{r['cache']['mib_loaded']:.0f} MiB loaded, stall {r['cache']['stall_ms']:.0f} ms")
                 except (SweepError, QualityError) as e:
                     r["error"] = str(e).splitlines()[0]
                     what = f"{s.label} {c.spec} speed FAILED: {r['error'][:200]}"
-                done(key, r, what, t0)
+                tries.setdefault(key, []).append(r)
+                if n_rep == 1:
+                    done(key, r, what, t0)
+                elif rep + 1 < n_rep:
+                    with lock:      # saved as partial: a --resume after an interruption runs it again
+                        res["runs"][key] = dict(_median_try(tries[key]), partial=True)
+                        save()
+                    say(f"try {rep + 1}/{n_rep}: {what}")
+                else:
+                    m = _median_try(tries[key])
+                    done(key, m, f"{what} (median of {n_rep} tries: {m.get('tok_s', float('nan')):.1f} tok/s)", t0)
     res["seconds"] = time.monotonic() - t_start
     res["table"] = table_rows(res)
     res["recommendation"] = recommend(res)
     save()
     return res
+
+
+def _kept_runs(previous: dict | None, build: str) -> dict:
+    """The runs of an earlier invocation that --resume reuses: same native build, no error, not the partial
+    median of an interrupted --speed-repeats pass."""
+    return {k: v for k, v in (previous or {}).get("runs", {}).items()
+            if "error" not in v and not v.get("partial") and v.get("build") == build}
+
+
+def _median_try(tries: list[dict]) -> dict:
+    """The try with the median tok/s (the upper one of an even count) of a speed run's tries, with every try's
+    tok/s in ``tok_s_tries``; an error when no try succeeded, and the tries so far while some are to come."""
+    ok = sorted((t for t in tries if "error" not in t), key=lambda t: t["tok_s"])
+    if not ok:
+        return dict(tries[-1], tries=len(tries))
+    r = dict(ok[len(ok) // 2])
+    r.update(tok_s_tries=[t["tok_s"] for t in tries if "error" not in t], tries=len(tries),
+             failed_tries=len(tries) - len(ok))
+    return r
 
 
 # --------------------------------------------------------------------------
@@ -386,12 +318,14 @@ def _cmd_sweep(args) -> int:
             configs.insert(0, parse_config("off"))     # the exact row every other one is measured against
         settings = expand(points, args.fraction)
         check_scored(args.ctx_size, args.chunks)
+        if args.speed_repeats < 1:
+            raise SweepError(f"--speed-repeats {args.speed_repeats}: expected at least 1")
         o = Options(text=args.file, ctx=args.ctx_size, chunks=args.chunks, speed_ctx=args.speed_ctx,
                     speed_chunks=args.speed_chunks, threads=args.threads, calib_text=args.calib_text,
                     calib_ctx=args.calib_ctx, calib_chunks=args.calib_chunks, quality=not args.no_quality,
                     speed=not args.no_speed, verify_off=args.verify_off, timeout=args.timeout,
                     quality_store=args.quality_store, stage=args.stage, jobs=args.jobs,
-                    speed_threads=args.speed_threads)
+                    speed_threads=args.speed_threads, speed_repeats=args.speed_repeats)
         previous = None
         if args.resume and out_json.is_file():
             previous = json.loads(out_json.read_text())
@@ -409,15 +343,18 @@ def _cmd_sweep(args) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser(
-        "substitute-sweep", help="quality vs speed of substitution on a miss (--moe-substitute) on the testbed",
-        description="For each MODEL@K x cache fraction x substitution configuration: perplexity, PPL cost and "
+        "substitute-sweep", help="quality vs speed of substitution on a miss (--moe-substitute) or of shadow "
+        "experts (--moe-precision) on the testbed",
+        description="For each MODEL@K x cache fraction x configuration (a substitution rule, or a precision rule "
+        "prec:RULE:type=T that runs misses from a low-bit shadow): perplexity, PPL cost and "
         "mean KL divergence against the exact run of the same model at the same k and slot count (decode "
         "regime: llama-perplexity -ub 1 -b CTX, file store; --stage /dev/shm copies the model to a tmpfs first), "
         "and decode speed from a shorter pass, run alone, reading experts from the original GGUF with O_DIRECT, "
         "with its --moe-stats. Writes NAME.json, NAME.md and the plots NAME.png (PPL cost vs tok/s), "
-        "NAME-avoided.png and NAME-kld.png. See docs/substitution.md. Example: pyvis substitute-sweep "
-        "--point shared+16@4 --fraction 0.5 0.75 --config off router router:tae=p90 buddy -c 256 --chunks 16 "
-        "-t 1 -j 2 --stage /dev/shm/vis-sweep",
+        "NAME-avoided.png and NAME-kld.png. See docs/substitution.md and docs/precision-study.md. Examples: "
+        "pyvis substitute-sweep --point shared+16@4 --fraction 0.5 0.75 --config off router router:tae=p90 buddy "
+        "-c 256 --chunks 16 -t 1 -j 2 --stage /dev/shm/vis-sweep; pyvis substitute-sweep --point shared+16@8 "
+        "--config off prec:all:type=Q4_0 prec:gate=0.1:type=Q4_0 --stage /dev/shm/vis-sweep",
         formatter_class=lambda prog: __import__("argparse").HelpFormatter(prog, max_help_position=32))
     s.add_argument("--point", nargs="+", default=DEFAULT_POINTS, metavar="MODEL@K",
                    help="models and top-k: a testbed preset (models/testbed/PRESET.gguf) or a GGUF path, @ the k "
@@ -428,7 +365,10 @@ def register(sub) -> None:
     s.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, metavar="SPEC",
                    help="substitution configurations MODE[:KEY=VALUE,...]; MODE off|router|buddy|auto; keys tae "
                    "(off|TAU|pN), margin, beta, budget, rank, weight (--moe-sub-weight), wrel (--moe-sub-weight = "
-                   "wrel/k); "
+                   "wrel/k); or precision rules prec:RULE:type=T[,KEY=VALUE...] (a miss runs from a low-bit shadow, "
+                   "made and cached per model and type); RULE all|vision|gate[=W]|auto, keys type (Q4_0, IQ4_NL, "
+                   "Q5_0, Q8_0, ...), gate and target (auto), vision, slots (auto|N), refetch (on|off), e.g. "
+                   "prec:gate=0.1:type=Q4_0; "
                    "off is always added (default: " + " ".join(DEFAULT_CONFIGS) + ")")
     s.add_argument("-f", "--file", default="heldout", metavar="TEXT",
                    help="evaluation text: heldout (default), vim-all, or a file")
@@ -443,6 +383,9 @@ def register(sub) -> None:
                    "keeps ggml's spinning thread barriers from stalling when other jobs take a core")
     s.add_argument("--speed-threads", type=int, metavar="N",
                    help="CPU threads of the speed runs, which always run alone (default: -t)")
+    s.add_argument("--speed-repeats", type=int, default=1, metavar="N",
+                   help="tries of each speed run, round-robin over the grid; the median tok/s is kept (default: 1). "
+                   "Other jobs' I/O on a shared machine skews single runs")
     s.add_argument("--calib-text", default="calibration", metavar="TEXT",
                    help="text the buddy profiles are calibrated on (default: calibration; never the held-out text)")
     s.add_argument("--calib-ctx", type=int, default=512, metavar="N", help="context of the calibration trace (default: 512)")

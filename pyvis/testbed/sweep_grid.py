@@ -39,6 +39,11 @@ class SubConfig:
     def needs_profile(self) -> bool:
         return self.mode == "buddy" or str(self.options.get("tae", "")).startswith("p")
 
+    def side_key(self, point: "Point") -> tuple | None:
+        """The file this rule's flags need at a point, as a key the sweep makes or finds once: ``("profile",
+        model, k)`` for a buddy profile, None for none (precision rules: a shadow, :mod:`.sweep_precision`)."""
+        return ("profile", point.model, point.k) if self.needs_profile() else None
+
     def flags(self, k: int, profile: str | None = None) -> list[str]:
         """The --moe-sub* flags of this rule at top-k (profile: the buddy profile of the model at k)."""
         o = self.options
@@ -71,10 +76,16 @@ def _fmt(x: float) -> str:
 
 
 def parse_config(spec: str) -> SubConfig:
+    """A substitution rule ``MODE[:KEY=VALUE,...]`` or a precision rule ``prec:RULE[:KEY=VALUE,...]``
+    (:func:`pyvis.testbed.sweep_precision.parse_prec_config`)."""
     spec = spec.strip()
     mode, _, rest = spec.partition(":")
+    if mode == "prec":
+        from .sweep_precision import parse_prec_config
+        return parse_prec_config(spec)
     if mode not in MODES:
-        raise SweepError(f"configuration {spec!r}: mode must be one of {', '.join(MODES)}")
+        raise SweepError(f"configuration {spec!r}: mode must be one of {', '.join(MODES)}, or prec:RULE for "
+                         "the precision policy (prec:all:type=Q4_0, prec:gate=0.1:type=Q4_0)")
     opts = []
     if rest:
         if mode == "off":
@@ -193,12 +204,13 @@ def _overrides(point: Point) -> list[str]:
 
 
 def run_args(setting: Setting, cfg: SubConfig, ctx: int, threads: int | None, store: str,
-             profile: str | None = None) -> list[str]:
+             side: str | None = None) -> list[str]:
     """llama-perplexity's arguments for one run, without the text / KL arguments: decode regime (-ub 1,
-    -b CTX), --moe-slots S, --moe-store STORE, --moe-stats, and the rule's flags."""
+    -b CTX), --moe-slots S, --moe-store STORE, --moe-stats, and the rule's flags (``side``: the file they need,
+    a buddy profile or a shadow sidecar)."""
     a = quality._base_args(quality.Config(setting.point.model, _overrides(setting.point)), ctx, threads, ctx)
     a += ["-ub", "1", "--moe-slots", str(setting.slots), "--moe-store", store, "--moe-stats"]
-    return a + cfg.flags(setting.point.k, profile)
+    return a + cfg.flags(setting.point.k, side)
 
 
 def _cmdline(a: list[str]) -> str:

@@ -1,6 +1,6 @@
 """Reading llama-perplexity's output for ``pyvis substitute-sweep``: the ``total`` rows of ``--moe-stats``
-(the expert cache table and the substitution outcome table, columns from its heading), the ``tiers:`` line, and
-the evaluation time from llama.cpp's log timestamps."""
+(the expert cache table, the substitution outcome table and the precision table, columns from their headings),
+the ``tiers:`` line, and the evaluation time from llama.cpp's log timestamps."""
 from __future__ import annotations
 
 import re
@@ -20,6 +20,16 @@ SUB_HEADINGS = {"tokens": "tokens", "missing": "missing", "subst": "substituted"
                 "weight": "blocked_weight", "rank": "blocked_rank", "nocand": "no_candidate",
                 "anyway": "needed_anyway", "prefil": "not_eligible", "MiB saved": "mib_saved", "bg read": "bg_reads",
                 "bg wait": "bg_wait_ms"}
+# column headings of the precision table (--moe-precision) -> field names
+PREC_FIELDS = ["eligible", "shadow", "pairs", "sh_hits", "sh_reads", "mib_read", "mib_saved", "refetch", "stall_ms",
+               "vision"]
+PREC_HEADINGS = {"eligibl": "eligible", "eligible": "eligible", "shadow": "shadow", "pairs": "pairs",
+                 "sh hits": "sh_hits", "sh reads": "sh_reads", "MiB read": "mib_read", "MiB saved": "mib_saved",
+                 "refetch": "refetch", "stall ms": "stall_ms", "vision": "vision"}
+# the heading line of each --moe-stats table after the cache table; the attach-time log lines
+# ("vis-moe: precision (lossy): ...") do not match
+_SECTIONS = {"substitution": r"^vis-moe: substitution \(", "prefetch": r"^vis-moe: prefetch \(",
+             "precision": r"^vis-moe: precision \(--moe-precision (\w+), (\w+) shadows\)"}
 
 
 def _num(s: str):
@@ -27,47 +37,63 @@ def _num(s: str):
     return float(s) if any(c in s for c in ".eE") else int(s)
 
 
-def _sub_columns(heading: str) -> list[str]:
-    """Field names of the substitution table from its heading line (after 'layer')."""
+def _sub_columns(heading: str, names: dict = SUB_HEADINGS) -> list[str]:
+    """Field names of a table (substitution: SUB_HEADINGS; precision: PREC_HEADINGS) from its heading line
+    (after 'layer'); a heading of two words is looked up first."""
     words = heading.split()
     out, i = [], 0
     while i < len(words):
         two = " ".join(words[i:i + 2])
-        if two in SUB_HEADINGS:
-            out.append(SUB_HEADINGS[two])
+        if two in names:
+            out.append(names[two])
             i += 2
         else:
-            out.append(SUB_HEADINGS.get(words[i], words[i]))
+            out.append(names.get(words[i], words[i]))
             i += 1
     return out
 
 
 def parse_stats(out: str) -> dict:
-    """The ``total`` rows of --moe-stats: ``cache`` (the expert cache table) and, with substitution on, ``sub``
-    (the outcome table, its columns read from its heading, so a new gate column is picked up); ``tiers`` from
-    the ``tiers:`` line when the run read from the file or a host cache.  Raises SweepError when the cache
-    table is missing."""
+    """The ``total`` rows of --moe-stats: ``cache`` (the expert cache table); with substitution on, ``sub``
+    (the outcome table); with the precision policy on, ``prec`` (the precision table, plus ``mode`` and
+    ``type`` from its title and, for auto, the controller's ``share_pct`` and ``switches``).  Columns are read
+    from each table's heading, so a new column is picked up.  ``tiers`` from the ``tiers:`` line when the run
+    read from the file or a host cache.  Raises SweepError when the cache table is missing or a total row does
+    not fit its heading."""
     res: dict = {}
-    in_sub = False
-    sub_cols = SUB_FIELDS
+    section = None
+    cols = {"substitution": SUB_FIELDS, "precision": PREC_FIELDS}
+    prec_head: dict = {}
     for line in out.splitlines():
-        if re.match(r"^vis-moe: substitution \(", line):
-            in_sub = True
+        hit = next(((name, m) for name, pat in _SECTIONS.items() if (m := re.match(pat, line))), None)
+        if hit:
+            section = hit[0]
+            if section == "precision":
+                prec_head = {"mode": hit[1].group(1), "type": hit[1].group(2).upper()}
             continue
-        m = re.match(r"^vis-moe:\s+layer\s+(tokens\s.*)$", line)
-        if m and in_sub:
-            sub_cols = _sub_columns(m.group(1))
+        m = re.match(r"^vis-moe:\s+layer\s+(\S.*)$", line)
+        if m and section in cols:
+            cols[section] = _sub_columns(m.group(1), SUB_HEADINGS if section == "substitution" else PREC_HEADINGS)
+            continue
+        m = re.match(r"^vis-moe: precision: \d+ of \d+ eligible misses.*controller: share (\d+) %, (\d+) switches",
+                     line)
+        if m and "prec" in res:
+            res["prec"].update(share_pct=int(m.group(1)), switches=int(m.group(2)))
             continue
         m = re.match(r"^vis-moe:\s+total\s+(.*)$", line)
         if not m:
             continue
         vals = m.group(1).split()
-        if not in_sub and len(vals) == len(CACHE_FIELDS) and "cache" not in res:
+        if section is None and len(vals) == len(CACHE_FIELDS) and "cache" not in res:
             res["cache"] = dict(zip(CACHE_FIELDS, map(_num, vals)))
-        elif in_sub and len(vals) == len(sub_cols):
-            res["sub"] = dict(zip(sub_cols, map(_num, vals)))
-        elif in_sub:
-            raise SweepError(f"substitution total row has {len(vals)} values for {len(sub_cols)} columns: {line}")
+        elif section in cols:
+            if len(vals) != len(cols[section]):
+                raise SweepError(f"{section} total row has {len(vals)} values for {len(cols[section])} columns: "
+                                 f"{line}")
+            key = "sub" if section == "substitution" else "prec"
+            res[key] = dict(zip(cols[section], map(_num, vals)))
+            if key == "prec":
+                res[key].update(prec_head)
     if "cache" not in res:
         raise SweepError("no 'vis-moe: total' row of the expert cache stats in the output (was --moe-stats "
                          "given and the cache on?):\n" + out[-1500:])
