@@ -68,7 +68,8 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
     if (vm && vm->params.print_stats && vm->n_managed > 0) {
         llama_vis_moe_stats tot;
         vis_moe_total_stats(*vm, tot);
-        if (tot.n_calls > 0) {  // not for contexts that never ran (e.g. --fit probes)
+        // not for contexts that never ran (e.g. --fit probes); one whose every ubatch streamed did run
+        if (tot.n_calls > 0 || vm->n_streamed > 0) {
             vis_moe_print_stats(*vm);
         }
     }

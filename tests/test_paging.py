@@ -518,6 +518,15 @@ def test_staged_streaming_is_exact_and_empties_the_slots(fixture_dir, reference,
     assert np.array_equal(second["on"].view(np.uint32), second["off"].view(np.uint32))
 
 
+def test_stats_of_a_context_whose_every_ubatch_streamed(bindir, fixture_dir):
+    """One slot and --moe-stream-passes 1: the prompt and every decode step stream (top-k 8 > 1 slot), so no
+    ubatch runs a slab pass; --moe-stats still prints the footer (it once printed nothing for such a context)."""
+    r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "1", "--moe-stream-passes", "1", "--moe-stats")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    assert "vis-moe: time to first token:" in out and "vis-moe: prefill streaming:" in out, out[-2000:]
+
+
 def test_slab_lending_auto_follows_the_plan(bindir, medium_model):
     """auto: a --moe-mem plan that leaves the page cache less than a streamed layer lends the slabs (and says so);
     explicit slots without a budget never do; the text is the same as with lending off."""
