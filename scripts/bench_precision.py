@@ -18,6 +18,7 @@ For every budget (a fraction of the model file's bytes), every round and every c
     precision         --moe-shadow SHADOW --moe-precision vision
     precision-passes  --moe-shadow SHADOW --moe-precision vision --moe-stream-passes 64
     precision-stream  --moe-shadow SHADOW --moe-precision vision --moe-stream-passes 1
+    precision-auto    --moe-shadow SHADOW --moe-precision auto   (vision or gate under the stall controller)
     capacity          --moe-capacity auto
     both              --moe-shadow SHADOW --moe-precision vision --moe-capacity auto
 
@@ -28,6 +29,7 @@ For every budget (a fraction of the model file's bytes), every round and every c
     chat-exact        (none: pyvis chat's own baseline; its prefill path differs from llama-mtmd-cli's)
     prune             --keep-ratio 0.5 --prune-method affinity
     all-three         --keep-ratio 0.5 --prune-method affinity + precision + capacity flags
+    prune-precision   --keep-ratio 0.5 --prune-method affinity + precision flags
 
 and parses the --moe-stats footer: time to first token (compute time of the last prompt's ubatches), MiB read
 from the model file (tiers payload, staged and mapped streaming) and from the shadow (precision table), stall ms
@@ -72,11 +74,13 @@ def configs(shadow: str) -> dict[str, tuple[str, list[str]]]:
         "precision": ("mtmd", prec),
         "precision-passes": ("mtmd", prec + passes),
         "precision-stream": ("mtmd", prec + stream),
+        "precision-auto": ("mtmd", ["--moe-shadow", shadow, "--moe-precision", "auto"]),
         "capacity": ("mtmd", cap),
         "both": ("mtmd", prec + cap),
         "chat-exact": ("chat", []),
         "prune": ("chat", PRUNE),
         "all-three": ("chat", PRUNE + prec + cap),
+        "prune-precision": ("chat", PRUNE + prec),
     }
 
 
@@ -215,11 +219,11 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     names = [n for n in configs("S") if any(r["name"] == n for r in results)]
     nims = sorted({r["images"] for r in results})
-    fracs = sorted({r["fraction"] for r in results}, reverse=True)
     fig, axes = plt.subplots(1, len(nims), figsize=(5.0 * len(nims), 4.2), squeeze=False)
     colors = plt.get_cmap("tab10").colors
     w = 0.8 / max(len(names), 1)
     for ax, nim in zip(axes[0], nims):
+        fracs = sorted({r["fraction"] for r in results if r["images"] == nim}, reverse=True)
         for i, n in enumerate(names):
             ys, lo, hi = [], [], []
             for f in fracs:
@@ -236,7 +240,8 @@ def plot(results: list[dict], path: Path) -> None:
             for x, y, f in zip(xs, ys, fracs):
                 rs = [r for r in results if r["name"] == n and r["images"] == nim and r["fraction"] == f]
                 if rs and y == 0:   # ran, never finished: say why
-                    why = "OOM" if any(r["oom_killed"] for r in rs) else "failed"
+                    why = ("OOM" if any(r["oom_killed"] for r in rs) else
+                           "no stats" if all(r["rc"] == 0 for r in rs) else "failed")
                     ax.text(x, 0.5, why, rotation=90, ha="center", va="bottom", fontsize=7, color=colors[i % 10])
         ax.set_xticks(range(len(fracs)), [f"{f * 100:g} % budget" for f in fracs])
         ax.set_ylabel("time to first token (s)")
