@@ -77,8 +77,15 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
 }
 
 bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
-    return stream_passes > 0 && L.can_stream() && !(image && vis_moe_capacity_passes(*this, L) > 0) &&
-           vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > stream_passes;
+    if (stream_passes <= 0 || !L.can_stream() || (image && vis_moe_capacity_passes(*this, L) > 0)) {
+        return false;
+    }
+    // an image ubatch whose layers would stage their shadows (--moe-precision) streams as soon as it needs a
+    // second pass: staged shadows, read in the background, beat passes whose shadow reads the compute waits for
+    // (docs/precision-speed.md)
+    const bool shadows = image && stage && stage->has_shadow((int) (&L - layers.data())) &&
+                         vis_moe_precision_stages_shadows(*this, true);
+    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > (shadows ? 1 : stream_passes);
 }
 
 int vis_moe_context::full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {

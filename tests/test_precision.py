@@ -280,6 +280,13 @@ def test_vision_policy_serves_image_misses(bindir, fixture_dir, vlm_shadow):
     assert r2.returncode == 0 and "vis-moe: staged streaming:" in r2.stderr, r2.stderr[-3000:]
     t2 = _prec_table(r2.stderr)
     assert t2["vision"] > 0 and t2["shadow"] == t2["eligible"] == t2["reads"] > 0 and t2["pairs"] > t2["shadow"]
+    # at the default --moe-stream-passes 8 an image ubatch that would stage its shadows streams from its second
+    # pass on (2 here), where exact runs it in passes
+    r5 = _mtmd(bindir, fixture_dir, model, *common[2:], "--moe-slots", "12", "--moe-precision", "vision")
+    ex = _mtmd(bindir, fixture_dir, model, *common[2:], "--moe-slots", "12")
+    assert r5.returncode == 0 and ex.returncode == 0, r5.stderr[-3000:]
+    assert "vis-moe: staged streaming:" in r5.stderr and "staged streaming:" not in ex.stderr, r5.stderr[-3000:]
+    assert _prec_table(r5.stderr)["shadow"] > 0
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
