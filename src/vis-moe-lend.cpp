@@ -3,7 +3,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-host-cache.h"
-#include "vis-moe-shadow-slots.h"
+#include "vis-moe-policy.h"
 
 #include "llama-impl.h"
 
@@ -41,11 +41,12 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     if (!streams) {
         return;  // only CPU-only runs stream
     }
-    const int64_t need = layer_bytes * (vm.stream_ahead ? 2 : 1);
+    const int64_t need  = layer_bytes * (vm.stream_ahead ? 2 : 1);
+    const int64_t slabs = vm.slab_bytes + vm.shadow_slab_bytes;  // what lending gives: the shadow slabs too
     if (mode > 0) {
         vm.lend_slabs = true;
         LLAMA_LOG_INFO("vis-moe: --moe-stream-lend on: streamed ubatches lend the slabs' %.0f MiB to the page cache and "
-                       "refill them afterwards\n", (vm.slab_bytes + vm.shadow_slab_bytes) / 1048576.0);
+                       "refill them afterwards\n", slabs / 1048576.0);
         return;
     }
     if (plan_free >= need || vm.stage) {
@@ -55,10 +56,10 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
                    "(%s): streamed ubatches lend the slabs' %.0f MiB to the page cache and refill them afterwards\n",
                    plan_free / 1048576.0, need / 1048576.0, vm.stream_ahead ? "two layers' experts, --moe-stream-ahead"
-                   : "one layer's experts", (vm.slab_bytes + vm.shadow_slab_bytes) / 1048576.0);
-    if (vm.slab_bytes + vm.shadow_slab_bytes + plan_free < need) {
+                   : "one layer's experts", slabs / 1048576.0);
+    if (slabs + plan_free < need) {
         vm.note("a streamed prefill keeps " + std::to_string(need >> 20) + " MiB in the page cache, more than the " +
-                std::to_string((vm.slab_bytes + vm.shadow_slab_bytes + plan_free) >> 20) + " MiB the slabs and the plan's free bytes give it: "
+                std::to_string((slabs + plan_free) >> 20) + " MiB the slabs and the plan's free bytes give it: "
                 "prefill may re-read experts" + std::string(vm.stream_ahead ? "; try --moe-stream-ahead off" : "") +
                 ", or raise the budget");
     }
@@ -72,14 +73,9 @@ void vis_moe_empty_slots(vis_moe_context & vm) {
         }
         int64_t waited = 0;
         vis_moe_fetch_collect(vm, L, il, waited);  // nothing may write a slot whose pages go (throws on a read error)
-        for (int s = 0; s < L.n_slots; ++s) {
-            if (L.expert_of[s] >= 0) {
-                L.slot_of[L.expert_of[s]] = -1;
-                L.expert_of[s] = -1;
-            }
-            L.policy->forget(s);
-        }
-        vis_shadow_empty(L.shadow);  // the shadow slabs go with the slabs (lent, or overwritten by staging)
+        vis_moe_slots_forget_all(L.slot_of, L.expert_of, L.policy.get());
+        // the shadow slabs go with the slabs (lent, or overwritten by staging)
+        vis_moe_slots_forget_all(L.shadow.slot_of, L.shadow.expert_of, L.shadow.policy.get());
     }
 }
 

@@ -40,16 +40,6 @@ void vis_shadow_plan(vis_moe_layer & L, int first_pass) {
     }
 }
 
-void vis_shadow_empty(vis_shadow_slots & S) {
-    for (int s = 0; s < S.n_slots; ++s) {
-        if (S.expert_of[s] >= 0) {
-            S.slot_of[S.expert_of[s]] = -1;
-            S.expert_of[s] = -1;
-        }
-        S.policy->forget(s);
-    }
-}
-
 // write one packed shadow expert (the sidecar's tensors back to back, VIS_T_* order) into slot s
 static void shadow_slab_write(vis_shadow_slots & S, int s, const uint8_t * packed) {
     size_t off = 0;

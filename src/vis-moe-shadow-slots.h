@@ -60,9 +60,6 @@ void vis_shadow_plan(vis_moe_layer & L, int first_pass);
 void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp, const int32_t * ids, int64_t n_pairs,
                          int32_t * out);
 
-// forget every shadow expert of the layer (the slab memory is about to be lent or overwritten: staged streaming,
-// slab lending); the next shadow pass reads what it needs again
-void vis_shadow_empty(vis_shadow_slots & S);
 // context creation: n_slots shadow slots for every managed layer (clamped to the expert count), slabs allocated
 // in the buffer type of the layer's slabs.  Throws std::runtime_error when they cannot be allocated.
 void vis_shadow_slots_create(vis_moe_context & vm, int n_slots);
