@@ -83,9 +83,12 @@ bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs, bool ima
     // an image ubatch whose layers would stage their shadows (--moe-precision) streams as soon as it needs a
     // second pass: staged shadows, read in the background, beat passes whose shadow reads the compute waits for
     // (docs/precision-speed.md)
-    const bool shadows = image && stage && stage->has_shadow((int) (&L - layers.data())) &&
-                         vis_moe_precision_stages_shadows(*this, true);
-    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > (shadows ? 1 : stream_passes);
+    const int limit = image && stages_shadows(L, image) ? 1 : stream_passes;
+    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > limit;
+}
+
+bool vis_moe_context::stages_shadows(const vis_moe_layer & L, bool image) const {
+    return stage && stage->has_shadow((int) (&L - layers.data())) && vis_moe_precision_stages_shadows(*this, image);
 }
 
 int vis_moe_context::full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {

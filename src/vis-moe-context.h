@@ -208,6 +208,9 @@ struct vis_moe_context {
     // does a ubatch with n_pairs (token, expert) pairs stream layer L (more than stream_passes passes needed)?
     // image: the ubatch is image embeddings (the entropy-weighted capacity may bound its experts: never streamed)
     bool streams(const vis_moe_layer & L, int64_t n_pairs, bool image = false) const;
+    // when such a ubatch streams staged, does L read its shadows (the stager holds L's shadow stand-ins and the
+    // precision policy serves every routed expert, vis_moe_precision_stages_shadows)?
+    bool stages_shadows(const vis_moe_layer & L, bool image) const;
     // the passes on L's full-precision slabs such a ubatch may need (the graph builds that many, pass 0 numbers
     // the shadow passes after them), and the shadow passes after them (0 without shadow slots)
     int full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const;

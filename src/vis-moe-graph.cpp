@@ -5,7 +5,6 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
-#include "vis-moe-precision.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 
@@ -87,7 +86,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         staged  = vis_moe_stage_ubatch(*vm, pairs, image_ubatch);
         // a streamed ubatch whose every routed expert runs from its shadow (--moe-precision all, or an image ubatch
         // under vision) stages the layer's shadows: fewer bytes, upstream's mul_mat_id on the shadow type
-        staged_shadow = staged && vm->stage->has_shadow(il) && vis_moe_precision_stages_shadows(*vm, image_ubatch);
+        staged_shadow = staged && vm->stages_shadows(L, image_ubatch);
         n_pass  = 1;
         n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,

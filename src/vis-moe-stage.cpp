@@ -22,17 +22,27 @@ static int64_t now_us() {
 vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<std::array<ggml_tensor *, 4>> t,
                                std::vector<std::array<ggml_tensor *, 4>> sh, std::vector<int> b)
     : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), shtens(std::move(sh)), buf_of(std::move(b)),
-      n_parts(tens.size(), 0), sh_parts(tens.size(), 0), freq(tens.size()) {
-    shtens.resize(tens.size(), std::array<ggml_tensor *, 4>{});
+      n_parts(tens.size(), 0), freq(tens.size()) {
     for (size_t il = 0; il < tens.size(); ++il) {
-        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-            if (ggml_tensor * x = tens[il][ti]) {
+        for (ggml_tensor * x : tens[il]) {
+            if (x) {
                 n_parts[il]++;
                 freq[il].assign((size_t) x->ne[2], 0);
-                sh_parts[il] += shtens[il][ti] ? 1 : 0;
             }
         }
     }
+}
+
+bool vis_moe_stager::has_shadow(int il) const {
+    if (il >= (int) tens.size() || n_parts[il] == 0) {
+        return false;
+    }
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (tens[il][ti] && !shtens[il][ti]) {
+            return false;  // the sidecar lacks one of the layer's expert tensors
+        }
+    }
+    return true;
 }
 
 vis_moe_stager::~vis_moe_stager() {

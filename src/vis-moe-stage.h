@@ -61,7 +61,7 @@ public:
         return il < (int) t.size() ? t[il][ti] : nullptr;
     }
     // can layer il stage its shadows (a streamed ubatch whose every routed expert runs from its shadow)
-    bool has_shadow(int il) const { return il < (int) shtens.size() && n_parts[il] > 0 && sh_parts[il] == n_parts[il]; }
+    bool has_shadow(int il) const;
 
     // the stream op of layer il (compute thread): slots emptied (first layer), layer il resident in its buffer,
     // the next layer's read started.  Throws vis_io_error on a failed read.
@@ -92,7 +92,6 @@ private:
     std::vector<std::array<ggml_tensor *, 4>> shtens;  // per layer: the shadow tensors' stand-ins, same blocks
     std::vector<int> buf_of;                          // per layer: its buffer, -1 if not staged
     std::vector<int> n_parts;                         // per layer: expert tensors staged (reads per expert)
-    std::vector<int> sh_parts;                        // per layer: shadow tensors staged
     std::vector<std::vector<int64_t>> freq;           // per layer and expert: staged ubatches that routed it
     std::array<std::vector<bool>, 2> present;         // per buffer: experts of holds[b] read completely
     bool ubatch_started = false;   // the slots were emptied in this ubatch
