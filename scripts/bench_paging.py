@@ -24,6 +24,7 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -183,6 +184,12 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     return r
 
 
+def median_cell(rs: list[dict], key: str, fmt: str = "%.1f") -> str:
+    """a table cell: the median of key over the runs that have it, formatted, or '-'"""
+    v = [x[key] for x in rs if x.get(key) is not None]
+    return fmt % statistics.median(v) if v else "-"
+
+
 def belady_ratio(trace_path: Path, slots: int, misses: int, lent: bool = False) -> dict:
     """Our misses against Belady's optimum for the same slots, from our own routing trace; and the misses of the
     decode steps alone (single-token ubatches), from the LRU simulation that reproduces the runtime's policy.
@@ -330,11 +337,8 @@ def main() -> int:
     for r in results:
         analyse_ours(r, out, expert)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    import statistics
-
     def med(rs, key, fmt="%.1f"):
-        v = [x[key] for x in rs if x.get(key) is not None]
-        return fmt % statistics.median(v) if v else "-"
+        return median_cell(rs, key, fmt)
     rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | decode reads MiB/token | "
             "decode ms/token vs I/O bound | peak MiB | misses/Belady |",
             "|---|---|---|---|---|---|---|---|---|---|"]

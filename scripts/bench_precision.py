@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paging import run_one, storage_bandwidth  # noqa: E402  (Cgroup, drop_caches: used by run_one)
+from bench_paging import median_cell, run_one, storage_bandwidth  # noqa: E402  (Cgroup, drop_caches: used by run_one)
 
 PROMPT = "Describe the images."
 # the same context for both tools: llama-mtmd-cli's default context is the model's training context (40960 tokens
@@ -186,8 +186,7 @@ def _pos(s: str) -> int:
 
 def table(results: list[dict]) -> str:
     def med(rs, key, fmt="%.0f"):
-        v = [x[key] for x in rs if x.get(key) is not None]
-        return fmt % statistics.median(v) if v else "-"
+        return median_cell(rs, key, fmt)
     rows = ["| images | budget | config | finished | TTFT ms | TTFT speed-up vs exact: median (per round) | image ubatches ms | image ubatches speed-up: median (per round) | CPU s | MiB file | MiB shadow | "
             "MiB storage (rusage) | stall share (+ staged wait) | misses | rerouted / dropped / overflow | peak MiB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
