@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 from . import quality
@@ -65,7 +66,7 @@ def reference(setting: Setting, text: str, ctx: int, chunks: int | None, threads
     return base, r, False
 
 
-_stage_lock = __import__("threading").Lock()
+_stage_lock = threading.Lock()
 
 
 def stage_model(model: str, stage_dir: str | Path) -> str:
