@@ -337,6 +337,7 @@ def main() -> int:
     for r in results:
         analyse_ours(r, out, expert)
     (out / "results.json").write_text(json.dumps(results, indent=1))
+
     def med(rs, key, fmt="%.1f"):
         return median_cell(rs, key, fmt)
     rows = ["| budget | run | finished | prefill t/s | decode t/s | read MiB/token | decode reads MiB/token | "
