@@ -95,12 +95,22 @@ LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value)
 // a struct (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error().
 LLAMA_API int32_t llama_vis_moe_thread_apply(const char * flag, const char * value);
 
-// One row of the settings table: every --moe-* flag.
+// Who decides a setting: a user flag, listed in every tool's --help (or only in the tools that take images), or an
+// engine knob, set through its VIS_MOE_* variable and documented in docs/knobs.md with the measurement behind its
+// default; a knob's old --moe-* spelling still parses for one release, with a deprecation line.
+enum llama_vis_moe_scope {
+    LLAMA_VIS_MOE_SCOPE_KNOB   = 0,
+    LLAMA_VIS_MOE_SCOPE_USER   = 1,  // llama-cli, llama-server, llama-mtmd-cli, llama-perplexity
+    LLAMA_VIS_MOE_SCOPE_VISION = 2,  // the tools that take images (upstream's --mmproj tools: llama-mtmd-cli, llama-server, llama-cli)
+};
+
+// One row of the settings table: every --moe-* setting.
 struct llama_vis_moe_flag {
     const char * name;        // "--moe-slots"
     const char * env;         // "VIS_MOE_SLOTS"
     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
     const char * help;        // help text (several lines, '\n'-separated; no env note)
+    int32_t      scope;       // enum llama_vis_moe_scope
 };
 LLAMA_API int32_t llama_vis_moe_n_flags(void);
 // Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range.

@@ -12,6 +12,7 @@
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-topk.h"
 #include "vis-moe-upload.h"
 #include "vis-error.h"
 
@@ -448,7 +449,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
                        what.c_str(), whole_fits
                        ? "not used: the whole model fits the memory budget" : "off; add --moe-mem, --moe-slots or --moe-cache-mib");
     }
-    if (!s.cache_on() && !ap.any_deferred && !tracing) {
+    const int n_used = vis_moe_topk_attach(s, model);  // throws on N above the model's k
+    const bool topk  = n_used < (int) hp.n_expert_used_max();
+    if (!s.cache_on() && !ap.any_deferred && !tracing && !topk) {
         return nullptr;  // feature off: no object, no graph change
     }
     if (hp.n_expert == 0) {
@@ -460,7 +463,11 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vm->params        = s.params;
     vm->tier          = s.tier;
     vm->stream_passes = s.stream_passes;
-    vm->n_expert_used = (int) hp.n_expert_used_max();
+    vm->n_expert_used = n_used;
+    vm->topk          = topk ? n_used : 0;
+    if (topk && !hp.no_alloc) {
+        vis_moe_topk_note(*vm, (int) hp.n_expert_used_max());
+    }
     vm->layers.resize(hp.n_layer());
 
     choose_managed(model, s, ap);
@@ -543,7 +550,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
             }
         }
     }
-    if (vm->n_managed == 0 && !vm->trace) {
+    if (vm->n_managed == 0 && !vm->trace && !vm->topk) {
         return nullptr;
     }
     return vm;

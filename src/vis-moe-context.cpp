@@ -72,6 +72,8 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
         if (tot.n_calls > 0 || vm->n_streamed > 0) {
             vis_moe_print_stats(*vm);
         }
+    } else if (vm && vm->params.print_stats) {
+        vis_moe_print_notes(*vm);
     }
     vm.reset();
 }

@@ -136,7 +136,8 @@ struct vis_moe_context {
 
     std::vector<vis_moe_layer> layers;  // indexed by layer
     int n_managed     = 0;
-    int n_expert_used = 0;
+    int n_expert_used = 0;  // experts each token runs: the model's k, or N under --moe-topk
+    int topk          = 0;  // --moe-topk N (vis-moe-topk.h), 0 = off
 
     std::vector<ggml_context *>        ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
@@ -230,6 +231,9 @@ vis_moe_context * vis_moe_of(const llama_context * lctx);
 // stats (vis-moe-stats.cpp): totals over all layers; the --moe-stats table on stderr
 void vis_moe_total_stats(const vis_moe_context & vm, llama_vis_moe_stats & out);
 void vis_moe_print_stats(const vis_moe_context & vm);
+// what a tight budget or a lossy setting costs (vis_moe_context::note), one line each: the footer of the stats table,
+// alone for a context without managed layers (--moe-topk without the cache)
+void vis_moe_print_notes(const vis_moe_context & vm);
 void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
 void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
 void vis_moe_print_prec_stats(const vis_moe_context & vm);

@@ -77,7 +77,7 @@ const flag_row ROWS[] = {
       "vis-moe: expert slots per managed MoE layer; routed experts are loaded into them on demand\n"
       "(fewer than the model's top-k run exactly, in passes; >= its expert count = everything resident; default: 0 = off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.params.n_slots = (int32_t) parse_int(w, v, 0, MAX_SLOTS, " (0 = off)"); } },
+          s.params.n_slots = (int32_t) parse_int(w, v, 0, MAX_SLOTS, " (0 = off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-cache-mib", "VIS_MOE_CACHE_MIB", "M",
       "vis-moe: derive --moe-slots from a total slab budget of M MiB over the managed layers (default: 0 = off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -85,11 +85,11 @@ const flag_row ROWS[] = {
     { "--moe-pinned-layers", "VIS_MOE_PINNED", "L",
       "vis-moe: keep the first L MoE layers fully resident (-1 = all; default: 0)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.params.n_pinned = (int32_t) parse_int(w, v, -1, MAX_LAYERS, " (-1 = all)"); } },
+          s.params.n_pinned = (int32_t) parse_int(w, v, -1, MAX_LAYERS, " (-1 = all)"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-stats", "VIS_MOE_STATS", nullptr,
       "vis-moe: print per-layer expert cache stats (hits, misses, bytes loaded, stall) to stderr at exit",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.params.print_stats = v.empty() ? 1 : parse_switch(w, v, false); } },
+          s.params.print_stats = v.empty() ? 1 : parse_switch(w, v, false); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-trace", "VIS_MOE_TRACE", "FILE",
       "vis-moe: record every routing decision to FILE (binary; read with pyvis.runtime.trace). An existing GGUF or\n"
       "model file is never overwritten",
@@ -97,7 +97,7 @@ const flag_row ROWS[] = {
           if (v.empty()) {
               throw vis_error(w + ": expected a file path, got ''");
           }
-          s.trace_path = v; } },
+          s.trace_path = v; }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-store", "VIS_MOE_STORE", "file|model",
       "vis-moe: where missed experts come from: file = read each expert from the GGUF on demand; managed\n"
       "experts are not loaded at start (tier 3); model = llama.cpp loads them and the cache copies (default: file)",
@@ -115,7 +115,7 @@ const flag_row ROWS[] = {
       "vis-moe: memory budget of the whole process; slots and host cache are sized to fit it next to the\n"
       "resident weights, KV cache and compute buffers. auto = the real limit (cgroup v1/v2, MemAvailable)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.tier.mem_mib = v == "auto" ? -1 : v == "off" ? 0 : parse_int(w, v, 1, MAX_MIB, " MiB (or auto, off)"); } },
+          s.tier.mem_mib = v == "auto" ? -1 : v == "off" ? 0 : parse_int(w, v, 1, MAX_MIB, " MiB (or auto, off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-io-threads", "VIS_MOE_IO_THREADS", "N",
       "vis-moe: parallel expert reads from the file (default: 4)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -172,12 +172,12 @@ const flag_row ROWS[] = {
           else if (v == "router") s.sub.mode = VIS_SUB_ROUTER;
           else if (v == "buddy")  s.sub.mode = VIS_SUB_BUDDY;
           else if (v == "auto")   s.sub.mode = VIS_SUB_AUTO;
-          else throw vis_error(w + ": expected off, router, buddy or auto, got '" + v + "'"); } },
+          else throw vis_error(w + ": expected off, router, buddy or auto, got '" + v + "'"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-sub-profile", "VIS_MOE_SUB_PROFILE", "FILE",
       "vis-moe: buddy lists and routing-entropy percentiles of this model, from\n"
       "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.sub.profile = parse_path(w, v); } },
+          s.sub.profile = parse_path(w, v); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-sub-tae", "VIS_MOE_SUB_TAE", "off|TAU|pN",
       "vis-moe: never substitute for a token whose normalised top-k routing entropy is <= TAU (0..1), or <= the\n"
       "N-th percentile (0..100) of its layer in --moe-sub-profile with pN (default: off)",
@@ -217,12 +217,12 @@ const flag_row ROWS[] = {
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.prefill = parse_switch(w, v, false) == 1; } },
-    { "--moe-predict", "VIS_MOE_PREDICT", "off|next-router|coact|freq|mlp|random|auto",
+    { "--moe-predict", "VIS_MOE_PREDICT", "off|next-router|coact|freq|mlp|auto",
       "vis-moe: predict the experts of the next layers and read them in the background while this layer\n"
       "computes (exact: only when bytes arrive changes). next-router = the next layers' routers applied to this\n"
       "layer's input; coact = co-activation counts learned online; freq = the most used experts; mlp = the\n"
-      "VisMMOE lookahead MLP of --moe-predict-profile; random = for testing; auto = the measured default\n"
-      "(docs/prediction.md). Decode steps, file store (default: off)",
+      "VisMMOE lookahead MLP of --moe-predict-profile; auto = the measured default (docs/prediction.md).\n"
+      "Decode steps, file store (default: off; test-only values: docs/knobs.md)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "off")         s.predict.mode = VIS_PRED_OFF;
           else if (v == "next-router") s.predict.mode = VIS_PRED_NEXT_ROUTER;
@@ -231,30 +231,30 @@ const flag_row ROWS[] = {
           else if (v == "mlp")         s.predict.mode = VIS_PRED_MLP;
           else if (v == "random")      s.predict.mode = VIS_PRED_RANDOM;
           else if (v == "auto")        s.predict.mode = VIS_PRED_AUTO;
-          else throw vis_error(w + ": expected off, next-router, coact, freq, mlp, random or auto, got '" + v + "'"); } },
+          else throw vis_error(w + ": expected off, next-router, coact, freq, mlp, random or auto, got '" + v + "'"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-predict-profile", "VIS_MOE_PREDICT_PROFILE", "FILE",
       "vis-moe: start --moe-predict coact / freq from this model's calibrated co-activation tables and expert\n"
       "frequencies, from pyvis calibrate predictor -m MODEL --out FILE (learning goes on online); --moe-predict\n"
       "mlp needs one fitted with --mlp (default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.predict.profile = parse_path(w, v); } },
+          s.predict.profile = parse_path(w, v); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-shadow", "VIS_MOE_SHADOW", "FILE",
       "vis-moe: shadow experts: a low-bit copy of the routed experts from pyvis shadow MODEL --type T --out FILE\n"
       "(docs/precision.md); --moe-precision says when a miss may run from it (default: none)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.prec.shadow = parse_path(w, v); } },
-    { "--moe-precision", "VIS_MOE_PRECISION", "off|vision|gate|all|auto",
+          s.prec.shadow = parse_path(w, v); }, LLAMA_VIS_MOE_SCOPE_USER },
+    { "--moe-precision", "VIS_MOE_PRECISION", "off|vision|gate|auto",
       "vis-moe: serve a miss from its --moe-shadow copy (lossy) while the full expert is read in the background.\n"
       "vision = experts only image tokens route, in a ubatch whose image share is >= --moe-prec-vision;\n"
-      "gate = decode misses whose share of the token's gate weight is < --moe-prec-gate; all = every miss (worst\n"
-      "case); auto = vision and gate under a stall-share controller (--moe-prec-target) (default: off)",
+      "gate = decode misses whose share of the token's gate weight is < --moe-prec-gate; auto = vision and gate\n"
+      "under a stall-share controller (--moe-prec-target) (default: off; test-only values: docs/knobs.md)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "off")    s.prec.mode = VIS_PREC_OFF;
           else if (v == "vision") s.prec.mode = VIS_PREC_VISION;
           else if (v == "gate")   s.prec.mode = VIS_PREC_GATE;
           else if (v == "all")    s.prec.mode = VIS_PREC_ALL;
           else if (v == "auto")   s.prec.mode = VIS_PREC_AUTO;
-          else throw vis_error(w + ": expected off, vision, gate, all or auto, got '" + v + "'"); } },
+          else throw vis_error(w + ": expected off, vision, gate, all or auto, got '" + v + "'"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-prec-vision", "VIS_MOE_PREC_VISION", "S",
       "vis-moe: --moe-precision vision: a ubatch whose share of image tokens is at least S (0..1) is\n"
       "vision-dominated (default: 0.5)",
@@ -286,7 +286,7 @@ const flag_row ROWS[] = {
       "entropy weights); the other image pairs run the best-scored expert in memory instead. Text tokens are never\n"
       "rerouted. auto = N is the layer's slot count (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.cap.capacity = v == "off" ? -1 : v == "auto" ? 0 : (int32_t) parse_int(w, v, 1, MAX_SLOTS, " (or off, auto)"); } },
+          s.cap.capacity = v == "off" ? -1 : v == "auto" ? 0 : (int32_t) parse_int(w, v, 1, MAX_SLOTS, " (or off, auto)"); }, LLAMA_VIS_MOE_SCOPE_VISION },
     { "--moe-cap-rho", "VIS_MOE_CAP_RHO", "R",
       "vis-moe: --moe-capacity: how strongly the effective visual ratio and the experts' modality bias scale it\n"
       "(0..4; default: 1)",
@@ -305,7 +305,12 @@ const flag_row ROWS[] = {
       "vis-moe: --moe-capacity: experts' modality bias (visual/text/shared) from pyvis calibrate modality\n"
       "(default: none, every expert shared)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.cap.profile = parse_path(w, v); } },
+          s.cap.profile = parse_path(w, v); }, LLAMA_VIS_MOE_SCOPE_VISION },
+    { "--moe-topk", "VIS_MOE_TOPK", "N",
+      "vis-moe: lossy: each token runs its N highest-weighted experts instead of the model's k, weights\n"
+      "renormalised as the model does (= upstream with expert_used_count N; 0 = off; default: 0)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.topk = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -405,6 +410,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-cap-drop",      s.cap.drop, 0, 1, "");
     real("--moe-cap-rho", s.cap.rho, 0, 4);
     real("--moe-cap-delta", s.cap.delta, 0, 16);
+    range("--moe-topk",          s.topk, 0, MAX_SUB_BUDGET, " (0 = off)");
     if (p.n_slots > 0 && p.cache_mib > 0) {
         throw vis_error("--moe-slots and --moe-cache-mib are alternatives: give one of them");
     }

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -29,13 +31,14 @@ int n_rows() {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128 };
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128, G_TOPK = 256 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
     if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend" ||
         n == "--moe-stream-stage") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
+    if (n == "--moe-topk") return G_TOPK;
     if (n == "--moe-capacity" || n.rfind("--moe-cap-", 0) == 0) return G_CAP;
     if (n == "--moe-shadow" || n == "--moe-shadow-slots" || n == "--moe-precision" || n.rfind("--moe-prec-", 0) == 0) {
         return G_SHADOW;
@@ -52,6 +55,7 @@ struct env_values {
     vis_moe_settings s;
     std::string error;          // the first invalid variable of a group not set explicitly
     unsigned    error_groups = 0;
+    std::vector<std::pair<const flag_row *, std::string>> invalid;  // every invalid variable and its message
 };
 
 // the environment now: defaults, then every valid VIS_MOE_* variable
@@ -71,8 +75,10 @@ env_values read_env() {
             ev.s = trial;
         } catch (const std::exception & e) {
             ev.error_groups |= group_of(r);
+            ev.invalid.emplace_back(&r, std::string("invalid environment variable: ") + e.what() + " (fix or unset " +
+                                            r.env + ")");
             if (ev.error.empty()) {
-                ev.error = std::string("invalid environment variable: ") + e.what() + " (fix or unset " + r.env + ")";
+                ev.error = ev.invalid.back().second;
             }
         }
     }
@@ -114,6 +120,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_CAP) {
         s.cap = o.cap;
+    }
+    if (groups & G_TOPK) {
+        s.topk = o.topk;
     }
 }
 
@@ -331,6 +340,22 @@ int32_t llama_vis_moe_cli_apply(const char * flag, const char * value) {
     vis_clear_last_error();
     vis_moe_settings s = process_settings();
     const flag_row * r = apply_flag(s, flag, value);
+    if (r) {
+        // a flag sets its whole group from the values in force: an invalid variable of another row of that group
+        // would be dropped silently (its default taken), so it is an error here; the flag's own variable is overridden
+        for (const auto & [row, msg] : read_env().invalid) {
+            if (row != r && group_of(*row) == group_of(*r)) {
+                vis_set_last_error(msg);
+                return -1;
+            }
+        }
+    }
+    if (r && r->scope == LLAMA_VIS_MOE_SCOPE_KNOB) {
+        // an engine knob given in its old flag spelling: it still works for this release
+        std::fprintf(stderr, "warning: %s is deprecated as a flag: it is an engine knob now; set %s=%s instead "
+                     "(docs/knobs.md). The flag spelling goes in the next release.\n",
+                     r->name, r->env, r->hint ? (value ? value : "") : "on");
+    }
     return r ? set_process(s, group_of(*r)) : -1;
 }
 
@@ -377,5 +402,6 @@ int32_t llama_vis_moe_get_flag(int32_t i, llama_vis_moe_flag * out) {
     out->env        = r.env;
     out->value_hint = r.hint;
     out->help       = r.help;
+    out->scope      = r.scope;
     return 0;
 }

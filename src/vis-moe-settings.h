@@ -94,20 +94,24 @@ struct vis_moe_settings {
     vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
     vis_moe_prec_settings prec;             // --moe-shadow, --moe-precision, --moe-prec-*, --moe-shadow-slots
     vis_moe_cap_settings  cap;              // --moe-capacity, --moe-cap-*
+    int32_t     topk = 0;                   // --moe-topk: experts each token runs (lossy), 0 = the model's k
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }
 };
 
 // ---- the table (vis-moe-settings-table.cpp) ----------------------------------
-// one --moe-* flag: its variable, value hint (nullptr: a flag without a value, its variable takes on/off),
-// help, and the strict parser that applies a value (throws std::invalid_argument naming `what` and the range)
+// one --moe-* setting: its flag, variable, value hint (nullptr: a flag without a value, its variable takes on/off),
+// help, the strict parser that applies a value (throws std::invalid_argument naming `what` and the range), and who
+// decides it (llama-vis.h, LLAMA_VIS_MOE_SCOPE_*): a user flag shown in the tools' --help, or an engine knob set by
+// its VIS_MOE_* variable (docs/knobs.md; its old flag spelling still parses, with a deprecation line)
 struct vis_moe_flag_row {
     const char * name;
     const char * env;
     const char * hint;
     const char * help;
     void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
+    int32_t scope = LLAMA_VIS_MOE_SCOPE_KNOB;
 };
 const vis_moe_flag_row * vis_moe_flag_rows(int & n);
 vis_moe_settings vis_moe_settings_builtin();

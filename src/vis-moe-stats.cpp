@@ -331,6 +331,10 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     if (vm.plan_budget > 0) {
         std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm.plan_budget / 1048576.0, vm.plan_source.c_str());
     }
+    vis_moe_print_notes(vm);
+}
+
+void vis_moe_print_notes(const vis_moe_context & vm) {
     for (const auto & n : vm.notes) {
         std::fprintf(stderr, "vis-moe: %s\n", n.c_str());
     }

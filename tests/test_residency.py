@@ -194,7 +194,7 @@ def test_budget_too_small_is_a_clear_error(tmp_path):
 
 def test_cli_flags_and_errors(bindir, fixture_dir):
     r = run([bindir / "llama-cli", "--help"])
-    for flag in ("--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace"):
+    for flag in ("--moe-slots", "--moe-pinned-layers", "--moe-stats", "--moe-trace"):
         assert flag in r.stdout
     # fewer slots than top-k run (exact, in passes) and say what that costs
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "--moe-slots", "2", "-p", "hi", "-n", "2",

@@ -171,11 +171,18 @@ def llama_vis_moe_thread_apply(flag: bytes, value: bytes | None) -> int:
     (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error()."""
 
 
+# enum llama_vis_moe_scope { ... };  who decides a setting
+LLAMA_VIS_MOE_SCOPE_KNOB = 0    # an engine knob: its VIS_MOE_* variable (docs/knobs.md)
+LLAMA_VIS_MOE_SCOPE_USER = 1    # a user flag of every tool
+LLAMA_VIS_MOE_SCOPE_VISION = 2  # a user flag of the tools that take images
+
+
 # struct llama_vis_moe_flag {
 #     const char * name;        // "--moe-slots"
 #     const char * env;         // "VIS_MOE_SLOTS"
 #     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
 #     const char * help;        // help text (several lines, '\n'-separated; no env note)
+#     int32_t      scope;       // enum llama_vis_moe_scope
 # };
 class llama_vis_moe_flag(ctypes.Structure):
     _fields_ = [
@@ -183,6 +190,7 @@ class llama_vis_moe_flag(ctypes.Structure):
         ("env", ctypes.c_char_p),
         ("value_hint", ctypes.c_char_p),
         ("help", ctypes.c_char_p),
+        ("scope", ctypes.c_int32),
     ]
 
 

@@ -293,6 +293,11 @@ class Flag:
     env: str                # "VIS_MOE_SLOTS"
     value_hint: str | None  # "N", "auto|MIB", ...; None for a flag without a value
     help: str
+    scope: int              # capi.LLAMA_VIS_MOE_SCOPE_*: a user flag, or an engine knob (docs/knobs.md)
+
+    @property
+    def knob(self) -> bool:
+        return self.scope == capi.LLAMA_VIS_MOE_SCOPE_KNOB
 
 
 def flags() -> list[Flag]:
@@ -302,7 +307,7 @@ def flags() -> list[Flag]:
         f = capi.llama_vis_moe_flag()
         _check(capi.llama_vis_moe_get_flag(i, ctypes.byref(f)), "llama_vis_moe_get_flag")
         out.append(Flag(f.name.decode(), f.env.decode(), f.value_hint.decode() if f.value_hint else None,
-                        f.help.decode()))
+                        f.help.decode(), f.scope))
     return out
 
 

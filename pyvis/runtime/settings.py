@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -175,6 +175,16 @@ class CapacityParams:
         return _table_flags(self, optional=("cap_profile",))
 
 
+@dataclass(frozen=True)
+class TopkParams:
+    """Fewer experts per token (lossy; docs/topk.md): each token runs its ``topk`` highest-weighted experts instead
+    of the model's k (0 = off), exactly as upstream with ``expert_used_count`` overridden."""
+    topk: int = 0
+
+    def flags(self) -> list[tuple[str, str]]:
+        return _table_flags(self)
+
+
 def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """The fields of a settings class without a C struct as (flag, value) strings for llama_vis_moe_thread_apply;
     `optional` fields are left out when None."""
@@ -249,7 +259,7 @@ def _apply_table(params) -> None:
 @contextlib.contextmanager
 def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
             predict: PredictParams | None = None, precision: PrecisionParams | None = None,
-            capacity: CapacityParams | None = None):
+            capacity: CapacityParams | None = None, topk: TopkParams | None = None):
     """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub``,
     ``predict``, ``precision`` and ``capacity`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
     before: its own override if it had one, else none (it follows the process-wide settings again, including
@@ -258,7 +268,8 @@ def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: S
     previous = (get_params(), get_tier_params()) if capi.llama_vis_moe_thread_params_active() else None
     prev = getattr(_thread_table, "value", None) or {}
     now = dict(prev)
-    for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity)):
+    for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity),
+                   (TopkParams, topk)):
         if p is not None:
             now[cls] = p
     _set_thread(moe or get_params(), tier or get_tier_params())
