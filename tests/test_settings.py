@@ -14,7 +14,7 @@ import pytest
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
 from pyvis.runtime.settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TierParams,
-                                    applied)
+                                    TopkParams, applied)
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
