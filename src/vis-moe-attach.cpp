@@ -288,10 +288,8 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     L.n_slots      = ns;
     L.n_expert     = n_exp;
     L.expert_bytes = layer_expert_bytes(l);
-    L.slot_of.assign(n_exp, -1);
     L.pass_of.assign(n_exp, -1);
-    L.expert_of.assign(ns, -1);
-    L.policy = vis_moe_policy_lru(ns);
+    L.slots.init(n_exp, ns, vis_moe_policy_lru(ns));
     L.stats.n_slots = ns;
     L.stats.managed = 1;
     // CPU-only run: the CPU mul_mat_id skips id -1 (patch 0006), so passes compute only their own pairs;

@@ -169,7 +169,7 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
     }
     std::vector<uint8_t> resident(L.n_expert);
     for (int e = 0; e < L.n_expert; ++e) {
-        resident[e] = L.slot_of[e] >= 0 ? 1 : 0;
+        resident[e] = L.slots.resident(e) ? 1 : 0;
     }
     if (vis_moe_capacity_passes(vm, L) > 0) {
         // the graph has only the passes the capacity needs: hits and loads must fit them

@@ -165,7 +165,7 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         vm->prefetch->end_ubatch();
         for (auto & L : vm->layers) {
             if (L.managed) {
-                L.policy->end_step();  // speculative horizons count down; unused reads ahead go first
+                L.slots.policy().end_step();  // speculative horizons count down; unused reads ahead go first
             }
         }
     }

@@ -12,7 +12,7 @@
 #pragma once
 
 #include "llama-vis.h"
-#include "vis-moe-policy.h"
+#include "vis-moe-slot-pool.h"
 #include "vis-moe-capacity.h"
 #include "vis-moe-shadow-slots.h"
 #include "vis-moe-store.h"
@@ -79,10 +79,8 @@ struct vis_moe_layer {
     bool cpu_passes   = false;  // CPU-only layer: pairs of other passes are skipped (id -1, patch 0006)
                                 // and passes merge in place, instead of staging slot + concat
 
-    // slot table
-    std::vector<int32_t> slot_of;    // expert -> slot, -1 if not resident
-    std::vector<int32_t> expert_of;  // slot -> expert, -1 if empty
-    std::unique_ptr<vis_moe_policy> policy;
+    // the slot table and eviction policy of the slabs (vis-moe-slot-pool.h: its only writer)
+    vis_slot_pool slots;
 
     // pass plan of the ubatch being computed
     std::vector<int32_t> pass_of;    // expert -> pass, -1 if not routed

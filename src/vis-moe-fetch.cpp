@@ -151,29 +151,27 @@ void vis_moe_fetcher::worker_main(vis_io_pool & io) {
 }
 
 vis_fetch_result vis_moe_fetch_submit(vis_moe_context & vm, vis_moe_layer & L, int il, int e, bool speculative) {
-    const int s = L.policy->victim();
+    const int s = L.slots.policy().victim();
     if (s < 0) {
         return VIS_FETCH_NO_SLOT;
     }
-    const vis_slot_class c = L.policy->slot_class(s);
+    const vis_slot_class c = L.slots.policy().slot_class(s);
     if (c == vis_slot_class::REQUIRED || (speculative && c == vis_slot_class::SPECULATIVE)) {
         return VIS_FETCH_NO_SLOT;
     }
     vis_moe_evict_slot(vm, L, il, s);
     std::unique_ptr<vis_fetch_job> job = vis_moe_fetch_job(vm, L, il, e, s);
     if (!job) {  // served from the host cache (or the model's copy) on the spot
-        L.slot_of[e]   = s;
-        L.expert_of[s] = e;
+        L.slots.place(e, s);
         if (speculative) {
-            L.policy->speculate(s, 1);
+            L.slots.policy().speculate(s, 1);
         } else {
-            L.policy->touch(s);
+            L.slots.policy().touch(s);
         }
         return VIS_FETCH_SERVED;
     }
     job->speculative = speculative;
-    L.expert_of[s] = e;  // slot_of[e] stays -1 until collected: no id points at the slot meanwhile
-    L.policy->hold(s, true);
+    L.slots.reserve(e, s);  // no id points at the slot until it is collected
     vm.fetch->submit(std::move(job));
     return VIS_FETCH_QUEUED;
 }
@@ -185,28 +183,24 @@ std::vector<vis_fetch_done> vis_moe_fetch_collect(vis_moe_context & vm, vis_moe_
         return done;
     }
     for (const auto & job : vm.fetch->cancel_queued(il)) {
-        L.policy->hold(job->slot, false);
-        L.expert_of[job->slot] = -1;
-        L.policy->forget(job->slot);
+        L.slots.release(job->slot);
         done.push_back({ job->expert, job->slot, true, true });
     }
     auto jobs = vm.fetch->collect(il, waited_us);
     L.stats.load_us += waited_us;  // a late background read is a (partial) stall
     std::string error;  // the first failure, thrown once every job has released its slot
     for (const auto & job : jobs) {
-        L.policy->hold(job->slot, false);
         if (!job->error.empty()) {
-            L.expert_of[job->slot] = -1;
-            L.policy->forget(job->slot);
+            L.slots.release(job->slot);
             error = error.empty() ? job->error : error;
             continue;
         }
         vis_moe_fetch_finish(L, *job);  // waits for this job's upload only (discrete GPU)
-        L.slot_of[job->expert] = job->slot;
+        L.slots.settle(job->slot);
         if (job->speculative) {
-            L.policy->speculate(job->slot, 1);  // protected through this step; first to go if it is not used
+            L.slots.policy().speculate(job->slot, 1);  // protected through this step; first to go if it is not used
         } else {
-            L.policy->touch(job->slot);
+            L.slots.policy().touch(job->slot);
         }
         done.push_back({ job->expert, job->slot, job->speculative, false });
     }

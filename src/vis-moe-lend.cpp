@@ -73,9 +73,8 @@ void vis_moe_empty_slots(vis_moe_context & vm) {
         }
         int64_t waited = 0;
         vis_moe_fetch_collect(vm, L, il, waited);  // nothing may write a slot whose pages go (throws on a read error)
-        vis_moe_slots_forget_all(L.slot_of, L.expert_of, L.policy.get());
-        // the shadow slabs go with the slabs (lent, or overwritten by staging)
-        vis_moe_slots_forget_all(L.shadow.slot_of, L.shadow.expert_of, L.shadow.policy.get());
+        L.slots.forget_all();
+        L.shadow.pool.forget_all();  // the shadow slabs go with the slabs (lent, or overwritten by staging)
     }
 }
 

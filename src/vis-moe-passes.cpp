@@ -20,7 +20,7 @@ void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs
         GGML_ASSERT(e >= 0 && e < L.n_expert);
         if (L.pass_of[e] == -1 && !(skip && skip[e])) {
             L.pass_of[e] = -2;  // seen
-            (L.slot_of[e] >= 0 ? hits : misses).push_back(e);
+            (L.slots.resident(e) ? hits : misses).push_back(e);
         }
     }
     L.passes.clear();
@@ -37,13 +37,10 @@ void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs
 }
 
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
-    const int old = L.expert_of[s];
+    const int old = L.slots.evict(s);
     if (old < 0) {
         return;
     }
-    L.slot_of[old] = -1;
-    L.expert_of[s] = -1;
-    L.policy->forget(s);
     if (vm.host && vm.host_exclusive && L.deferred) {
         if (uint8_t * h = vm.host->insert(il, old)) {
             vis_moe_slab_read(L, s, h);
@@ -60,28 +57,27 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
     static const std::vector<int32_t> none;
     const std::vector<int32_t> & experts = p < (int) L.passes.size() ? L.passes[p] : none;
     L.stats.n_passes++;
-    L.policy->begin_pass();
+    L.slots.policy().begin_pass();
 
     // hits first: touched (Required) before any miss looks for a victim
     for (int e : experts) {
-        const int s = L.slot_of[e];
+        const int s = L.slots.slot_of(e);
         if (s >= 0) {
-            L.policy->touch(s);
+            L.slots.policy().touch(s);
             L.stats.n_hits++;
             vm.n_slab_hits++;
         }
     }
     std::vector<std::pair<int, int>> misses;  // (expert, slot)
     for (int e : experts) {
-        if (L.slot_of[e] >= 0) {
+        if (L.slots.resident(e)) {
             continue;
         }
-        const int s = L.policy->victim();
+        const int s = L.slots.policy().victim();
         GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
         vis_moe_evict_slot(vm, L, il, s);
-        L.expert_of[s] = e;
-        L.slot_of[e]   = s;
-        L.policy->touch(s);
+        L.slots.place(e, s);
+        L.slots.policy().touch(s);
         misses.emplace_back(e, s);
         L.stats.n_misses++;
         L.stats.bytes_loaded += L.expert_bytes;
@@ -93,9 +89,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
     } catch (...) {
         // never leave a slot marked as holding an expert it does not hold
         for (const auto & [e, s] : misses) {
-            L.slot_of[e]   = -1;
-            L.expert_of[s] = -1;
-            L.policy->forget(s);
+            L.slots.evict(s);
         }
         add_stall();
         throw;
@@ -103,7 +97,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
 
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
-        out[j] = L.pass_of[e] == p ? L.slot_of[e] : L.foreign_id();
+        out[j] = L.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
     }
     add_stall();
 }

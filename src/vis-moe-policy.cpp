@@ -89,16 +89,6 @@ private:
 
 } // namespace
 
-void vis_moe_slots_forget_all(std::vector<int32_t> & slot_of, std::vector<int32_t> & expert_of, vis_moe_policy * policy) {
-    for (int s = 0; s < (int) expert_of.size(); ++s) {
-        if (expert_of[s] >= 0) {
-            slot_of[expert_of[s]] = -1;
-            expert_of[s] = -1;
-        }
-        policy->forget(s);
-    }
-}
-
 std::unique_ptr<vis_moe_policy> vis_moe_policy_lru(int n_slots) {
     return std::make_unique<lru_policy>(n_slots);
 }

@@ -42,10 +42,6 @@ public:
     virtual int victim() const = 0;
 };
 
-// a slot pool's table (expert -> slot, slot -> expert) emptied, every slot forgotten by its policy: the slab
-// memory is about to be lent or overwritten (the full and the shadow slot pools, vis-moe-lend.cpp)
-void vis_moe_slots_forget_all(std::vector<int32_t> & slot_of, std::vector<int32_t> & expert_of, vis_moe_policy * policy);
-
 // Least recently used, with exact recency: one tick per touch, in the order of the touches (hits of a pass
 // first, then its misses), as pyvis.runtime's cache simulator models it.
 std::unique_ptr<vis_moe_policy> vis_moe_policy_lru(int n_slots);

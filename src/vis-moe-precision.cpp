@@ -181,7 +181,7 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
     in.decode   = vm.ub_decode;
     std::vector<uint8_t> resident(L.n_expert);
     for (int e = 0; e < L.n_expert; ++e) {
-        resident[e] = L.slot_of[e] >= 0 ? 1 : 0;
+        resident[e] = L.slots.resident(e) ? 1 : 0;
     }
     const int64_t before = L.prec_stats.n_eligible;
     vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, L.shadow.serve, L.prec_stats);
@@ -219,7 +219,7 @@ void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il) 
     }
     for (const auto & pass : L.shadow.passes) {
         for (int e : pass) {
-            if (L.slot_of[e] >= 0) {
+            if (L.slots.resident(e)) {
                 continue;
             }
             const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);

@@ -81,15 +81,15 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
         // best first; a resident expert is kept from the victims of the reads for the experts ranked below it
         std::vector<int> held;
         for (int e : top) {
-            const int s = L.slot_of[e];
+            const int s = L.slots.slot_of(e);
             if (s >= 0) {
-                if (L.policy->slot_class(s) != vis_slot_class::REQUIRED) {
-                    L.policy->hold(s, true);
+                if (L.slots.policy().slot_class(s) != vis_slot_class::REQUIRED) {
+                    L.slots.policy().hold(s, true);
                     held.push_back(s);
                 }
                 continue;
             }
-            if (std::find(L.expert_of.begin(), L.expert_of.end(), e) != L.expert_of.end()) {
+            if (L.slots.filling(e)) {
                 continue;  // already being read
             }
             const vis_fetch_result r = vis_moe_fetch_submit(vm, L, T, e, true);
@@ -100,7 +100,7 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
             ls.st.n_issued++;
         }
         for (int s : held) {
-            L.policy->hold(s, false);
+            L.slots.policy().hold(s, false);
         }
     }
 }

@@ -26,7 +26,7 @@ void vis_shadow_plan(vis_moe_layer & L, int first_pass) {
     std::vector<int32_t> order;  // shadow hits first: they never look for a victim
     for (int pass = 0; pass < 2; ++pass) {
         for (int e = 0; e < L.n_expert; ++e) {
-            if (S.serve[e] && (S.slot_of[e] >= 0) == (pass == 0)) {
+            if (S.serve[e] && S.pool.resident(e) == (pass == 0)) {
                 order.push_back(e);
             }
         }
@@ -60,27 +60,23 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
     const std::vector<int32_t> & experts = sp < (int) S.passes.size() ? S.passes[sp] : none;
     const int32_t foreign = L.cpu_passes ? -1 : S.n_slots;
     if (!experts.empty()) {
-        S.policy->begin_pass();
+        S.pool.policy().begin_pass();
         for (int e : experts) {
-            if (S.slot_of[e] >= 0) {
-                S.policy->touch(S.slot_of[e]);
+            if (S.pool.resident(e)) {
+                S.pool.policy().touch(S.pool.slot_of(e));
                 st.n_shadow_hits++;
             }
         }
         std::vector<std::pair<int, int>> misses;  // (expert, slot)
         for (int e : experts) {
-            if (S.slot_of[e] >= 0) {
+            if (S.pool.resident(e)) {
                 continue;
             }
-            const int s = S.policy->victim();
+            const int s = S.pool.policy().victim();
             GGML_ASSERT(s >= 0 && "vis-moe: a shadow pass needs more experts than shadow slots (plan bug)");
-            if (S.expert_of[s] >= 0) {
-                S.slot_of[S.expert_of[s]] = -1;
-                S.policy->forget(s);
-            }
-            S.expert_of[s] = e;
-            S.slot_of[e]   = s;
-            S.policy->touch(s);
+            S.pool.evict(s);
+            S.pool.place(e, s);
+            S.pool.policy().touch(s);
             misses.emplace_back(e, s);
         }
         std::vector<vis_read_req> reqs;
@@ -109,9 +105,7 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
             }
         } catch (...) {
             for (const auto & [e, s] : misses) {  // never leave a slot marked as holding what it does not hold
-                S.slot_of[e]   = -1;
-                S.expert_of[s] = -1;
-                S.policy->forget(s);
+                S.pool.evict(s);
             }
             st.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
             throw;
@@ -127,7 +121,7 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
     const int32_t me = S.first_pass + sp;
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
-        out[j] = L.pass_of[e] == me ? S.slot_of[e] : foreign;
+        out[j] = L.pass_of[e] == me ? S.pool.slot_of(e) : foreign;
         st.n_shadow_pairs += L.pass_of[e] == me ? 1 : 0;
     }
     st.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
@@ -168,10 +162,8 @@ void vis_shadow_slots_create(vis_moe_context & vm, int n_slots) {
             S.expert_bytes += (int64_t) S.slab[k]->nb[2];
         }
         S.n_slots = ns;
-        S.slot_of.assign(L.n_expert, -1);
-        S.expert_of.assign(ns, -1);
+        S.pool.init(L.n_expert, ns, vis_moe_policy_lru(ns));
         S.serve.assign(L.n_expert, 0);
-        S.policy = vis_moe_policy_lru(ns);
     }
     for (auto & [buft, c] : ctx_of) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);

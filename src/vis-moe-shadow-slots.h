@@ -15,7 +15,7 @@
 // (the same bound with the shadow slots); the pass index of a shadow pass is first_pass + its number.
 #pragma once
 
-#include "vis-moe-policy.h"
+#include "vis-moe-slot-pool.h"
 
 #include "ggml.h"
 
@@ -35,9 +35,7 @@ struct vis_shadow_slots {
     bool    host_write   = false;  // the slabs are host memory the compute thread writes directly
     std::array<ggml_tensor *, 4>             slab = {};  // [ne0, ne1, n_slots (+ staging)] of the shadow type
     std::array<const vis_shadow_tensor *, 4> src  = {};  // the sidecar's tensors, in VIS_T_* order
-    std::vector<int32_t> slot_of;    // expert -> shadow slot, -1 if not there
-    std::vector<int32_t> expert_of;  // shadow slot -> expert, -1 if empty
-    std::unique_ptr<vis_moe_policy> policy;
+    vis_slot_pool pool;              // which shadow slot holds which expert, and who is evicted (vis-moe-slot-pool.h)
 
     // the ubatch being computed
     std::vector<uint8_t> serve;                  // expert -> 1: its pairs run from its shadow

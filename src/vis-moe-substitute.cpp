@@ -328,7 +328,7 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     L.outcome.resize(n_pairs);
     std::vector<uint8_t> resident(L.n_expert);
     for (int e = 0; e < L.n_expert; ++e) {
-        resident[e] = L.slot_of[e] >= 0 ? 1 : 0;
+        resident[e] = L.slots.resident(e) ? 1 : 0;
     }
     if (rule.mode == VIS_SUB_ROUTER && !in.scores) {
         throw std::runtime_error("vis-moe: router substitution without router scores (graph bug)");
