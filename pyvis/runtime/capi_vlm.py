@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .capi import (ctypes_function, ggml_cgraph_p, ggml_context_p, ggml_tensor_p, llama_context_p,  # noqa: F401
-                   mtmd_context_p, vis_saliency_state_p)
+from .capi_lib import (ctypes_function, ggml_cgraph_p, ggml_context_p, ggml_tensor_p, llama_context_p,  # noqa: F401
+                       mtmd_context_p, vis_saliency_state_p)
 
 # ---------------------------------------------------------------------------
 # Visual-token pruning support: encoder saliency
