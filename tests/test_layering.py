@@ -139,6 +139,19 @@ def test_only_the_entry_point_imports_the_cli():
         assert not {m for m in importers if m == part or m.startswith(part + ".")}
 
 
+def test_the_parts_sit_on_runtime():
+    """Between subpackages, too, dependencies point one way: cli -> calibrate, vlm, demo -> testbed -> runtime;
+    runtime (the C API's mirror and what wraps it) imports none of the parts above it."""
+    graph = python_imports(ROOT)
+    part = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    parts = {}
+    for m, deps in graph.items():
+        parts.setdefault(part(m), set()).update(part(d) for d in deps if part(d) != part(m))
+    assert not circles(parts), f"circles between pyvis's parts:\n{_show(circles(parts))}\n{RULE}"
+    above = {"pyvis.cli", "pyvis.calibrate", "pyvis.vlm", "pyvis.testbed", "pyvis.fixtures", "pyvis.demo"}
+    assert not parts["pyvis.runtime"] & above, f"pyvis.runtime imports {sorted(parts['pyvis.runtime'] & above)}. {RULE}"
+
+
 def test_src_include_circles_only_shrink():
     graph = include_graph(ROOT)
     found = circles(graph)
