@@ -436,9 +436,12 @@ LLAMA_API int32_t llama_vis_mtmd_get_saliency(const struct mtmd_context * ctx, f
 LLAMA_API int32_t llama_vis_mtmd_get_saliency_raw(const struct mtmd_context * ctx, float * out, int32_t n_max);
 
 // Hooks called by libmtmd (patch 0010); not for applications.  The state is owned by the
-// mtmd context (mtmd_context::vis_saliency, src/vis-owner.h) and freed with it.
+// mtmd context (mtmd_context::vis_saliency, src/vis-owner.h) and freed with it.  libmtmd
+// links libllama, not the reverse, so the functions above cannot look inside an mtmd_context:
+// attach hands over libmtmd's accessor of a context's state (one function for every context).
 struct vis_saliency_state;
-LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(const struct mtmd_context * ctx);
+typedef struct vis_saliency_state * (*llama_vis_mtmd_saliency_of)(const struct mtmd_context * ctx);
+LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(llama_vis_mtmd_saliency_of state_of);
 LLAMA_API void llama_vis_mtmd_saliency_begin(struct vis_saliency_state * st);
 LLAMA_API void llama_vis_mtmd_saliency_end(struct vis_saliency_state * st, bool ok);
 LLAMA_API bool llama_vis_clip_saliency_active(void);

@@ -3,7 +3,8 @@
 //
 // libmtmd (tools/mtmd) calls in through patch 0010:
 //   mtmd_context:      owns a vis_saliency_state (member vis_saliency, src/vis-owner.h),
-//                      created by llama_vis_mtmd_saliency_attach(), freed with the context
+//                      created by llama_vis_mtmd_saliency_attach(), freed with the context;
+//                      attach receives libmtmd's accessor of that member (vis_saliency_of)
 //   mtmd_encode_impl:  llama_vis_mtmd_saliency_begin(state) ... encode ... _end(state, ok)
 //   clip build_attn:   llama_vis_clip_saliency_layer() decides per layer (false = the
 //                      upstream graph, unchanged); the selected layers hand their
@@ -11,7 +12,8 @@
 //                      _attn() computes it next to flash attention)
 //   clip_encode:       llama_vis_clip_saliency_fetch() reads the results after compute
 // The clip hooks know no mtmd context: the encode in progress is thread-local.  The public
-// getters find a context's state through the registry of live states.
+// getters reach a context's state through libmtmd's accessor (libmtmd links libllama, so only
+// its code can look inside an mtmd_context); no state is kept outside the contexts.
 //
 // In the graph: kq [n_kv, n_q, n_head, B] -> out_prod with a constant column
 // 1/(n_q*n_head) -> "vis_saliency-<il>" [n_kv, 1, B], the mean over heads and
@@ -26,10 +28,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -54,24 +58,47 @@ struct sal_current {
 } // namespace
 
 struct vis_saliency_state {
-    const mtmd_context * owner = nullptr;
-    int        n_layers = -1;  // -1: the process-wide default
+    std::atomic<int> n_layers{-1};  // -1: the process-wide default
+    std::mutex mutex;               // guards encoded and last (written by the encode, read by the getters)
     bool       encoded  = false;
-    sal_result last;           // last encode
+    sal_result last;                // last encode
 };
 
 namespace {
 
-std::mutex g_mutex;
-std::map<const mtmd_context *, vis_saliency_state *> g_live;  // for the public getters only
+std::atomic<llama_vis_mtmd_saliency_of> g_state_of{nullptr};  // libmtmd's accessor: one function for every context
 std::atomic<int> g_default{-1};                 // -1: not read from the environment yet
 thread_local sal_current tl;
 
-int default_layers() {
+// the saliency state an mtmd context owns, or nullptr when no mtmd context was ever made
+vis_saliency_state * state_of(const mtmd_context * ctx) {
+    const llama_vis_mtmd_saliency_of fn = g_state_of.load();
+    return fn ? fn(ctx) : nullptr;
+}
+
+// a value of VIS_MTMD_SALIENCY: a layer count (digits only), or -1 with `err` naming the variable
+int env_layers(const char * e, std::string & err) {
+    char * end = nullptr;
+    errno = 0;
+    const long v = std::isdigit((unsigned char) e[0]) ? std::strtol(e, &end, 10) : -1;
+    if (v < 0 || *end != '\0' || errno == ERANGE || v > INT_MAX) {
+        err = std::string("VIS_MTMD_SALIENCY: expected an integer >= 0 (the last k encoder layers averaged for "
+                          "the saliency, 0 = off), got '") + e + "'. Fix: set it to a layer count, or unset it";
+        return -1;
+    }
+    return (int) v;
+}
+
+// the process-wide default: llama_vis_mtmd_saliency_enable(NULL, k), else VIS_MTMD_SALIENCY; -1 with `err`
+// when the variable is invalid (not kept: every encode that relies on it reports it until it is fixed)
+int default_layers(std::string & err) {
     int v = g_default.load();
     if (v < 0) {
         const char * e = std::getenv("VIS_MTMD_SALIENCY");
-        v = (e && *e) ? std::max(0, std::atoi(e)) : 0;
+        v = (e && *e) ? env_layers(e, err) : 0;
+        if (v < 0) {
+            return -1;
+        }
         int expected = -1;
         g_default.compare_exchange_strong(expected, v);
         v = g_default.load();
@@ -103,19 +130,22 @@ int32_t get_impl(const mtmd_context * ctx, float * out, int32_t n_max, bool norm
         vis_set_last_error("llama_vis_mtmd_get_saliency: NULL mtmd context");
         return -1;
     }
+    vis_saliency_state * st = state_of(ctx);
     std::vector<float> v;
     {
-        std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_live.find(ctx);
-        if (it == g_live.end() || !it->second->encoded) {
+        std::unique_lock<std::mutex> lock;
+        if (st) {
+            lock = std::unique_lock<std::mutex>(st->mutex);
+        }
+        if (!st || !st->encoded) {
             vis_set_last_error("saliency: no image has been encoded by this mtmd context yet");
             return -1;
         }
-        if (!it->second->last.ok) {
-            vis_set_last_error(it->second->last.error);
+        if (!st->last.ok) {
+            vis_set_last_error(st->last.error);
             return -1;
         }
-        v = it->second->last.raw;
+        v = st->last.raw;
     }
     if (normalise && !v.empty()) {
         const auto [mn, mx] = std::minmax_element(v.begin(), v.end());
@@ -137,39 +167,24 @@ int32_t llama_vis_mtmd_saliency_enable(const mtmd_context * ctx, int32_t n_layer
         return -1;
     }
     if (!ctx) {
-        default_layers();
         g_default.store(n_layers);
         return 0;
     }
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_live.find(ctx);
-    if (it == g_live.end()) {
-        vis_set_last_error("llama_vis_mtmd_saliency_enable: not a live mtmd context");
+    vis_saliency_state * st = state_of(ctx);
+    if (!st) {
+        vis_set_last_error("llama_vis_mtmd_saliency_enable: not an mtmd context (libmtmd has made none)");
         return -1;
     }
-    it->second->n_layers = n_layers;
+    st->n_layers.store(n_layers);
     return 0;
 }
 
-vis_saliency_state * llama_vis_mtmd_saliency_attach(const mtmd_context * ctx) {
-    auto * st = new vis_saliency_state();
-    st->owner = ctx;
-    std::lock_guard<std::mutex> lock(g_mutex);
-    g_live[ctx] = st;
-    return st;
+vis_saliency_state * llama_vis_mtmd_saliency_attach(llama_vis_mtmd_saliency_of state_of) {
+    g_state_of.store(state_of);
+    return new vis_saliency_state();
 }
 
 void vis_deleter::operator()(vis_saliency_state * st) const {
-    if (!st) {
-        return;
-    }
-    {
-        std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_live.find(st->owner);
-        if (it != g_live.end() && it->second == st) {
-            g_live.erase(it);
-        }
-    }
     delete st;
 }
 
@@ -186,8 +201,9 @@ void llama_vis_mtmd_saliency_begin(vis_saliency_state * st) {
     if (!st) {
         return;
     }
+    const int n = st->n_layers.load();
     tl.owner    = st;
-    tl.n_layers = st->n_layers >= 0 ? st->n_layers : default_layers();
+    tl.n_layers = n >= 0 ? n : default_layers(tl.error);
 }
 
 void llama_vis_mtmd_saliency_end(vis_saliency_state * st, bool ok) {
@@ -199,7 +215,9 @@ void llama_vis_mtmd_saliency_end(vis_saliency_state * st, bool ok) {
         r.error = "saliency: internal error (encode of another context in between)";
     } else if (!ok) {
         r.error = "saliency: the last image encode failed";
-    } else if (tl.n_layers <= 0) {
+    } else if (tl.n_layers < 0) {
+        r.error = tl.error;   // the default came from an invalid VIS_MTMD_SALIENCY
+    } else if (tl.n_layers == 0) {
         r.error = "saliency: it was off for the last image encode of this context "
                   "(enable it with llama_vis_mtmd_saliency_enable / pyvis._native.saliency_enable before encoding)";
     } else if (!tl.unsupported.empty()) {
@@ -213,7 +231,7 @@ void llama_vis_mtmd_saliency_end(vis_saliency_state * st, bool ok) {
         r.raw = std::move(tl.raw);
     }
     tl = sal_current();
-    std::lock_guard<std::mutex> lock(g_mutex);
+    std::lock_guard<std::mutex> lock(st->mutex);
     st->last    = std::move(r);
     st->encoded = true;
 }

@@ -45,7 +45,8 @@ def test_the_mirror_is_the_header():
     bound = {n for n in dir(capi) if n.startswith("llama_vis_") and callable(getattr(capi, n))
              and not isinstance(getattr(capi, n), type)}
     assert bound == set(funcs)
-    # the mirror's files (capi.py and the sections it re-exports: capi_paging.py, capi_vlm.py)
+    # the mirror's files (capi.py, its library handle capi_lib.py and the sections it re-exports: capi_moe.py,
+    # capi_paging.py, capi_vlm.py)
     src = "".join(p.read_text() for p in sorted(Path(capi.__file__).parent.glob("capi*.py")))
     for f in funcs:       # the C declaration is written above each binding
         assert re.search(rf"# LLAMA_API [^\n]*\b{f}\(", src), f

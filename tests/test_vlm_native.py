@@ -225,6 +225,66 @@ def test_saliency_process_default_and_errors(vlm_model, fixture_dir):
         m.close()
 
 
+def test_saliency_state_belongs_to_its_context(vlm_model, fixture_dir):
+    """Two live mtmd contexts: each getter reads the state its own context owns (no registry keyed by pointer)."""
+    a, b = Mtmd(vlm_model, fixture_dir, FA_ENABLED), Mtmd(vlm_model, fixture_dir, FA_ENABLED)
+    try:
+        for m in (a, b):
+            m.tokenize(fixture_dir / "test-image.png")
+        nv.saliency_enable(a.ptr, 1)
+        nv.saliency_enable(b.ptr, 0)
+        a.encode()
+        with pytest.raises(nv.VisError, match="no image has been encoded"):
+            nv.mtmd_saliency(b.ptr)
+        b.encode()
+        assert len(nv.mtmd_saliency(a.ptr)) == M.mtmd_input_chunk_get_n_tokens(a.image_chunk())
+        with pytest.raises(nv.VisError, match="off"):
+            nv.mtmd_saliency(b.ptr)
+    finally:
+        a.close()
+        b.close()
+
+
+_ENV_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from test_vlm_native import I, L, Mtmd, nv, FA_ENABLED
+d = Path(sys.argv[2])
+model = I.LlamaModel(path_model=str(d / "qwen3vlmoe.gguf"), params=L.llama_model_default_params(), verbose=False)
+m = Mtmd(model, d, FA_ENABLED)
+m.tokenize(d / "test-image.png")
+out = {}
+for value in sys.argv[3:]:        # an invalid value is not kept: the next one is read at the next encode
+    os.environ["VIS_MTMD_SALIENCY"] = value
+    m.encode()
+    try:
+        out[value] = len(nv.mtmd_saliency(m.ptr))
+    except nv.VisError as e:
+        out[value] = str(e)
+m.close()
+print(json.dumps(out))
+"""
+
+
+def test_saliency_variable_is_parsed_strictly(fixture_dir):
+    """VIS_MTMD_SALIENCY sets the default layer count; a value that is not a plain non-negative integer (atoi
+    read "1x" as 1 and "x" as off) is an error naming the variable, reported where the scores are asked for."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    bad = ["1x", "-1", "x", " 1", "99999999999"]
+    r = subprocess.run([sys.executable, "-c", _ENV_PROBE, str(Path(__file__).parent), str(fixture_dir), *bad, "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for v in bad:
+        assert isinstance(out[v], str) and "VIS_MTMD_SALIENCY: expected an integer >= 0" in out[v], out[v]
+        assert f"got '{v}'" in out[v], out[v]
+    assert out["1"] > 0          # a valid value after them is read and gives one score per image token
+
+
 # ---------------------------------------------------------------------------
 # layer limit and routing capture
 # ---------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def write(fit_: BuddyFit, out: str | os.PathLike, fingerprint: dict, source: str
 # CLI
 # --------------------------------------------------------------------------
 def _cmd_buddies(args) -> int:
-    from ..cli import Progress
+    from ..progress import Progress
     from ..testbed.quality import QualityError
     from .inputs import log
     try:

@@ -109,7 +109,7 @@ def capture(model: str, text: str, ctx: int = 512, chunks: int | None = None, th
         n = len(toks) // body if chunks is None else min(int(chunks), len(toks) // body)
         if n < 1:
             raise CalibrationError(f"--corpus {text}: {len(toks)} tokens, too short for one chunk of {ctx}")
-        from ..cli import Progress
+        from ..progress import Progress
         bar = Progress("capture", n * ctx, unit="tokens", scale=1)
         t0 = time.monotonic()
         for i in range(n):

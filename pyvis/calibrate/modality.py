@@ -287,7 +287,7 @@ def _refuse_overwrite(args) -> None:
 
 
 def _cmd_modality(args) -> int:
-    from ..cli import Progress
+    from ..progress import Progress
     try:
         _check_flags(args.visual_min, args.text_max)      # before any work
         if args.model and not Path(args.model).is_file():

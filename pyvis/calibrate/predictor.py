@@ -159,7 +159,7 @@ def _json_safe(x):
 
 
 def _cmd_predictor(args) -> int:
-    from ..cli import Progress
+    from ..progress import Progress
     from ..testbed.quality import QualityError
     try:
         if not Path(args.model).is_file():
@@ -236,7 +236,7 @@ def _check_mlp_args(args) -> None:
 def _cmd_mlp(args, out: Path, fp: dict) -> int:
     """``--mlp``: capture a corpus run's routing and hidden states, fit the tables and the MLP, evaluate all four
     predictors (frequency, coact, mlp, next-router) on held-out hidden states."""
-    from ..cli import Progress
+    from ..progress import Progress
     from . import mlp as M
     _check_mlp_args(args)
     L, E = fp["n_layer"], fp["n_expert"]

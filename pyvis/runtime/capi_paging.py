@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .capi import ctypes_function, llama_context_p, llama_vis_moe_params  # noqa: F401
+from .capi_lib import ctypes_function, llama_context_p
+from .capi_moe import llama_vis_moe_params
 
 # ---------------------------------------------------------------------------
 # Paging tiers

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .capi import (ctypes_function, ggml_cgraph_p, ggml_context_p, ggml_tensor_p, llama_context_p,  # noqa: F401
-                   mtmd_context_p, vis_saliency_state_p)
+from .capi_lib import (ctypes_function, ggml_cgraph_p, ggml_context_p, ggml_tensor_p, llama_context_p,  # noqa: F401
+                       mtmd_context_p, vis_saliency_state_p)
 
 # ---------------------------------------------------------------------------
 # Visual-token pruning support: encoder saliency
@@ -32,9 +32,13 @@ def llama_vis_mtmd_get_saliency_raw(ctx, out, n_max: int) -> int:
 
 
 # Hooks called by libmtmd (patch 0010); not for applications, mirrored for completeness.
-# LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(const struct mtmd_context * ctx);
-@ctypes_function("llama_vis_mtmd_saliency_attach", [mtmd_context_p], vis_saliency_state_p)
-def llama_vis_mtmd_saliency_attach(ctx):
+# typedef struct vis_saliency_state * (*llama_vis_mtmd_saliency_of)(const struct mtmd_context * ctx);
+llama_vis_mtmd_saliency_of = ctypes.CFUNCTYPE(vis_saliency_state_p, mtmd_context_p)
+
+
+# LLAMA_API struct vis_saliency_state * llama_vis_mtmd_saliency_attach(llama_vis_mtmd_saliency_of state_of);
+@ctypes_function("llama_vis_mtmd_saliency_attach", [llama_vis_mtmd_saliency_of], vis_saliency_state_p)
+def llama_vis_mtmd_saliency_attach(state_of):
     ...
 
 

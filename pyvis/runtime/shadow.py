@@ -256,7 +256,7 @@ def _pinned(s: str) -> int:
 
 def _cmd_shadow(args) -> int:
     import sys
-    from ..cli import Progress
+    from ..progress import Progress
     model = Path(args.model)
     try:
         if not model.is_file():

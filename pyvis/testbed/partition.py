@@ -3,14 +3,12 @@ k-means into equal experts, the router fit and the layer's plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .dense import MoefyError
+from .spec import MoefySpec
 
-if TYPE_CHECKING:
-    from .moefy import MoefySpec
 
 # --------------------------------------------------------------------------
 # per-layer maths

@@ -11,13 +11,11 @@ from typing import Callable
 import numpy as np
 
 import gguf
-from typing import TYPE_CHECKING
 
 from .dense import DenseModel, MoefyError, Q, _stderr_progress, open_dense
+from .partition import LayerPlan
+from .spec import MoefySpec
 
-if TYPE_CHECKING:
-    from .moefy import MoefySpec
-    from .partition import LayerPlan
 
 # --------------------------------------------------------------------------
 # writing

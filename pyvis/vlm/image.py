@@ -10,19 +10,36 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..runtime import native
+from ..runtime.native import MoeInfo
+from ..runtime.settings import MoeParams
 from . import prune
-from .context import VLMError, ms
-from .probe import probe_native
+from .context import Ctx, VLMError, ms
+from .probe import Shadow, probe_native
 
 from llama_cpp import mtmd_cpp as M  # noqa: E402  (pyvis set the library paths)
 
-if TYPE_CHECKING:
-    from .session import Session
+
+class SessionView(Protocol):
+    """What :func:`eval_image` reads of the session that calls it (:class:`pyvis.vlm.Session` is one): the mtmd
+    context and its model's shape, the main context, the shadow context on demand.  A protocol, so that this
+    module does not depend on the session that depends on it."""
+    mctx: Any                  # mtmd_context *
+    main: Ctx
+    moe: MoeParams | None
+    info: MoeInfo
+    mrope: bool
+    n_embd: int
+    n_embd_inp: int
+    saliency_layers: int
+
+    def shadow(self) -> Shadow: ...
+
+    def moe_layers(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +120,7 @@ def image_positions(chunk, n_past: int, n: int, mrope: bool) -> np.ndarray:
 # --------------------------------------------------------------------------
 # the steps
 # --------------------------------------------------------------------------
-def _encode(s: "Session", chunk, index: int, n: int, want_attn: bool, saliency: str):
+def _encode(s: SessionView, chunk, index: int, n: int, want_attn: bool, saliency: str):
     """Encode the chunk: output rows [N, n_embd_inp], and the encoder saliency [N] when asked (None when the
     projector has none and ``saliency`` is auto).  Saliency is on for this encode only: other encodes stay
     upstream's graph."""
@@ -130,7 +147,7 @@ def _encode(s: "Session", chunk, index: int, n: int, want_attn: bool, saliency: 
     return np.ctypeslib.as_array(ptr, shape=(n, s.n_embd_inp)).copy(), attn
 
 
-def _scores(s: "Session", method: str, rows: np.ndarray, attn) -> tuple[dict, str]:
+def _scores(s: SessionView, method: str, rows: np.ndarray, attn) -> tuple[dict, str]:
     """The scores a method needs (name -> [N]) and where the saliency came from."""
     scores: dict[str, np.ndarray] = {}
     src = ""
@@ -144,7 +161,7 @@ def _scores(s: "Session", method: str, rows: np.ndarray, attn) -> tuple[dict, st
     return scores, src
 
 
-def eval_image(s: "Session", chunk, index: int, n_past: int, o: ImageOptions, timings: dict) -> ImageReport:
+def eval_image(s: SessionView, chunk, index: int, n_past: int, o: ImageOptions, timings: dict) -> ImageReport:
     """Encode, score, (affinity) probe, select and decode one image chunk at n_past; adds its stage times to
     ``timings``."""
     it = M.mtmd_input_chunk_get_tokens_image(chunk)

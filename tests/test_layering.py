@@ -1,0 +1,194 @@
+"""Dependencies point one way (issue #23 item 4; the rule is in docs/architecture.md, "Dependencies").
+
+pyvis: no import circle at all.  Every import statement counts, wherever it stands: at module level, inside a
+function (a lazy import is still a dependency) or under ``if TYPE_CHECKING:`` (a type is a dependency too: the
+fix for a circle is a module both sides can import, or a protocol, not hiding the import).
+``from pkg import name`` depends on the module ``pkg.name`` when there is one, else on ``pkg`` (the name comes
+from its ``__init__``); the implicit import of a module's parent packages is not counted (every submodule has it).
+
+src/: modules are file stems (``vis-moe-context.h`` and ``.cpp`` are one module), joined by ``#include "..."``.
+The cache core still has circles that only its redesign (issue #23 items 1, 2, 5) can remove, so today's
+strongly-connected components are an explicit allow-list: a circle may shrink or vanish (then shrink the list),
+but no module may join one and no new circle may appear.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RULE = ("docs/architecture.md, \"Dependencies\": dependencies point one way (api -> context -> features -> "
+        "pool/policy -> store/io; in pyvis, cli -> parts -> runtime); break a circle by moving the shared piece "
+        "into a module both sides import")
+
+# src/ modules in an include circle today (issue #23: "13 modules of src/ sit in one dependency cycle").
+# Only the core redesign may change this list, and only by shrinking it.
+KNOWN_SRC_CIRCLES = [
+    {"vis-moe-capacity", "vis-moe-context", "vis-moe-fetch", "vis-moe-lend", "vis-moe-passes", "vis-moe-precision",
+     "vis-moe-prefetch", "vis-moe-shadow", "vis-moe-shadow-slots", "vis-moe-stage", "vis-moe-substitute",
+     "vis-moe-transfer", "vis-moe-upload"},
+    {"vis-moe-predict", "vis-moe-predict-mlp"},
+]
+
+
+# --------------------------------------------------------------------------
+# the graphs
+# --------------------------------------------------------------------------
+def python_imports(root: Path, package: str = "pyvis") -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports (every import statement of its AST)."""
+    files = {}
+    for p in sorted((root / package).rglob("*.py")):
+        parts = list(p.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+
+    def resolve(name: str) -> str | None:     # the innermost module of ours that `name` lies in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, (path, is_pkg) in files.items():
+        here = mod if is_pkg else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1] +
+                                    ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else resolve(base) for a in node.names}
+        graph[mod] = {d for d in deps if d and d != mod}
+    return graph
+
+
+def include_graph(root: Path) -> dict[str, set[str]]:
+    """module (file stem under src/) -> the modules whose headers it includes."""
+    files = sorted(p for ext in ("*.h", "*.cpp") for p in (root / "src").rglob(ext))
+    stem = lambda name: Path(name).name.split(".")[0]  # noqa: E731
+    graph = {stem(p.name): set() for p in files}
+    for p in files:
+        for inc in re.findall(r'^\s*#\s*include\s*"([^"]+)"', p.read_text(), re.M):
+            if stem(inc) in graph and stem(inc) != stem(p.name):
+                graph[stem(p.name)].add(stem(inc))
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly-connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def _show(cs: list[set[str]]) -> str:
+    return "\n".join(f"  {len(c)}: {' '.join(sorted(c))}" for c in sorted(cs, key=lambda c: (-len(c), sorted(c))))
+
+
+# --------------------------------------------------------------------------
+# the rules
+# --------------------------------------------------------------------------
+def test_pyvis_has_no_import_circle():
+    found = circles(python_imports(ROOT))
+    assert not found, f"import circles in pyvis:\n{_show(found)}\n{RULE}"
+
+
+def test_only_the_entry_point_imports_the_cli():
+    """runtime, vlm, testbed, fixtures, calibrate (everything) reach the shared pieces (pyvis.progress) directly:
+    the command line sits on top and nothing below it imports it."""
+    graph = python_imports(ROOT)
+    assert "pyvis.cli" in graph and "pyvis.progress" in graph["pyvis.cli"]
+    importers = {m for m, deps in graph.items() if "pyvis.cli" in deps}
+    assert importers == {"pyvis.__main__"}, f"{sorted(importers - {'pyvis.__main__'})} import pyvis.cli. {RULE}"
+    for part in ("pyvis.runtime", "pyvis.vlm", "pyvis.testbed", "pyvis.fixtures"):
+        assert not {m for m in importers if m == part or m.startswith(part + ".")}
+
+
+def test_the_parts_sit_on_runtime():
+    """Between subpackages, too, dependencies point one way: cli -> calibrate, vlm, demo -> testbed -> runtime;
+    runtime (the C API's mirror and what wraps it) imports none of the parts above it."""
+    graph = python_imports(ROOT)
+    part = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    parts = {}
+    for m, deps in graph.items():
+        parts.setdefault(part(m), set()).update(part(d) for d in deps if part(d) != part(m))
+    assert not circles(parts), f"circles between pyvis's parts:\n{_show(circles(parts))}\n{RULE}"
+    above = {"pyvis.cli", "pyvis.calibrate", "pyvis.vlm", "pyvis.testbed", "pyvis.fixtures", "pyvis.demo"}
+    assert not parts["pyvis.runtime"] & above, f"pyvis.runtime imports {sorted(parts['pyvis.runtime'] & above)}. {RULE}"
+
+
+def test_src_include_circles_only_shrink():
+    graph = include_graph(ROOT)
+    found = circles(graph)
+    print(f"src/ include circles ({len(graph)} modules):\n{_show(found)}")
+    for c in found:   # each circle lies inside one known circle: no module joined one, no circle is new
+        assert any(c <= known for known in KNOWN_SRC_CIRCLES), (
+            f"new include circle in src/ (or one that grew):\n{_show([c])}\nknown:\n{_show(KNOWN_SRC_CIRCLES)}\n{RULE}")
+    in_circle = set().union(*found) if found else set()
+    left = set().union(*KNOWN_SRC_CIRCLES) - in_circle
+    assert not left, (f"{' '.join(sorted(left))} no longer in an include circle: good, remove them from "
+                      "KNOWN_SRC_CIRCLES so that they cannot fall back into one")
+
+
+# --------------------------------------------------------------------------
+# the checkers see what they must
+# --------------------------------------------------------------------------
+def test_the_import_checker_sees_lazy_typing_and_relative_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nA = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.sub import c\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import a\nfrom . import d\n")
+    (pkg / "sub" / "d.py").write_text("from pkg import A\n")     # a name of the package: depends on its __init__
+    graph = python_imports(tmp_path, "pkg")
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.c"}, "pkg.sub": set(),
+                     "pkg.sub.c": {"pkg.a", "pkg.sub.d"}, "pkg.sub.d": {"pkg"}}
+    assert sorted(map(sorted, circles(graph))) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c", "pkg.sub.d"]]
+
+
+def test_the_include_checker_joins_header_and_source(tmp_path):
+    (tmp_path / "src").mkdir()
+    for name, text in {"a.h": "", "a.cpp": '#include "a.h"\n#include "b.h"\n', "b.h": "",
+                       "b.cpp": '#include "b.h"\n #include "c.h"\n#include <vector>\n', "c.h": '#include "a.h"\n',
+                       "d.cpp": '#include "a.h"\n'}.items():
+        (tmp_path / "src" / name).write_text(text)
+    graph = include_graph(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [{"a", "b", "c"}]
