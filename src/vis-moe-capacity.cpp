@@ -191,8 +191,8 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
         return;
     }
     L.cap_stats.bytes_saved += ((L.cap_stats.n_overflow - over0) - (L.cap_stats.n_forced - forced0)) * L.expert_bytes;
-    if (!L.sub_active) {
-        L.outcome.assign(n_pairs, 0);
+    if (!vm.sub) {
+        L.outcome.assign(n_pairs, 0);  // with substitution on, its outcomes of this ubatch stay (the trace's SUB1)
     }
     L.exec = std::move(exec);
     L.sub_active = true;

@@ -75,6 +75,9 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             collect_background(a.vm, a.L, a.ud.il, a.ids, a.n_pairs);
             const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
             vis_moe_capacity_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);  // image pairs over capacity rerouted
+            if (a.vm.trace && (a.vm.sub || a.L.sub_active)) {  // the experts the passes run (SUB1, after the REC1)
+                a.vm.trace->record_sub(a.ud.il, ids_t->ne[1], (int) ids_t->ne[0], a.L.exec.data(), a.L.outcome.data());
+            }
             const int32_t * run = a.L.run_ids(a.ids);
             vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
             vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);

@@ -335,9 +335,6 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     }
     L.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, L.exec.data(), L.outcome.data(), background, L.sub_stats);
     L.sub_stats.bytes_saved += (int64_t) background.size() * L.expert_bytes;
-    if (vm.trace) {
-        vm.trace->record_sub(il, in.n_tokens, in.k, L.exec.data(), L.outcome.data());
-    }
     return background;
 }
 

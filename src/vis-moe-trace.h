@@ -23,8 +23,8 @@ public:
     void begin_ubatch(const llama_ubatch & ub);
     // one MoE layer's routing: ids [k, n_tokens] (contiguous i32), weights [1?, k, n_tokens] f32 or null
     void record(int il, const ggml_tensor * ids, const ggml_tensor * weights);
-    // substitution (vis-moe-substitute.h): the expert each pair of the layer's last record ran, and why
-    // (llama_vis_sub_outcome); a SUB1 record right after that REC1
+    // substitution (vis-moe-substitute.h) and capacity (vis-moe-capacity.h): the expert each pair of the layer's
+    // last record ran, and why (llama_vis_sub_outcome); a SUB1 record right after that REC1
     void record_sub(int il, int64_t n_tokens, int k, const int32_t * exec, const uint8_t * outcome);
     // after the ubatch: flush; "" or the message of the first write error (disk full, I/O error)
     std::string end_ubatch();

@@ -20,6 +20,7 @@ import pytest
 import pyvis  # noqa: F401
 from pyvis.runtime import moe, native
 from pyvis.runtime import trace as vtrace
+from pyvis.runtime.cachesim import lru_misses
 from pyvis.runtime.native import VisError
 from pyvis.vlm import prune
 from conftest import greedy_logits, run
@@ -57,13 +58,36 @@ def _cap_total(text):
 def test_image_prompt_reroutes_over_capacity(bindir, fixture_dir, tmp_path):
     off = _mtmd(bindir, fixture_dir, trace=tmp_path / "off.trace")
     big = _mtmd(bindir, fixture_dir, "--moe-capacity", "64", trace=tmp_path / "big.trace")
-    one = _mtmd(bindir, fixture_dir, "--moe-capacity", "1", "--moe-cap-rho", "0")
+    one = _mtmd(bindir, fixture_dir, "--moe-capacity", "1", "--moe-cap-rho", "0", trace=tmp_path / "one.trace")
     for r in (off, big, one):
         assert r.returncode == 0, r.stderr[-3000:]
     t = _cap_total(one.stderr)
     assert t["ubatches"] > 0 and t["rv"] == 1.0 and t["cap"] == 1.0
     assert t["loaded"] + t["overflow"] == t["missing"] and t["loaded"] <= t["ubatches"]
     assert t["overflow"] > 0 and t["rerouted"] > 0 and t["forced"] == 0
+    # what the reroutes did: the SUB1 records (the experts the passes ran) show stand-ins on image rows only, each
+    # in memory for its ubatch (resident before it, per the LRU of the experts that ran, or run by a pair that kept
+    # its routed expert), and the computation changed: the routing of later layers and steps differs from off
+    o, a = vtrace.read(tmp_path / "one.trace"), vtrace.read(tmp_path / "off.trace")
+    moved = o.exec_ids != o.ids
+    assert moved.any() and o.modality[moved.any(axis=1)].all()
+    assert o.ids.shape != a.ids.shape or not np.array_equal(o.ids, a.ids) or \
+        not np.array_equal(o.weights.view(np.uint32), a.weights.view(np.uint32))
+    n_checked = 0
+    for il in np.unique(o.layer):
+        lt = o.for_layer(int(il))
+        ubs = np.unique(lt.ubatch)
+        ran = [list(dict.fromkeys(lt.exec_ids[lt.ubatch == u].reshape(-1).tolist())) for u in ubs]
+        before: list[set[int]] = []
+        lru_misses(ran, 4, resident_before=before)              # --moe-slots 4
+        for u, res in zip(ubs, before):
+            rows = lt.ubatch == u
+            ex, ids = lt.exec_ids[rows], lt.ids[rows]
+            kept = set(ex[ex == ids].tolist())
+            for s in ex[ex != ids].tolist():
+                assert s in res or s in kept, (int(il), int(u), s, sorted(res), sorted(kept))
+                n_checked += 1
+    assert n_checked == int(moved.sum())
     # a capacity above what any layer misses: nothing over it, the same text and routing as off
     b = _cap_total(big.stderr)
     assert b["overflow"] == 0 and b["rerouted"] == 0 and b["rv"] == 1.0 and b["cap"] == 96.0   # 64 * (1 + 0.5)

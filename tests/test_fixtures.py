@@ -77,3 +77,39 @@ def test_large_fast_quant_is_valid_gguf(tmp_path):
     raw = np.asarray(t["blk.0.ffn_up_exps.weight"].data).reshape(-1, 18)
     d = raw[:1000, :2].copy().view(np.float16)
     assert np.all(np.isfinite(d)) and np.all(d > 0)
+
+
+def _greedy_tokens(path, n: int = 12) -> list[int]:
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+    llm.eval(llm.tokenize(b"Mixture-of-experts layers route every token to a few experts", add_bos=True))
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(fx.VARIED_TEXT.values())))
+def test_varied_text_fixtures_generate_more_than_one_token(fixture_dir, name):
+    """A test that compares generated text uses these (fx.VARIED_TEXT): their greedy text is not one token repeated,
+    so a change in what the layers compute can show in it (tests/test_substitution.py: router substitution does)."""
+    out = _greedy_tokens(fixture_dir / f"{name}.gguf")
+    assert len(set(out)) >= 4, out
+
+
+def test_tied_fixtures_repeat_one_token(fixture_dir):
+    """Why the -varied variants exist: with the output tied to large embeddings, greedy text is the prompt's last
+    token over and over (the check above rejects it)."""
+    out = _greedy_tokens(fixture_dir / "qwen3moe.gguf")
+    assert len(set(out)) == 1, out
+    # a variant is its base model with an output matrix and the embeddings scaled down: nothing else differs
+    r, u = (gguf.GGUFReader(fixture_dir / f"{n}.gguf") for n in ("qwen3moe", "qwen3moe-varied"))
+    tu = {t.name: t for t in u.tensors}
+    assert set(tu) == {t.name for t in r.tensors} | {"output.weight"}
+    for t in r.tensors:
+        a, b = np.asarray(t.data), np.asarray(tu[t.name].data)
+        if t.name == "token_embd.weight":
+            assert np.allclose(b, a * fx.VARIED_EMBD_STD, rtol=2e-3, atol=1e-7)
+        else:
+            assert np.array_equal(a, b), t.name

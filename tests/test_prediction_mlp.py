@@ -5,6 +5,7 @@ shared metrics; the profile round trip and its errors; `pyvis calibrate predicto
 and the runtime's errors for a missing, MLP-less or foreign profile."""
 from __future__ import annotations
 
+import ctypes
 import re
 
 import numpy as np
@@ -186,3 +187,52 @@ def test_runtime_mlp_errors(tmp_path, calibrated, fixture_dir):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     st = moe.prefetch_stats(llm)
     assert st["n_steps"] > 0 and st["n_predicted"] == st["n_steps"] * 8
+
+
+def test_runtime_mlp_predicts_what_its_weights_score_on_the_captured_states(tmp_path):
+    """The runtime feeds the MLP the state its weights were fitted on: a planted MLP (each expert's score a random
+    projection of layer l's FFN input, no history term) run by --moe-predict mlp counts, per layer, exactly the hits
+    of MlpWeights.scores on the FFN inputs captured for the same tokens (top-B, ties to the lower id) against the
+    routing of the run's trace.  Another row, stride, layer or tensor fed to the MLP changes its predictions."""
+    from conftest import greedy_logits
+    from pyvis.runtime import moe
+    from pyvis.runtime import trace as vtrace
+    from pyvis.testbed import _llm
+    fp = prof.model_fingerprint(FIXTURE)
+    L, E, k = fp["n_layer"], fp["n_expert"], fp["n_expert_used"]
+    n = 64                                                   # the fixture's n_embd
+    rng = np.random.default_rng(5)
+    w1 = np.zeros((L, E, E + n), np.float32)
+    w1[:, :, E:] = rng.standard_normal((L, E, n)) / np.sqrt(n)   # u_e . h ~ N(0, 1) on an RMS-normed h
+    b1 = np.full((L, E), 4.0, np.float32)                          # relu(u_e . h + 4) - 4 = u_e . h
+    w2 = np.tile(np.eye(E, dtype=np.float32), (L, 1, 1))
+    b2 = np.full((L, E), -4.0, np.float32)
+    w = MlpWeights(1, E, n, 1, 0.5, 0.8, np.array([1] * (L - 1) + [0], np.int32), w1, b1, w2, b2)
+    path = pp.write_predictor_profile(tmp_path / "planted-mlp.gguf", fp, np.full((L, E), k / E),
+                                      np.zeros((1, L, E, E)), k, 1000, "planted", model_path=FIXTURE, mlp=w)
+    N = 10
+    tr = tmp_path / "run.trace"
+    _, llm = greedy_logits(FIXTURE, "Experts ahead of need, predicted by a small network", N, slots=k,
+                           predict="mlp", predict_profile=str(path), lookahead=1, prefetch_tune=False, trace=str(tr))
+    stats = {t: moe.prefetch_stats(llm, t) for t in range(1, L)}
+    tokens = [int(x) for x in llm.input_ids[: llm.n_tokens]]
+    del llm                                                  # closes the trace
+    t_run = vtrace.read(tr)
+    hidden: dict[int, np.ndarray] = {}
+
+    def on_tensor(name, t):
+        x = ctypes.cast(t, ctypes.POINTER(_llm.ggml_tensor)).contents
+        hidden[int(M._LOGITS.match(name).group(1))] = _llm.read_tensor(x.src[1]).astype(np.float32)
+
+    with _llm.Runner(str(FIXTURE), n_ctx=256, n_threads=2, raw=True, on_tensor=on_tensor,
+                     want=lambda nm: M._LOGITS.match(nm) is not None) as r:
+        r.eval_chunk(tokens)
+    for t in range(1, L):
+        src = t - 1
+        ids_src, ids_t = t_run.for_layer(src).ids[-N:], t_run.for_layer(t).ids[-N:]   # the decode steps' rows
+        s = w.scores(src, 1, history({src: pr.masks(ids_src, E)}, src, 1, 0.5), hidden[src][-N:])
+        top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        want = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top, ids_t))
+        st = stats[t]
+        assert st["n_steps"] == N and st["n_predicted"] == N * k, st
+        assert st["n_pred_hits"] == want, (t, st["n_pred_hits"], want)

@@ -131,13 +131,16 @@ def test_errors_belong_to_the_failing_call(fixture_dir, tmp_path):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=-1, **KW)
     with pytest.raises(native.VisError, match="--moe-pinned-layers 7 exceeds"):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=8, pinned_layers=7, **KW)
-    with pytest.raises(Exception) as e:
+    # not ours to word: llama-cpp-python's own errors, exactly (no VisError, no --moe flag blamed)
+    with pytest.raises(ValueError) as e:
         moe.load(tmp_path / "nonexistent.gguf", **KW)
+    assert type(e.value) is ValueError and str(e.value) == f"Model path does not exist: {tmp_path / 'nonexistent.gguf'}"
     assert "--moe" not in str(e.value)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(60))
-    with pytest.raises(Exception) as e:
+    with pytest.raises(ValueError) as e:
         moe.load(bad, slots=4, **KW)
+    assert type(e.value) is ValueError and str(e.value) == f"Failed to load model from file: {bad}"
     assert "--moe" not in str(e.value)
 
 

@@ -132,8 +132,15 @@ def test_points_and_grid():
         sw.check_scored(64, 1)
 
 
-@pytest.mark.skipif(not TINY.is_file(), reason="tiny testbed model not built")
-def test_command_lines():
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    """The tiny testbed model, built when missing (test_moefy builds the same file; it is cached)."""
+    from test_moefy import tiny_model
+    assert tiny_model() == TINY
+    return TINY
+
+
+def test_command_lines(tiny):
     s = sw.expand([sw.Point("tiny", str(TINY), 4)], [0.5])[0]
     assert s.n_expert == 16 and s.slots == 8
     a = sw.run_args(s, sw.parse_config("router:tae=p50,budget=2"), 256, 2, "model", "prof.gguf")
@@ -194,8 +201,7 @@ def test_table_and_recommendation():
     assert "no configuration" in sw.format_table(_res({"off": (0.0, 10.0), "router": (3.0, 20.0)}))
 
 
-@pytest.mark.skipif(not TINY.is_file(), reason="tiny testbed model not built")
-def test_end_to_end_tiny(tmp_path, monkeypatch, capsys):
+def test_end_to_end_tiny(tiny, tmp_path, monkeypatch, capsys):
     """off against its own exact reference gives KLD ~ 0 and PPL ratio 1; router runs; the outputs exist."""
     from pyvis.cli import main
     monkeypatch.setenv("VIS_KLD_DIR", str(tmp_path / "kld"))
@@ -396,12 +402,10 @@ def test_prec_plots(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def prec_sweep(tmp_path_factory):
+def prec_sweep(tiny, tmp_path_factory):
     """One sweep on the tiny model (off, all and a gate rule, -t 1) that the precision tests share: the Q4_0 shadow
     is made once (by the sweep, staged with the model).  The counts checked are deterministic: a background refetch
     is collected, waiting if it must, before the layer's next ubatch is planned, so load changes only times."""
-    if not TINY.is_file():
-        pytest.skip("tiny testbed model not built")
     tmp = tmp_path_factory.mktemp("prec-sweep")
     text = tmp / "heldout.txt"
     text.write_text(corpus.heldout().text[:6_000])

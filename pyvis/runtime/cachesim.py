@@ -122,13 +122,17 @@ def stream_flags(t: Trace, layer: int, capacity: int, stream_passes: int = 8) ->
 
 
 def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
-               streamed: list[bool] | None = None, lent: bool = False) -> int:
+               streamed: list[bool] | None = None, lent: bool = False,
+               resident_before: list[set[int]] | None = None) -> int:
     """Loads of the runtime's LRU cache of `capacity` experts (a pass touches its hits before loading).
-    `per_request`, if given, receives the loads of each request; `streamed` and `lent` as in `belady_misses`."""
+    `per_request`, if given, receives the loads of each request; `streamed` and `lent` as in `belady_misses`;
+    `resident_before`, if given, the experts resident when each request began."""
     lru: OrderedDict[int, None] = OrderedDict()
     misses = 0
     for i, s in enumerate(requests):
         before = misses
+        if resident_before is not None:
+            resident_before.append(set(lru))
         if _bypass(i, streamed, per_request, lru if lent else None):
             continue
         for chunk in _chunks(s, lru, capacity):

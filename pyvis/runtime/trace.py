@@ -21,7 +21,8 @@ and :mod:`pyvis.testbed.routing_report` work on a Trace.
              i32 ids[n_tokens*k], f32 weights[n_tokens*k]
 
 One record per MoE layer per ubatch, in compute order.  With substitution on (``--moe-substitute``,
-docs/substitution.md), every REC1 of a managed layer is followed by the SUB1 record of the same (ubatch, layer):
+docs/substitution.md), every REC1 of a managed layer is followed by the SUB1 record of the same (ubatch, layer);
+with ``--moe-capacity``, every REC1 of a (ubatch, layer) whose image pairs it rerouted or dropped:
 
     SUB1     i32 tag 0x31425553 ("SUB1"), i32 ubatch, i32 layer, i32 n_tokens, i32 k,
              i32 exec[n_tokens*k] (the expert that ran), u8 outcome[n_tokens*k] (SUB_OUTCOMES)
