@@ -8,17 +8,24 @@ run).  `layer_requests()` turns a routing trace into that sequence of sets
 capacity would need (evict the resident expert whose next use is farthest,
 never one the current set needs), and `lru_misses()` the loads of the LRU
 policy the runtime uses (tests/test_paging.py: equal to the runtime's misses),
-so measured misses can be quoted as a ratio of the optimum.  The one
+so measured misses can be quoted as a ratio of the optimum.  `policy_misses()`
+replays any policy of pyvis.runtime.policies the same way (`lru` gives
+`lru_misses()`'s count; `lfu` equals the runtime's VIS_MOE_POLICY=lfu), and
+`replay()` runs a whole trace, counting decode misses after the prompt warmed
+each cache (`pyvis cachesim`, pyvis/runtime/cachesim_cli.py).  The one
 simulator of the project: `pyvis report` (pyvis.testbed.routing_report) and
 scripts/bench_paging.py use it too.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
+from . import policies
 from .trace import Trace
 
 
@@ -147,3 +154,141 @@ def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] 
         if per_request is not None:
             per_request.append(misses - before)
     return misses
+
+
+class LayerCache:
+    """One layer's cache of `capacity` experts under `policy` (a fresh :class:`pyvis.runtime.policies.Policy`),
+    served as the runtime serves it: each pass of a request touches its hits, then loads its misses, each
+    evicting ``policy.victim`` of the resident experts the pass does not need; every request ends a step."""
+
+    def __init__(self, capacity: int, policy: "policies.Policy"):
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        self.capacity, self.policy = capacity, policy
+        self.resident: set[int] = set()
+
+    def serve(self, s: list[int], w: dict[int, float] | None = None) -> int:
+        """Loads of one request (`w`: expert -> router weight)."""
+        w = w or {}
+        p, resident, loads = self.policy, self.resident, 0
+        for chunk in _chunks(s, resident, self.capacity):
+            p.begin_pass()
+            need = set(chunk)
+            for e in chunk:
+                if e in resident:
+                    p.touch(e, w.get(e, math.nan))
+            for e in chunk:
+                if e in resident:
+                    continue
+                loads += 1
+                if len(resident) >= self.capacity:
+                    self._evict([r for r in resident if r not in need])
+                resident.add(e)
+                p.touch(e, w.get(e, math.nan))
+        p.end_step()
+        return loads
+
+    def bypass(self, lent: bool) -> None:
+        """A streamed request: no loads; the cache emptied when the slabs were lent (see `belady_misses`)."""
+        if lent:
+            for e in self.resident:
+                self.policy.forget(e)
+            self.resident.clear()
+        self.policy.end_step()
+
+    def resize(self, capacity: int) -> None:
+        """Change the capacity between requests, evicting by the policy down to it."""
+        self.capacity = capacity
+        while len(self.resident) > capacity:
+            self._evict(list(self.resident))
+
+    def _evict(self, candidates: list[int]) -> None:
+        victim = self.policy.victim(candidates)
+        self.resident.remove(victim)
+        self.policy.forget(victim)
+
+
+def policy_misses(requests: list[list[int]], capacity: int, policy: "policies.Policy",
+                  per_request: list[int] | None = None, streamed: list[bool] | None = None, lent: bool = False,
+                  weights: list[dict[int, float]] | None = None) -> int:
+    """Loads of `policy` serving `requests` with `capacity` slots (:class:`LayerCache`).  `per_request`,
+    `streamed`, `lent` as in `belady_misses`; `weights[i]`: expert -> router weight in request i."""
+    cache = LayerCache(capacity, policy)
+    misses = 0
+    for i, s in enumerate(requests):
+        if _bypass(i, streamed, per_request):
+            cache.bypass(lent)
+            continue
+        n = cache.serve(s, weights[i] if weights is not None else None)
+        misses += n
+        if per_request is not None:
+            per_request.append(n)
+    return misses
+
+
+@dataclass
+class LayerRequests:
+    """One layer's requests in ubatch order: the experts (first-seen order), their largest router weight, and
+    whether the ubatch is a decode step (Trace.phase)."""
+    sets: list[list[int]]
+    weights: list[dict[int, float]]
+    decode: list[bool]
+
+    def per_expert(self) -> "LayerRequests":
+        """One request per (ubatch, expert) in routed order: a cache that loads one expert at a time (as the
+        engine that recorded the shared CSV trace does, and its README counts)."""
+        sets, weights, decode = [], [], []
+        for s, w, d in zip(self.sets, self.weights, self.decode):
+            for e in s:
+                sets.append([e])
+                weights.append({e: w.get(e, math.nan)})
+                decode.append(d)
+        return LayerRequests(sets, weights, decode)
+
+
+def layer_ubatches(t: Trace, layer: int) -> LayerRequests:
+    """`layer_requests(t, layer)` with the router weights and the decode flag of each request."""
+    lt = t.for_layer(layer)
+    sets, weights, decode = [], [], []
+    for ub in np.unique(lt.ubatch):
+        m = lt.ubatch == ub
+        w: dict[int, float] = {}
+        for e, x in zip(lt.ids[m].reshape(-1).tolist(), lt.weights[m].reshape(-1).tolist()):
+            w[int(e)] = x if int(e) not in w else max(w[int(e)], x)
+        sets.append(list(w))
+        weights.append(w)
+        decode.append(bool(lt.phase[m].all()))
+    return LayerRequests(sets, weights, decode)
+
+
+@dataclass
+class LayerResult:
+    layer: int
+    uses: int          # experts routed in decode steps (one per distinct expert per step)
+    misses: int        # their loads under the policy
+    belady: int        # under Belady's optimum with the same capacity
+    bytes: int         # misses * the layer's expert bytes (0 when unknown)
+
+
+def replay(t: Trace, capacity: int | dict[int, int], policy: str, per_expert: bool = False) -> list[LayerResult]:
+    """Every layer of `t` through its own cache of `capacity` slots (or {layer: slots}) under `policy`
+    (a name of pyvis.runtime.policies, or 'belady'): the prompt warms the cache, decode steps are counted.
+    `per_expert`: the policy loads one expert at a time (`LayerRequests.per_expert`); Belady's optimum is always
+    the runtime's, a ubatch's experts resident together (the bound the shared trace's README quotes too)."""
+    out = []
+    for il in t.layers().tolist():
+        c = capacity[il] if isinstance(capacity, dict) else capacity
+        lr = layer_ubatches(t, il)
+        opt: list[int] = []
+        belady_misses(lr.sets, c, opt)
+        b = sum(x for x, d in zip(opt, lr.decode) if d)
+        m = b
+        if policy != "belady":
+            run = lr.per_expert() if per_expert else lr
+            got: list[int] = []
+            policy_misses(run.sets, c, policies.make(policy, c), got, weights=run.weights)
+            m = sum(x for x, d in zip(got, run.decode) if d)
+        uses = sum(len(s) for s, d in zip(lr.sets, lr.decode) if d)
+        eb = int(t.expert_bytes[il]) if t.expert_bytes is not None and il < len(t.expert_bytes) else 0
+        out.append(LayerResult(il, uses, m, b, m * eb))
+    return out
