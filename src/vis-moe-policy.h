@@ -1,5 +1,5 @@
 // vis-moe-policy.h - who gets evicted: the eviction-policy interface of the slot
-// pools and its implementations, LRU and LFU with decay (src/vis-moe-policy.cpp).
+// pools and its implementations, LRU, LFU with decay and LFU with an adaptive decay (src/vis-moe-policy.cpp).
 //
 // The pass planner (vis-moe-passes.cpp) asks the layer's policy for a victim on
 // every miss and tells it of every touch.  Slots carry VisMMOE's classes (§3.4.2):
@@ -19,7 +19,7 @@
 enum class vis_slot_class : uint8_t { EMPTY, EXPIRED, SPECULATIVE, REQUIRED };
 
 // VIS_MOE_POLICY / --moe-policy (docs/policies.md): which order the Expired slots of the full slot pools go in
-enum vis_policy_kind : int32_t { VIS_POLICY_LRU = 0, VIS_POLICY_LFU };
+enum vis_policy_kind : int32_t { VIS_POLICY_LRU = 0, VIS_POLICY_LFU, VIS_POLICY_LFU_ADAPT };
 
 class vis_moe_policy {
 public:
@@ -58,7 +58,10 @@ std::unique_ptr<vis_moe_policy> vis_moe_policy_lru(int n_slots);
 // ties to the least recent.  A step is a ubatch in which the layer touched a slot.  Scores grow by 0.95^-step
 // instead of decaying and are rescaled by 2^-200 (exactly) before they could overflow, so the simulator
 // (pyvis.runtime.policies.LFU) computes the same doubles.  Speculative slots go in LRU order.
-std::unique_ptr<vis_moe_policy> vis_moe_policy_lfu(int n_slots, int n_expert);
+// adaptive (lfu-adapt): set dueling between decays 0.5 (nearly LRU) and 0.95: a ghost cache of the same size per
+// decay replays the layer's own steps, and the victims follow the decay whose ghost missed least, its misses
+// fading by 0.9 per step (pyvis.runtime.policies.AdaptiveLFU).
+std::unique_ptr<vis_moe_policy> vis_moe_policy_lfu(int n_slots, int n_expert, bool adaptive = false);
 
 // the policy of `kind` (vis_policy_kind) for a pool of n_slots over n_expert experts
 std::unique_ptr<vis_moe_policy> vis_moe_policy_make(int32_t kind, int n_slots, int n_expert);

@@ -3,6 +3,7 @@
 //   - LRU picks the first empty slot, then the least recently touched slot;
 //   - LFU picks the expert with the lowest decayed use count, ties to the least recent; counts outlive eviction
 //     and decay once per step in which the pool was touched;
+//   - lfu-adapt follows the decay whose ghost cache missed less;
 //   - a slot touched by the running pass (Required) is never a victim;
 //   - Speculative slots go after every Expired one, and expire after their horizon;
 //   - strict parsing: flag values and thread overrides out of range are errors naming the flag.
@@ -139,10 +140,56 @@ static void test_lfu() {
     CHECK(r->victim() == 1);            // slot 1 holds 2, used every 7th step; 1 every step
 }
 
+// one step of one expert through a pool, as the pass planner serves it: a hit is touched, a miss takes the victim
+static int serve(vis_moe_policy & p, std::vector<int> & expert_of, int e) {
+    p.begin_step();
+    p.begin_pass();
+    int miss = 1;
+    for (int s = 0; s < (int) expert_of.size(); ++s) {
+        if (expert_of[s] == e) {
+            p.touch(s, e);
+            miss = 0;
+        }
+    }
+    if (miss) {
+        const int s = p.victim();
+        if (expert_of[s] >= 0) {
+            p.forget(s);
+        }
+        expert_of[s] = e;
+        p.touch(s, e);
+    }
+    p.end_step();
+    return miss;
+}
+
+// lfu-adapt: expert 1 used 10 times, then 2 and 3 alternate in 2 slots.  lfu keeps the stale 1 and misses the
+// next 12 steps; the ghost of decay 0.5 (nearly LRU) misses less, so lfu-adapt follows it after 4 misses (the
+// counts pyvis.runtime.policies replays: lru 2, lfu 12, lfu-adapt 4)
+static void test_lfu_adapt() {
+    auto misses = [](int32_t kind) {
+        auto p = vis_moe_policy_make(kind, 2, 4);
+        std::vector<int> expert_of(2, -1);
+        for (int i = 0; i < 10; ++i) {
+            serve(*p, expert_of, 1);
+        }
+        int n = 0;
+        for (int i = 0; i < 40; ++i) {
+            n += serve(*p, expert_of, 2 + i % 2);
+        }
+        return n;
+    };
+    CHECK(std::strcmp(vis_moe_policy_make(VIS_POLICY_LFU_ADAPT, 2, 4)->name(), "lfu-adapt") == 0);
+    CHECK(misses(VIS_POLICY_LRU) == 2);
+    CHECK(misses(VIS_POLICY_LFU) == 12);
+    CHECK(misses(VIS_POLICY_LFU_ADAPT) == 4);
+}
+
 static void test_settings() {
     CHECK(llama_vis_moe_cli_apply("--moe-policy", "lfu") == 0);
     CHECK(llama_vis_moe_cli_apply("--moe-policy", "LFU") == -1);
-    CHECK(std::strstr(llama_vis_last_error(), "--moe-policy: expected lru or lfu, got 'LFU'") != nullptr);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-policy: expected lru, lfu or lfu-adapt, got 'LFU'") != nullptr);
+    CHECK(llama_vis_moe_cli_apply("--moe-policy", "lfu-adapt") == 0);
     CHECK(llama_vis_moe_cli_apply("--moe-policy", "lru") == 0);
 
     CHECK(llama_vis_moe_cli_apply("--moe-slots", "8abc") == -1);
@@ -191,6 +238,7 @@ int main() {
     test_lru();
     test_speculative();
     test_lfu();
+    test_lfu_adapt();
     test_settings();
     return vis_check_done("test-vis-policy");
 }

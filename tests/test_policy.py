@@ -1,8 +1,10 @@
-"""The runtime's eviction policies (VIS_MOE_POLICY=lru|lfu, src/vis-moe-policy.cpp; docs/policies.md).
+"""The runtime's eviction policies (VIS_MOE_POLICY=lru|lfu|lfu-adapt, src/vis-moe-policy.cpp; docs/policies.md).
 
-- runtime = simulator: the runtime's misses per layer under lfu equal pyvis.runtime.cachesim's replay of its own
-  routing trace with pyvis.runtime.policies.LFU (and differ from LRU's, so the knob is seen to act);
-- exact: logits with lfu are byte-identical to upstream's on every fixture architecture at small slot counts;
+- runtime = simulator: the runtime's misses per layer under lfu and lfu-adapt equal pyvis.runtime.cachesim's replay
+  of its own routing trace with the same policy of pyvis.runtime.policies (and differ from the other policies', so
+  the knob is seen to act);
+- exact: logits under lfu and lfu-adapt are byte-identical to upstream's on every fixture architecture at small
+  slot counts;
 - strict: a bad VIS_MOE_POLICY is an error naming the variable.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pytest
 
 from pyvis import fixtures as fx
 from pyvis.runtime import moe, policies
-from pyvis.runtime.cachesim import layer_requests, lru_misses, policy_misses
+from pyvis.runtime.cachesim import layer_requests, policy_misses
 from pyvis.runtime.trace import read
 
 from conftest import LOGITS_KW, TEXT_FIXTURES, greedy_logits, run
@@ -32,10 +34,12 @@ def reference(fixture_dir):
     return get
 
 
-def test_runtime_lfu_matches_the_simulation(fixture_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("policy", ["lfu", "lfu-adapt"])
+def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatch, policy):
     """A prefill in passes, greedy steps and random tokens (varied routing): per layer, the runtime's misses under
-    VIS_MOE_POLICY=lfu equal the LFU replay of its own trace, and differ from the LRU replay somewhere."""
-    monkeypatch.setenv("VIS_MOE_POLICY", "lfu")
+    VIS_MOE_POLICY equal the simulator's replay of its own trace with the same policy, and differ from the replay
+    with the other policies somewhere (so the knob is seen to act)."""
+    monkeypatch.setenv("VIS_MOE_POLICY", policy)
     spec = fx.FIXTURES["qwen3moe"]()
     path = tmp_path / "lfu.trace"
     slots = 12
@@ -51,32 +55,33 @@ def test_runtime_lfu_matches_the_simulation(fixture_dir, tmp_path, monkeypatch):
     per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
     del llm
     t = read(path)
-    differs = False
+    differs = {other: False for other in policies.RUNTIME if other != policy}
     for il in range(spec.n_layer):
         req = layer_requests(t, il)
-        assert policy_misses(req, slots, policies.make("lfu", slots)) == per_layer[il], il
-        differs = differs or lru_misses(req, slots) != per_layer[il]
-    assert differs, per_layer
+        assert policy_misses(req, slots, policies.make(policy, slots)) == per_layer[il], il
+        for other in differs:
+            differs[other] |= policy_misses(req, slots, policies.make(other, slots)) != per_layer[il]
+    assert all(differs.values()), (per_layer, differs)
 
 
 @pytest.mark.parametrize("name", TEXT_FIXTURES)
-def test_lfu_is_byte_identical(fixture_dir, reference, monkeypatch, name):
-    """Logits under lfu, at the top-k and at one slot fewer (passes), equal upstream's bit for bit."""
-    monkeypatch.setenv("VIS_MOE_POLICY", "lfu")
+def test_policies_are_byte_identical(fixture_dir, reference, monkeypatch, name):
+    """Logits under lfu at the top-k and under lfu-adapt at one slot fewer (passes) equal upstream's bit for bit."""
     spec = fx.FIXTURES[name]()
     ref = reference(name)
-    for slots in (spec.n_expert_used, spec.n_expert_used - 1):
+    for policy, slots in (("lfu", spec.n_expert_used), ("lfu-adapt", spec.n_expert_used - 1)):
+        monkeypatch.setenv("VIS_MOE_POLICY", policy)
         logits, llm = greedy_logits(fixture_dir / f"{name}.gguf", PROMPT, N_DECODE, slots=slots)
         misses = sum(moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer))
         del llm
         assert misses > 0
-        assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), (name, slots)
+        assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), (name, policy, slots)
 
 
 def test_bad_policy_is_a_clear_error(bindir, fixture_dir, monkeypatch):
     monkeypatch.setenv("VIS_MOE_POLICY", "mru")
-    with pytest.raises(moe.VisError, match=r"VIS_MOE_POLICY: expected lru or lfu, got 'mru'"):
+    with pytest.raises(moe.VisError, match=r"VIS_MOE_POLICY: expected lru, lfu or lfu-adapt, got 'mru'"):
         moe.load(fixture_dir / "qwen3moe.gguf", slots=8, **LOGITS_KW)
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "-p", "Hi", "-n", "2", "-st", "-c", "64",
              "-t", "2", "--moe-slots", "8", "--moe-policy", "lfu-2"], timeout=120)
-    assert r.returncode != 0 and "--moe-policy: expected lru or lfu, got 'lfu-2'" in r.stdout + r.stderr
+    assert r.returncode != 0 and "--moe-policy: expected lru, lfu or lfu-adapt, got 'lfu-2'" in r.stdout + r.stderr

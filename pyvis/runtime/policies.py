@@ -9,8 +9,8 @@ A policy sees what the runtime's policy interface (src/vis-moe-policy.h) sees, b
 * ``forget(e)``: ``e`` left the cache;
 * ``end_step()``: the ubatch is over.
 
-``lru`` and ``lfu`` are the runtime's (``VIS_MOE_POLICY=lru|lfu``; tests/test_policy.py checks runtime misses ==
-simulated misses); the others are simulator-only candidates, measured in docs/policies.md.  :data:`DEFAULT` is
+``lru``, ``lfu`` and ``lfu-adapt`` are the runtime's (``VIS_MOE_POLICY``; tests/test_policy.py checks runtime
+misses == simulated misses); the others are simulator-only candidates, measured in docs/policies.md.  :data:`DEFAULT` is
 the policy ``--moe-mem auto`` runs.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 from collections import OrderedDict
 
 DEFAULT = "lru"            # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/vis-moe-policy.cpp)
-RUNTIME = ("lru", "lfu")   # policies the runtime implements identically
+RUNTIME = ("lru", "lfu", "lfu-adapt")   # policies the runtime implements identically
 LFU_DECAY = 0.95           # per step; the runtime's constant (src/vis-moe-policy.cpp)
 _RESCALE_AT = 2.0 ** 200   # the runtime's: scores and the increment are scaled by 2^-200 (exact) past this
 
@@ -306,6 +306,47 @@ class LFUContext(LFU):
                                               self.last[e]))
 
 
+class AdaptiveLFU(Policy):
+    """Set dueling between decays: ghost caches of the same capacity run ``lfu`` at each decay of ``decays``
+    (0.5: nearly LRU, the last use dominates; 0.95: frequency) on the layer's own requests; the real cache evicts
+    by the decay whose ghost missed least, its misses fading by ``fade`` per step."""
+    name = "lfu-adapt"
+
+    def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.9):
+        from .cachesim import LayerCache     # the simulator's cache (cachesim imports this module)
+        self.rules = [LFU(d) for d in decays]
+        self.ghosts = [LayerCache(capacity, LFU(d)) for d in decays]
+        self.missed = [0.0] * len(decays)
+        self.fade = fade
+        self.cur: list[int] = []
+
+    def begin_pass(self):
+        for p in self.rules:
+            p.begin_pass()
+
+    def touch(self, e, w=math.nan):
+        for p in self.rules:
+            p.touch(e, w)
+        if e not in self.cur:
+            self.cur.append(e)
+
+    def victim(self, candidates):
+        best = min(range(len(self.rules)), key=lambda i: (self.missed[i], -i))
+        return self.rules[best].victim(candidates)
+
+    def forget(self, e):
+        for p in self.rules:
+            p.forget(e)
+
+    def end_step(self):
+        for p in self.rules:
+            p.end_step()
+        if self.cur:
+            for i, g in enumerate(self.ghosts):
+                self.missed[i] = self.missed[i] * self.fade + g.serve(self.cur)
+        self.cur = []
+
+
 POLICIES = {
     "lru": lambda c: LRU(),
     "lfu": lambda c: LFU(),
@@ -315,6 +356,7 @@ POLICIES = {
     "2q": TwoQ,
     "reuse": lambda c: ReuseClasses(),
     "lfu-ctx": lambda c: LFUContext(),
+    "lfu-adapt": AdaptiveLFU,
 }
 
 
