@@ -1,8 +1,8 @@
 """The runtime's eviction policies (VIS_MOE_POLICY=lru|lfu|lfu-adapt, src/vis-moe-policy.cpp; docs/policies.md).
 
-- runtime = simulator: the runtime's misses per layer under lfu and lfu-adapt equal pyvis.runtime.cachesim's replay
-  of its own routing trace with the same policy of pyvis.runtime.policies (and differ from the other policies', so
-  the knob is seen to act);
+- runtime = simulator: the runtime's misses per layer under lru, lfu and lfu-adapt equal pyvis.runtime.cachesim's
+  replay of its own routing trace with the same policy of pyvis.runtime.policies (and differ from the other
+  policies', so the knob is seen to act);
 - exact: logits under lfu and lfu-adapt are byte-identical to upstream's on every fixture architecture at small
   slot counts;
 - strict: a bad VIS_MOE_POLICY is an error naming the variable.
@@ -14,7 +14,7 @@ import pytest
 
 from pyvis import fixtures as fx
 from pyvis.runtime import moe, policies
-from pyvis.runtime.cachesim import layer_requests, policy_misses
+from pyvis.runtime.cachesim import belady_misses, layer_requests, policy_misses
 from pyvis.runtime.trace import read
 
 from conftest import LOGITS_KW, TEXT_FIXTURES, greedy_logits, run
@@ -34,14 +34,15 @@ def reference(fixture_dir):
     return get
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lfu-adapt"])
+@pytest.mark.parametrize("policy", policies.RUNTIME)
 def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatch, policy):
-    """A prefill in passes, greedy steps and random tokens (varied routing): per layer, the runtime's misses under
-    VIS_MOE_POLICY equal the simulator's replay of its own trace with the same policy, and differ from the replay
-    with the other policies somewhere (so the knob is seen to act)."""
+    """A prefill in passes, greedy steps and random tokens (varied routing, evictions often choosing between experts
+    last used in the same step): per layer, the runtime's misses under VIS_MOE_POLICY equal the simulator's replay
+    of its own trace with the same policy, and differ from the replay with the other policies somewhere (so the
+    knob is seen to act); Belady's optimum never misses more."""
     monkeypatch.setenv("VIS_MOE_POLICY", policy)
     spec = fx.FIXTURES["qwen3moe"]()
-    path = tmp_path / "lfu.trace"
+    path = tmp_path / f"{policy}.trace"
     slots = 12
     llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=slots, trace=str(path), n_ctx=160, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
@@ -59,6 +60,7 @@ def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatc
     for il in range(spec.n_layer):
         req = layer_requests(t, il)
         assert policy_misses(req, slots, policies.make(policy, slots)) == per_layer[il], il
+        assert belady_misses(req, slots) <= per_layer[il]
         for other in differs:
             differs[other] |= policy_misses(req, slots, policies.make(other, slots)) != per_layer[il]
     assert all(differs.values()), (per_layer, differs)
