@@ -203,7 +203,7 @@ class lfu_policy final : public ranked_policy {
 public:
     static constexpr double DECAY       = 0.95;  // pyvis.runtime.policies.LFU_DECAY
     static constexpr double ADAPT_FAST  = 0.5;   // pyvis.runtime.policies.AdaptiveLFU: decays (0.5, 0.95)
-    static constexpr double ADAPT_FADE  = 0.9;   // ... and the fading of the ghosts' misses per step
+    static constexpr double ADAPT_FADE  = 0.97;  // ... and the fading of the ghosts' misses per step
 
     lfu_policy(int n_slots, int n_expert, bool adaptive)
         : ranked_policy(n_slots), expert_in(n_slots, -1), in_step(n_expert, 0) {

@@ -60,7 +60,7 @@ std::unique_ptr<vis_moe_policy> vis_moe_policy_lru(int n_slots);
 // (pyvis.runtime.policies.LFU) computes the same doubles.  Speculative slots go in LRU order.
 // adaptive (lfu-adapt): set dueling between decays 0.5 (nearly LRU) and 0.95: a ghost cache of the same size per
 // decay replays the layer's own steps, and the victims follow the decay whose ghost missed least, its misses
-// fading by 0.9 per step (pyvis.runtime.policies.AdaptiveLFU).
+// fading by 0.97 per step (pyvis.runtime.policies.AdaptiveLFU).
 std::unique_ptr<vis_moe_policy> vis_moe_policy_lfu(int n_slots, int n_expert, bool adaptive = false);
 
 // the policy of `kind` (vis_policy_kind) for a pool of n_slots over n_expert experts

@@ -312,7 +312,7 @@ class AdaptiveLFU(Policy):
     by the decay whose ghost missed least, its misses fading by ``fade`` per step."""
     name = "lfu-adapt"
 
-    def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.9):
+    def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.97):
         from .cachesim import LayerCache     # the simulator's cache (cachesim imports this module)
         self.rules = [LFU(d) for d in decays]
         self.ghosts = [LayerCache(capacity, LFU(d)) for d in decays]
