@@ -81,15 +81,15 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slots(args: argparse.Namespace, t: Trace) -> tuple[int, int | None]:
-    """(slots per layer, expert bytes per layer summed over the traced layers, or None when unknown)."""
+def _slots(args: argparse.Namespace, t: Trace) -> int:
+    """Slots per layer: --slots, or --budget over one expert of every traced layer."""
     layers = t.layers()
     if args.expert_bytes is not None:
         t.expert_bytes = np.full(t.n_layer, args.expert_bytes, np.int64)
     sizes = t.expert_bytes
     total = int(sizes[layers].sum()) if sizes is not None and sizes[layers].all() else None
     if args.slots is not None:
-        return args.slots, total
+        return args.slots
     if total is None:
         raise SystemExit(f"error: {args.trace} does not say how large an expert is; --budget needs "
                          "--expert-bytes N (or use --slots)")
@@ -97,7 +97,7 @@ def _slots(args: argparse.Namespace, t: Trace) -> tuple[int, int | None]:
     if n < 1:
         raise SystemExit(f"error: --budget {args.budget:g} MiB holds no expert per layer "
                          f"(one slot in each of {len(layers)} layers takes {total / (1 << 20):.1f} MiB)")
-    return n, total
+    return n
 
 
 def as_decode(t: Trace) -> Trace:
@@ -169,7 +169,7 @@ def _plot(args: argparse.Namespace, t: Trace, slots: int) -> None:
     except ImportError:
         raise SystemExit("error: --plot needs matplotlib, which this Python does not have "
                          "(pip install matplotlib, or run scripts/setup.sh to install the project's dependencies)") from None
-    grid = args.plot_slots or sorted({max(1, t.k * f // 2) for f in range(1, 13)} | {slots})
+    grid = args.plot_slots or sorted({max(1, t.k * f // 2) for f in (1, 2, 3, 4, 6, 8, 12)} | {slots})
     grid = [c for c in grid if c <= t.n_expert]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in (*policies.POLICIES, "belady"):
@@ -199,7 +199,7 @@ def _cmd_cachesim(args: argparse.Namespace) -> int:
                          "token: a prompt only); --as-decode replays each token as a step")
     if args.split and (args.policy not in ("default", "lru", "lfu") or args.requests == "expert"):
         raise SystemExit("error: --split runs the lru or lfu policy with token requests")
-    slots, _ = _slots(args, t)
+    slots = _slots(args, t)
     s = summary(t, slots, args.policy, args.requests == "expert", args.split)
     if args.json:
         print(json.dumps(s))
