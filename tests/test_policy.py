@@ -87,3 +87,11 @@ def test_bad_policy_is_a_clear_error(bindir, fixture_dir, monkeypatch):
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "-p", "Hi", "-n", "2", "-st", "-c", "64",
              "-t", "2", "--moe-slots", "8", "--moe-policy", "lfu-2"], timeout=120)
     assert r.returncode != 0 and "--moe-policy: expected lru, lfu or lfu-adapt, got 'lfu-2'" in r.stdout + r.stderr
+
+
+def test_default_policy_is_the_runtimes():
+    """`pyvis cachesim --policy default` replays what the runtime runs when VIS_MOE_POLICY is unset."""
+    from pyvis.runtime import native
+    row = next(f for f in native.flags() if f.name == "--moe-policy")
+    assert row.env == "VIS_MOE_POLICY" and f"(default: {policies.DEFAULT})" in row.help
+    assert row.value_hint == "|".join(policies.RUNTIME)
