@@ -309,14 +309,17 @@ class LFUContext(LFU):
 class AdaptiveLFU(Policy):
     """Set dueling between decays: ghost caches of the same capacity run ``lfu`` at each decay of ``decays``
     (0.5: nearly LRU, the last use dominates; 0.95: frequency) on the layer's own requests; the real cache evicts
-    by the decay whose ghost missed least, its misses fading by ``fade`` per step."""
+    by the decay whose ghost missed least, its misses fading by ``fade`` per step (ties to the later rule).
+    ``rules``: other rules to duel instead (factories of fresh policies), e.g. ``ctx-adapt``."""
     name = "lfu-adapt"
 
-    def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.97):
+    def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.97,
+                 rules: tuple | None = None):
         from .cachesim import LayerCache     # the simulator's cache (cachesim imports this module)
-        self.rules = [LFU(d) for d in decays]
-        self.ghosts = [LayerCache(capacity, LFU(d)) for d in decays]
-        self.missed = [0.0] * len(decays)
+        make = rules or tuple((lambda d=d: LFU(d)) for d in decays)
+        self.rules = [m() for m in make]
+        self.ghosts = [LayerCache(capacity, m()) for m in make]
+        self.missed = [0.0] * len(make)
         self.fade = fade
         self.cur: list[int] = []
 
@@ -357,6 +360,7 @@ POLICIES = {
     "reuse": lambda c: ReuseClasses(),
     "lfu-ctx": lambda c: LFUContext(),
     "lfu-adapt": AdaptiveLFU,
+    "ctx-adapt": lambda c: AdaptiveLFU(c, rules=(lambda: LFU(0.5), LFUContext)),
 }
 
 
