@@ -6,6 +6,8 @@ beside the repository, not in it: the tests that read it are skipped where it is
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -24,8 +26,20 @@ needs_shared = pytest.mark.skipif(not SHARED.is_file(), reason=f"the shared trac
 
 
 def _pyvis(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pyvis", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    """`pyvis ARGS` in this process (a subprocess would import the bindings again for every call): exit status,
+    stdout and stderr as the command line would give them."""
+    from pyvis.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                rc = 1
+            else:
+                rc = e.code or 0
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def _csv_lines(n_layer=2, n_expert=16, k=2, prompt=4, decode=24, seed=0) -> list[str]:
