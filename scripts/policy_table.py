@@ -17,8 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyvis.runtime import policies  # noqa: E402
-from pyvis.runtime.cachesim import belady_misses, layer_ubatches, policy_misses  # noqa: E402
-from pyvis.runtime.trace import load  # noqa: E402
+from pyvis.runtime.cachesim import belady_misses, policy_misses  # noqa: E402
+from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
+from pyvis.runtime.trace_csv import load_any as load  # noqa: E402
 from pyvis.runtime.trace_cli import as_decode  # noqa: E402
 
 

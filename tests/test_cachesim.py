@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyvis.runtime import cachesim, policies
-from pyvis.runtime.trace import TraceError, load
-from pyvis.runtime.trace_csv import read_csv
+from pyvis.runtime import cachesim, cachesim_replay, policies
+from pyvis.runtime.trace import TraceError
+from pyvis.runtime.trace_csv import load_any as load, read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces" / "qwen3-30b-a3b-top6.route.csv"
@@ -110,7 +110,7 @@ def test_import_never_overwrites_its_input(small_csv):
     (lambda ls: ls[:-1], r"small\.route\.csv:\d+: the last \(token, layer\) has 1 of 2 slots \(truncated file\?\)"),
     (lambda ls: ls[:-1] + [ls[-1][:5]], r"small\.route\.csv:\d+: expected 7 or more columns, got 3"),
     (lambda ls: ls[:4] + ["turn,phase,step,layer,expert,slot,weight"] + ls[5:], r"small\.route\.csv:5: wrong header"),
-    (lambda ls: ["# something else"] + ls[1:], r"small\.route\.csv: not a routing trace: .* CSV route trace \(first line"),
+    (lambda ls: ["# something else"] + ls[1:], r"small\.route\.csv: not a routing trace: .* CSV\s+route trace, first line"),
     (lambda ls: ["# route_trace v2"] + ls[1:], r"small\.route\.csv:1: not a CSV route trace \(expected the first line"),
     (lambda ls: ls[:1] + ls[2:], r"small\.route\.csv: the preamble has no model line"),
     (lambda ls: _field(ls, 6, 5, "99"), r"small\.route\.csv:7: expert 99 is out of range 0\.\.15"),
@@ -190,12 +190,12 @@ def test_shared_trace_reproduces_its_readme():
     assert (t.n_layer, t.n_expert, t.k) == (48, 128, 6) and int((t.phase == 1).sum()) == 128 * 48
     readme = {12: (49.5, 67.3), 16: (59.0, 75.8), 24: (71.9, 85.6), 32: (81.1, 91.2)}
     for slots, (lru_hit, opt_hit) in readme.items():
-        res = cachesim.replay(t, slots, "lru", per_expert=True)
+        res = cachesim_replay.replay(t, slots, "lru", per_expert=True)
         uses = sum(r.uses for r in res)
         assert uses == 128 * 48 * 6
         assert round(100 * (1 - sum(r.misses for r in res) / uses), 1) == lru_hit, slots
         assert round(100 * (1 - sum(r.belady for r in res) / uses), 1) == opt_hit, slots
-        tok = cachesim.replay(t, slots, "lru")
+        tok = cachesim_replay.replay(t, slots, "lru")
         assert sum(r.misses for r in tok) < sum(r.misses for r in res)
 
 
@@ -207,7 +207,7 @@ def test_cachesim_cli(small_csv, tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     t = load(small_csv)
-    res = cachesim.replay(t, 4, "lfu")
+    res = cachesim_replay.replay(t, 4, "lfu")
     assert s["misses"] == sum(x.misses for x in res) and s["belady_misses"] == sum(x.belady for x in res)
     assert s["hit_rate"] == pytest.approx(1 - s["misses"] / s["uses"])
     assert s["policy"] == "lfu" and s["slots"] == 4 and s["decode_steps"] == 24

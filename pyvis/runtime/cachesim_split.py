@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import policies
-from .cachesim import LayerCache, LayerResult, belady_misses, layer_ubatches
+from .cachesim import LayerCache, belady_misses
+from .cachesim_replay import LayerResult, layer_ubatches
 from .trace import Trace
 
 
 def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis: float = 0.1, decay: float = 0.97,
                  max_moves: int = 4) -> tuple[list[LayerResult], dict[int, int]]:
-    """`pyvis.runtime.cachesim.replay` with the slots of ``slots * layers`` split between the layers online;
+    """`pyvis.runtime.cachesim_replay.replay` with the slots of ``slots * layers`` split between the layers online;
     returns the per-layer results and the final slot counts.  Belady's misses are those at ``slots`` per layer."""
     layers = t.layers().tolist()
     reqs = {il: layer_ubatches(t, il) for il in layers}

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+from .cachesim import LayerCache
+
 DEFAULT = "lru"            # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/vis-moe-policy.cpp)
 RUNTIME = ("lru", "lfu", "lfu-adapt")   # policies the runtime implements identically
 LFU_DECAY = 0.95           # per step; the runtime's constant (src/vis-moe-policy.cpp)
@@ -315,7 +317,6 @@ class AdaptiveLFU(Policy):
 
     def __init__(self, capacity: int, decays: tuple[float, ...] = (0.5, LFU_DECAY), fade: float = 0.97,
                  rules: tuple | None = None):
-        from .cachesim import LayerCache     # the simulator's cache (cachesim imports this module)
         make = rules or tuple((lambda d=d: LFU(d)) for d in decays)
         self.rules = [m() for m in make]
         self.ghosts = [LayerCache(capacity, m()) for m in make]

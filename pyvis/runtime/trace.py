@@ -9,8 +9,8 @@ gating weights.  Sources:
   :mod:`pyvis.testbed.collect`, synthetic routing);
 * :func:`pyvis.runtime.trace_csv.read_csv`: the CSV route traces other engines record (``# route_trace v1``,
   e.g. ``../shared/traces/``), with per-layer expert sizes and the prompt / generation phase of every row;
-* :func:`load`: any of them: a ``--moe-trace`` file, a CSV route trace, or a trace saved with :meth:`Trace.save`
-  (``.npz``).
+* :func:`load`: a ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``.npz``);
+  :func:`pyvis.runtime.trace_csv.load_any` reads any of the three.
 
 :meth:`Trace.routes` gives the matrix view ``[layers, tokens, k]`` of the layers that routed every
 token (upstream computes the last layer for the output rows only); :mod:`pyvis.runtime.cachesim`
@@ -250,8 +250,8 @@ def read(path: str | os.PathLike, progress=None) -> Trace:
 
 
 def load(path: str | os.PathLike, progress=None) -> Trace:
-    """A ``--moe-trace`` file, a CSV route trace (:mod:`pyvis.runtime.trace_csv`) or a trace saved with
-    :meth:`Trace.save` (``progress``: as for :func:`parse`, called for ``--moe-trace`` files only)."""
+    """A ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``progress``: as for :func:`parse`, called
+    for ``--moe-trace`` files only).  CSV route traces too: :func:`pyvis.runtime.trace_csv.load_any`."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
@@ -259,12 +259,9 @@ def load(path: str | os.PathLike, progress=None) -> Trace:
         head = f.read(16)
     if head[:8] == MAGIC:
         return read(p, progress)
-    from . import trace_csv
-    if trace_csv.looks_like_csv(head):
-        return trace_csv.read_csv(p)
     if not head.startswith(b"PK"):   # an .npz is a zip archive
-        raise TraceError(f"{p}: not a routing trace: neither a --moe-trace file, nor a CSV route trace (first line "
-                         f"'{trace_csv.MAGIC}'), nor an .npz from Trace.save")
+        raise TraceError(f"{p}: not a routing trace: neither a --moe-trace file nor an .npz from Trace.save (a CSV "
+                         f"route trace, first line '# route_trace v1': pyvis.runtime.trace_csv.load_any)")
     try:
         z = np.load(p, allow_pickle=False)
         meta = json.loads(str(z["meta"])) if "meta" in z else {}
@@ -278,4 +275,4 @@ def load(path: str | os.PathLike, progress=None) -> Trace:
     except TraceError:
         raise
     except (KeyError, ValueError, OSError) as e:
-        raise TraceError(f"{p}: not a routing trace (a --moe-trace file, a CSV route trace or an .npz from Trace.save): {e}") from e
+        raise TraceError(f"{p}: not a routing trace (a --moe-trace file or an .npz from Trace.save): {e}") from e

@@ -5,7 +5,7 @@
 
 TRACE is anything :func:`pyvis.runtime.trace.load` reads: a ``--moe-trace`` file, a CSV route trace
 (``../shared/traces/``) or an imported ``.npz``.  ``cachesim`` replays it through one cache per layer
-(:func:`pyvis.runtime.cachesim.replay`): the prompt warms the caches, decode steps are counted.  docs/policies.md.
+(:func:`pyvis.runtime.cachesim_replay.replay`): the prompt warms the caches, decode steps are counted.  docs/policies.md.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from . import policies
-from .cachesim import replay
-from .trace import Trace, TraceError, load
+from .cachesim_replay import replay
+from .trace import Trace, TraceError
+from .trace_csv import load_any
 
 
 def _positive(v: str) -> int:
@@ -64,7 +65,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def _load(path: str) -> Trace:
     try:
-        return load(path)
+        return load_any(path)
     except TraceError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -1,5 +1,5 @@
 """CSV route traces recorded by other engines, read into our :class:`~pyvis.runtime.trace.Trace`
-(``pyvis trace import``; :func:`pyvis.runtime.trace.load` reads them directly too).
+(``pyvis trace import``); :func:`load_any` reads a CSV route trace or anything :func:`pyvis.runtime.trace.load` reads.
 
 Format (``route_trace v1``, e.g. ``../shared/traces/qwen3-30b-a3b-top6.route.csv``, described in its README):
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .trace import Trace, TraceError
+from .trace import Trace, TraceError, load
 
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight")
@@ -34,6 +34,16 @@ _KV = re.compile(r"(\w+)=(\S+)")
 def looks_like_csv(head: bytes) -> bool:
     """Do a file's first bytes start a CSV route trace?"""
     return head.startswith(b"# route_trace") or head.startswith(b"turn,phase,")
+
+
+def load_any(path: str | os.PathLike) -> Trace:
+    """A CSV route trace (:func:`read_csv`), a ``--moe-trace`` file or an ``.npz`` (:func:`pyvis.runtime.trace.load`)."""
+    p = Path(path)
+    if p.is_file():
+        with open(p, "rb") as f:
+            if looks_like_csv(f.read(16)):
+                return read_csv(p)
+    return load(p)
 
 
 def _int(v: str, what: str, where: str) -> int:
