@@ -6,7 +6,7 @@
     pyvis chat      -m MODEL --mmproj F --image IMG [--image IMG2] -p PROMPT --keep-ratio 0.5 ...
 
 and the commands each part registers: plan (pyvis.runtime.plan), chat, prune-report, prune-sim, prune-eval
-(pyvis.vlm), moefy, report, quality, substitute-sweep, report-prefetch (pyvis.testbed), calibrate WHAT, report-buddies (pyvis.calibrate), shadow (pyvis.runtime.shadow).
+(pyvis.vlm), moefy, report, quality, substitute-sweep, report-prefetch (pyvis.testbed), calibrate WHAT, report-buddies (pyvis.calibrate), shadow (pyvis.runtime.shadow), trace import, cachesim (pyvis.runtime.trace_cli).
 """
 from __future__ import annotations
 
@@ -134,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import calibrate
     from .calibrate import graph as buddy_graph
-    from .runtime import plan, shadow
+    from .runtime import plan, shadow, trace_cli
     from .testbed import moefy, prefetch_report, quality, routing_report, substitute_sweep
     from .vlm import chat, evaluate, report
     chat.register(sub)
     for m in (moefy, routing_report, quality, substitute_sweep, prefetch_report, report, evaluate, plan, calibrate,
-              buddy_graph, shadow):
+              buddy_graph, shadow, trace_cli):
         m.register(sub)
     report.register_sim(sub)
     return p

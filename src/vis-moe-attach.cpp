@@ -70,6 +70,7 @@ struct attach_plan {
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
     int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
     int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
+    int32_t policy = VIS_POLICY_LRU; // VIS_MOE_POLICY: eviction order of the full slots
 };
 
 // step 1: MoE layers, and which of them the loader deferred to the file
@@ -289,7 +290,7 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     L.n_expert     = n_exp;
     L.expert_bytes = layer_expert_bytes(l);
     L.pass_of.assign(n_exp, -1);
-    L.slots.init(n_exp, ns, vis_moe_policy_lru(ns));
+    L.slots.init(n_exp, ns, vis_moe_policy_make(ap.policy, ns, n_exp));
     L.stats.n_slots = ns;
     L.stats.managed = 1;
     // CPU-only run: the CPU mul_mat_id skips id -1 (patch 0006), so passes compute only their own pairs;
@@ -468,6 +469,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     vm->layers.resize(hp.n_layer());
 
+    ap.policy = s.policy;
     choose_managed(model, s, ap);
     if (!s.prec.shadow.empty() && !hp.no_alloc && !ap.managed.empty()) {
         // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget

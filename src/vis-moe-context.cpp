@@ -123,6 +123,11 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     }
     vm->in_prompt = !vm->ub_decode;
     vm->ub_t0_us  = ggml_time_us();
+    for (auto & L : vm->layers) {
+        if (L.managed) {
+            L.slots.policy().begin_step();  // the step clock of a policy that decays (lfu)
+        }
+    }
     if (vm->prefetch) {
         vm->prefetch->begin_ubatch(vm->ub_decode);
     }

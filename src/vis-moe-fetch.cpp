@@ -166,7 +166,7 @@ vis_fetch_result vis_moe_fetch_submit(vis_moe_context & vm, vis_moe_layer & L, i
         if (speculative) {
             L.slots.policy().speculate(s, 1);
         } else {
-            L.slots.policy().touch(s);
+            L.slots.policy().touch(s, e);
         }
         return VIS_FETCH_SERVED;
     }
@@ -200,7 +200,7 @@ std::vector<vis_fetch_done> vis_moe_fetch_collect(vis_moe_context & vm, vis_moe_
         if (job->speculative) {
             L.slots.policy().speculate(job->slot, 1);  // protected through this step; first to go if it is not used
         } else {
-            L.slots.policy().touch(job->slot);
+            L.slots.policy().touch(job->slot, job->expert);
         }
         done.push_back({ job->expert, job->slot, job->speculative, false });
     }

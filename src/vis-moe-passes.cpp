@@ -63,7 +63,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
     for (int e : experts) {
         const int s = L.slots.slot_of(e);
         if (s >= 0) {
-            L.slots.policy().touch(s);
+            L.slots.policy().touch(s, e);
             L.stats.n_hits++;
             vm.n_slab_hits++;
         }
@@ -77,7 +77,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
         vis_moe_evict_slot(vm, L, il, s);
         L.slots.place(e, s);
-        L.slots.policy().touch(s);
+        L.slots.policy().touch(s, e);
         misses.emplace_back(e, s);
         L.stats.n_misses++;
         L.stats.bytes_loaded += L.expert_bytes;

@@ -2,6 +2,7 @@
 // strict parser per row, the built-in defaults and the range check of a whole settings value
 // (vis-moe-settings.h).  Where values live (environment, process, thread): vis-moe-settings.cpp.
 #include "vis-moe-settings.h"
+#include "vis-moe-policy.h"
 
 #include <cctype>
 #include <cmath>
@@ -78,6 +79,15 @@ const flag_row ROWS[] = {
       "(fewer than the model's top-k run exactly, in passes; >= its expert count = everything resident; default: 0 = off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.params.n_slots = (int32_t) parse_int(w, v, 0, MAX_SLOTS, " (0 = off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
+    { "--moe-policy", "VIS_MOE_POLICY", "lru|lfu|lfu-adapt",
+      "vis-moe: eviction policy of the expert slots: lru = least recently used; lfu = least frequently used with\n"
+      "decay 0.95 per step, history kept for evicted experts; lfu-adapt = decay 0.5 or 0.95, whichever a ghost\n"
+      "cache of each missed less lately (docs/policies.md) (default: lru)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if      (v == "lru") s.policy = VIS_POLICY_LRU;
+          else if (v == "lfu") s.policy = VIS_POLICY_LFU;
+          else if (v == "lfu-adapt") s.policy = VIS_POLICY_LFU_ADAPT;
+          else throw vis_error(w + ": expected lru, lfu or lfu-adapt, got '" + v + "'"); } },
     { "--moe-cache-mib", "VIS_MOE_CACHE_MIB", "M",
       "vis-moe: derive --moe-slots from a total slab budget of M MiB over the managed layers (default: 0 = off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -372,6 +382,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-stream-lend",   s.stream_lend, -1, 1, " (-1 = auto, 0 = off, 1 = on)");
     range("--moe-stream-stage",  s.stream_stage, 0, 1, "");
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
+    range("--moe-policy",        s.policy,      VIS_POLICY_LRU, VIS_POLICY_LFU_ADAPT, " (0 = lru, 1 = lfu, 2 = lfu-adapt)");
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");
     range("--moe-sub-budget",    u.budget, 1, MAX_SUB_BUDGET, "");

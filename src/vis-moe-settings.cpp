@@ -31,7 +31,7 @@ int n_rows() {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128, G_TOPK = 256 };
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128, G_TOPK = 256, G_POLICY = 512 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
@@ -39,6 +39,7 @@ unsigned group_of(const flag_row & r) {
         n == "--moe-stream-stage") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n == "--moe-topk") return G_TOPK;
+    if (n == "--moe-policy") return G_POLICY;
     if (n == "--moe-capacity" || n.rfind("--moe-cap-", 0) == 0) return G_CAP;
     if (n == "--moe-shadow" || n == "--moe-shadow-slots" || n == "--moe-precision" || n.rfind("--moe-prec-", 0) == 0) {
         return G_SHADOW;
@@ -123,6 +124,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_TOPK) {
         s.topk = o.topk;
+    }
+    if (groups & G_POLICY) {
+        s.policy = o.policy;
     }
 }
 

@@ -63,7 +63,7 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
         S.pool.policy().begin_pass();
         for (int e : experts) {
             if (S.pool.resident(e)) {
-                S.pool.policy().touch(S.pool.slot_of(e));
+                S.pool.policy().touch(S.pool.slot_of(e), e);
                 st.n_shadow_hits++;
             }
         }
@@ -76,7 +76,7 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
             GGML_ASSERT(s >= 0 && "vis-moe: a shadow pass needs more experts than shadow slots (plan bug)");
             S.pool.evict(s);
             S.pool.place(e, s);
-            S.pool.policy().touch(s);
+            S.pool.policy().touch(s, e);
             misses.emplace_back(e, s);
         }
         std::vector<vis_read_req> reqs;

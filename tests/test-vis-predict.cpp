@@ -95,8 +95,8 @@ static void test_random() {
 static void test_policy_reads_ahead() {
     auto p = vis_moe_policy_lru(3);
     p->begin_pass();
-    p->touch(0);
-    p->touch(1);
+    p->touch(0, 0);
+    p->touch(1, 1);
     p->end_step();
     CHECK(p->slot_class(0) == vis_slot_class::EXPIRED);   // the step is over: nothing Required
     CHECK(p->victim() == 2);                               // empty first
@@ -109,7 +109,7 @@ static void test_policy_reads_ahead() {
     // a read ahead that is used keeps the recency of its use
     p->speculate(2, 1);
     p->begin_pass();
-    p->touch(2);
+    p->touch(2, 2);
     p->end_step();
     CHECK(p->victim() == 0);
 }

@@ -209,13 +209,13 @@ static void test_buddy() {
 static void test_hold() {
     auto p = vis_moe_policy_lru(2);
     p->begin_pass();
-    p->touch(0);
-    p->touch(1);
+    p->touch(0, 0);
+    p->touch(1, 1);
     p->begin_pass();
     p->hold(0, true);                      // being filled in the background: never a victim
     CHECK(p->slot_class(0) == vis_slot_class::REQUIRED);
     CHECK(p->victim() == 1);
-    p->touch(1);
+    p->touch(1, 1);
     CHECK(p->victim() == -1);
     p->hold(0, false);
     CHECK(p->victim() == 0);

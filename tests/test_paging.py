@@ -422,30 +422,6 @@ def test_belady_and_lru_on_known_sequences():
     assert belady_misses(sets, 2) == 8 and belady_misses(sets, 4) == 4
 
 
-def test_runtime_lru_matches_the_simulation(fixture_dir, tmp_path):
-    """The runtime's per-layer misses equal an LRU simulation of its own routing trace."""
-    from pyvis.runtime import trace as vtrace
-    from pyvis.runtime.cachesim import belady_misses, layer_requests, lru_misses
-    spec = fx.FIXTURES["qwen3moe"]()
-    path = tmp_path / "lru.trace"
-    slots = 16
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=slots, trace=str(path), n_ctx=128, n_threads=2, verbose=False)
-    llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
-    for _ in range(12):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    # random tokens: varied routing, so evictions often choose between experts last used in the same step
-    rng = np.random.default_rng(7)
-    for tok in rng.integers(100, 20000, size=24).tolist():
-        llm.eval([int(tok)])
-    per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
-    del llm
-    t = vtrace.read(path)
-    for il in range(spec.n_layer):
-        req = layer_requests(t, il)
-        assert lru_misses(req, slots) == per_layer[il], il
-        assert belady_misses(req, slots) <= per_layer[il]
-
-
 def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, reference, tmp_path, monkeypatch):
     """One slot per layer: a prefill ubatch would need one pass per routed expert, so it streams the layer through
     the mapping (upstream's graph) instead.  Logits stay byte-identical, the streamed experts are counted, the slabs

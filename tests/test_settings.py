@@ -57,7 +57,8 @@ def test_every_settings_field_is_a_flag_of_the_c_table():
     fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams, CapacityParams,
                                  TopkParams)
               for f in __import__("dataclasses").fields(cls)]
-    env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib"}
+    env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib",
+                "--moe-policy"}
     assert {settings.flag_of(f) for f in fields} == set(rows) - env_only  # env/flag only
     assert all(rows[n].env.startswith("VIS_MOE_") and rows[n].help for n in rows)
 

@@ -8,12 +8,17 @@ run).  `layer_requests()` turns a routing trace into that sequence of sets
 capacity would need (evict the resident expert whose next use is farthest,
 never one the current set needs), and `lru_misses()` the loads of the LRU
 policy the runtime uses (tests/test_paging.py: equal to the runtime's misses),
-so measured misses can be quoted as a ratio of the optimum.  The one
+so measured misses can be quoted as a ratio of the optimum.  `policy_misses()`
+replays any policy of pyvis.runtime.policies the same way (`lru` gives
+`lru_misses()`'s count; `lfu` equals the runtime's VIS_MOE_POLICY=lfu), and
+pyvis.runtime.cachesim_replay runs a whole trace, counting decode misses after
+the prompt warmed each cache (`pyvis cachesim`).  The one
 simulator of the project: `pyvis report` (pyvis.testbed.routing_report) and
 scripts/bench_paging.py use it too.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import OrderedDict
 
@@ -150,4 +155,74 @@ def lru_misses(requests: list[list[int]], capacity: int, per_request: list[int] 
                 lru[e] = None
         if per_request is not None:
             per_request.append(misses - before)
+    return misses
+
+
+class LayerCache:
+    """One layer's cache of `capacity` experts under `policy` (a fresh :class:`pyvis.runtime.policies.Policy`),
+    served as the runtime serves it: each pass of a request touches its hits, then loads its misses, each
+    evicting ``policy.victim`` of the resident experts the pass does not need; every request ends a step."""
+
+    def __init__(self, capacity: int, policy: "Policy"):
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        self.capacity, self.policy = capacity, policy
+        self.resident: set[int] = set()
+
+    def serve(self, s: list[int], w: dict[int, float] | None = None) -> int:
+        """Loads of one request (`w`: expert -> router weight)."""
+        w = w or {}
+        p, resident, loads = self.policy, self.resident, 0
+        for chunk in _chunks(s, resident, self.capacity):
+            p.begin_pass()
+            need = set(chunk)
+            for e in chunk:
+                if e in resident:
+                    p.touch(e, w.get(e, math.nan))
+            for e in chunk:
+                if e in resident:
+                    continue
+                loads += 1
+                if len(resident) >= self.capacity:
+                    self._evict([r for r in resident if r not in need])
+                resident.add(e)
+                p.touch(e, w.get(e, math.nan))
+        p.end_step()
+        return loads
+
+    def bypass(self, lent: bool) -> None:
+        """A streamed request: no loads; the cache emptied when the slabs were lent (see `belady_misses`)."""
+        if lent:
+            for e in self.resident:
+                self.policy.forget(e)
+            self.resident.clear()
+        self.policy.end_step()
+
+    def resize(self, capacity: int) -> None:
+        """Change the capacity between requests, evicting by the policy down to it."""
+        self.capacity = capacity
+        while len(self.resident) > capacity:
+            self._evict(list(self.resident))
+
+    def _evict(self, candidates: list[int]) -> None:
+        victim = self.policy.victim(candidates)
+        self.resident.remove(victim)
+        self.policy.forget(victim)
+
+
+def policy_misses(requests: list[list[int]], capacity: int, policy: "Policy",
+                  per_request: list[int] | None = None, streamed: list[bool] | None = None, lent: bool = False,
+                  weights: list[dict[int, float]] | None = None) -> int:
+    """Loads of `policy` serving `requests` with `capacity` slots (:class:`LayerCache`).  `per_request`,
+    `streamed`, `lent` as in `belady_misses`; `weights[i]`: expert -> router weight in request i."""
+    cache = LayerCache(capacity, policy)
+    misses = 0
+    for i, s in enumerate(requests):
+        if _bypass(i, streamed, per_request):
+            cache.bypass(lent)
+            continue
+        n = cache.serve(s, weights[i] if weights is not None else None)
+        misses += n
+        if per_request is not None:
+            per_request.append(n)
     return misses

@@ -7,7 +7,10 @@ gating weights.  Sources:
 * :func:`read` / :func:`parse`: the binary file the fork writes with ``--moe-trace FILE``;
 * :meth:`Trace.from_routes`: a matrix ``ids [layers, tokens, k]`` (the eval-callback collector
   :mod:`pyvis.testbed.collect`, synthetic routing);
-* :func:`load`: either a ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``.npz``).
+* :func:`pyvis.runtime.trace_csv.read_csv`: the CSV route traces other engines record (``# route_trace v1``,
+  e.g. ``../shared/traces/``), with per-layer expert sizes and the prompt / generation phase of every row;
+* :func:`load`: a ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``.npz``);
+  :func:`pyvis.runtime.trace_csv.load_any` reads any of the three.
 
 :meth:`Trace.routes` gives the matrix view ``[layers, tokens, k]`` of the layers that routed every
 token (upstream computes the last layer for the output rows only); :mod:`pyvis.runtime.cachesim`
@@ -67,6 +70,9 @@ class Trace:
     meta: dict = field(default_factory=dict)
     exec_ids: np.ndarray | None = None   # [N, k] int32, the expert that ran for each pair (None: = ids)
     outcome: np.ndarray | None = None    # [N, k] uint8, index into SUB_OUTCOMES (None: all 0)
+    phase: np.ndarray | None = None      # [N] uint8, 0 prompt (prefill), 1 generation (decode); None: a ubatch
+                                         # is decode when no layer routed more than one row in it
+    expert_bytes: np.ndarray | None = None  # [n_layer] int64, bytes of one routed expert per layer (0 / None: unknown)
     _routes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -97,6 +103,14 @@ class Trace:
             raise TraceError(f"executed expert ids must be in [0, {self.n_expert})")
         if self.outcome.size and self.outcome.max() >= len(SUB_OUTCOMES):
             raise TraceError(f"substitution outcome {int(self.outcome.max())} is not one of 0..{len(SUB_OUTCOMES) - 1}")
+        self.phase = _decode_ubatches(self.ubatch, self.layer) if self.phase is None else np.asarray(self.phase, np.uint8)
+        if self.phase.shape != (n,) or (n and self.phase.max() > 1):
+            raise TraceError(f"phase must hold 0 (prompt) or 1 (decode) per row; got shape {self.phase.shape}")
+        if self.expert_bytes is not None:
+            self.expert_bytes = np.asarray(self.expert_bytes, np.int64)
+            if self.expert_bytes.shape != (self.n_layer,) or (self.expert_bytes < 0).any():
+                raise TraceError(f"expert_bytes must hold one size >= 0 per layer ({self.n_layer}); "
+                                 f"got shape {self.expert_bytes.shape}")
 
     def __len__(self) -> int:
         return len(self.layer)
@@ -113,7 +127,7 @@ class Trace:
     def for_mask(self, m: np.ndarray) -> "Trace":
         return Trace(self.n_layer, self.n_expert, self.n_expert_used, self.ubatch[m], self.layer[m], self.seq[m],
                      self.pos[m], self.modality[m], self.ids[m], self.weights[m], dict(self.meta),
-                     self.exec_ids[m], self.outcome[m])
+                     self.exec_ids[m], self.outcome[m], self.phase[m], self.expert_bytes)
 
     def for_layer(self, il: int) -> "Trace":
         return self.for_mask(self.layer == il)
@@ -153,7 +167,8 @@ class Trace:
         dt = np.int16 if self.n_expert < 32768 else np.int32
         with open(p, "wb") as f:
             np.savez_compressed(f, ids=self.ids.astype(dt), weights=self.weights, exec_ids=self.exec_ids.astype(dt),
-                                outcome=self.outcome,
+                                outcome=self.outcome, phase=self.phase,
+                                **({} if self.expert_bytes is None else {"expert_bytes": self.expert_bytes}),
                                 **{c: getattr(self, c) for c in _ROW_COLUMNS},
                                 shape=np.array([self.n_layer, self.n_expert, self.n_expert_used], np.int64),
                                 meta=np.array(json.dumps(self.meta)))
@@ -217,6 +232,17 @@ def parse(data: bytes, name: str = "<bytes>", progress=None) -> Trace:
                  meta={"format": "vis-moe trace v1"})
 
 
+def _decode_ubatches(ubatch: np.ndarray, layer: np.ndarray) -> np.ndarray:
+    """Per row: 1 when its ubatch is a decode step (no layer routed more than one row in it), else 0 (prompt)."""
+    if not len(ubatch):
+        return np.zeros(0, np.uint8)
+    _, inv, cnt = np.unique(np.stack([ubatch, layer]), axis=1, return_inverse=True, return_counts=True)
+    ub, ub_inv = np.unique(ubatch, return_inverse=True)
+    most = np.zeros(len(ub), np.int64)
+    np.maximum.at(most, ub_inv, cnt[inv.reshape(-1)])
+    return (most[ub_inv] == 1).astype(np.uint8)
+
+
 def read(path: str | os.PathLike, progress=None) -> Trace:
     """A ``--moe-trace`` file (``progress``: as for :func:`parse`)."""
     t = parse(Path(path).read_bytes(), str(path), progress)
@@ -226,13 +252,17 @@ def read(path: str | os.PathLike, progress=None) -> Trace:
 
 def load(path: str | os.PathLike, progress=None) -> Trace:
     """A ``--moe-trace`` file or a trace saved with :meth:`Trace.save` (``progress``: as for :func:`parse`, called
-    for ``--moe-trace`` files only)."""
+    for ``--moe-trace`` files only).  CSV route traces too: :func:`pyvis.runtime.trace_csv.load_any`."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
     with open(p, "rb") as f:
-        if f.read(8) == MAGIC:
-            return read(p, progress)
+        head = f.read(16)
+    if head[:8] == MAGIC:
+        return read(p, progress)
+    if not head.startswith(b"PK"):   # an .npz is a zip archive
+        raise TraceError(f"{p}: not a routing trace: neither a --moe-trace file nor an .npz from Trace.save (a CSV "
+                         f"route trace, first line '# route_trace v1': pyvis.runtime.trace_csv.load_any)")
     try:
         z = np.load(p, allow_pickle=False)
         meta = json.loads(str(z["meta"])) if "meta" in z else {}
@@ -241,7 +271,8 @@ def load(path: str | os.PathLike, progress=None) -> Trace:
         n_layer, n_expert, k = (int(x) for x in z["shape"])
         return Trace(n_layer, n_expert, k, **{c: z[c] for c in _ROW_COLUMNS}, ids=z["ids"].astype(np.int32),
                      weights=z["weights"], meta=meta, exec_ids=z["exec_ids"] if "exec_ids" in z else None,
-                     outcome=z["outcome"] if "outcome" in z else None)
+                     outcome=z["outcome"] if "outcome" in z else None, phase=z["phase"] if "phase" in z else None,
+                     expert_bytes=z["expert_bytes"] if "expert_bytes" in z else None)
     except TraceError:
         raise
     except (KeyError, ValueError, OSError) as e:

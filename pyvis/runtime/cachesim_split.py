@@ -1,0 +1,67 @@
+"""Per-layer slot counts from one total by marginal utility, online (simulator only; docs/policies.md).
+
+Every layer starts with the same slot count.  Each layer keeps a miss curve of its own routing, learned online:
+before each use, the rank of the used expert among every expert the layer has seen, in the order of the layer's
+policy (``Policy.rank_key``: LRU recency, LFU score) -- a use at rank r would have hit with more than r slots (for
+LRU this is the stack distance, exact).  The counts decay by ``decay`` per step.  Every ``period`` steps, slots move
+one at a time from the layer that loses least by giving one up to the layer that gains most by getting one, while
+the gain beats the loss by the ``hysteresis`` margin; a layer keeps at least the trace's top-k.  Slots count alike
+in every layer (the budget is in slots, not bytes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import policies
+from .cachesim import LayerCache, belady_misses
+from .cachesim_replay import LayerResult, layer_ubatches
+from .trace import Trace
+
+
+def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis: float = 0.1, decay: float = 0.97,
+                 max_moves: int = 4) -> tuple[list[LayerResult], dict[int, int]]:
+    """`pyvis.runtime.cachesim_replay.replay` with the slots of ``slots * layers`` split between the layers online;
+    returns the per-layer results and the final slot counts.  Belady's misses are those at ``slots`` per layer."""
+    layers = t.layers().tolist()
+    reqs = {il: layer_ubatches(t, il) for il in layers}
+    ubs = {il: np.unique(t.for_layer(il).ubatch).tolist() for il in layers}
+    at = {il: {ub: i for i, ub in enumerate(ubs[il])} for il in layers}
+    caches = {il: LayerCache(slots, policies.make(policy, slots)) for il in layers}
+    if not hasattr(caches[layers[0]].policy, "rank_key"):
+        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu), not '{policy}'")
+    util = {il: np.zeros(t.n_expert + 1) for il in layers}
+    lo, hi = max(1, t.k), t.n_expert
+    got = {il: [0] * len(ubs[il]) for il in layers}
+    for step, ub in enumerate(sorted(set().union(*map(set, ubs.values())))):
+        for il in layers:
+            i = at[il].get(ub)
+            if i is None:
+                continue
+            c, lr = caches[il], reqs[il]
+            seen = list(c.policy.last)
+            order = sorted(seen, key=c.policy.rank_key, reverse=True)
+            rank = {e: r for r, e in enumerate(order)}
+            util[il] *= decay
+            for e in lr.sets[i]:
+                util[il][rank.get(e, t.n_expert)] += 1
+            got[il][i] = c.serve(lr.sets[i], lr.weights[i])
+        if step % period == period - 1:
+            for _ in range(max_moves):
+                gain = {il: util[il][caches[il].capacity] if caches[il].capacity < hi else -1.0 for il in layers}
+                loss = {il: util[il][caches[il].capacity - 1] if caches[il].capacity > lo else np.inf for il in layers}
+                a = max(layers, key=gain.__getitem__)
+                b = min((il for il in layers if il != a), key=loss.__getitem__)
+                if not gain[a] > loss[b] * (1 + hysteresis) + 1e-12:
+                    break
+                caches[a].resize(caches[a].capacity + 1)
+                caches[b].resize(caches[b].capacity - 1)
+    out = []
+    for il in layers:
+        lr = reqs[il]
+        opt: list[int] = []
+        belady_misses(lr.sets, slots, opt)
+        eb = int(t.expert_bytes[il]) if t.expert_bytes is not None else 0
+        m = sum(x for x, d in zip(got[il], lr.decode) if d)
+        out.append(LayerResult(il, sum(len(s) for s, d in zip(lr.sets, lr.decode) if d), m,
+                               sum(x for x, d in zip(opt, lr.decode) if d), m * eb))
+    return out, {il: caches[il].capacity for il in layers}

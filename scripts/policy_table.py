@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Every eviction policy of the simulator on one routing trace: decode misses / Belady's at several slot counts,
+over all decode steps and over each half of them (a held-out check: no policy is fitted to the second half).
+
+    .venv/bin/python scripts/policy_table.py TRACE [--slots 12,16,24,32] [--as-decode] [--requests expert]
+                                                   [--split] [--json OUT]
+
+Prints a markdown table (docs/policies.md).  TRACE: anything pyvis cachesim reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyvis.runtime import policies  # noqa: E402
+from pyvis.runtime.cachesim import belady_misses, policy_misses  # noqa: E402
+from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
+from pyvis.runtime.trace_csv import load_any as load  # noqa: E402
+from pyvis.runtime.trace_cli import as_decode  # noqa: E402
+
+
+def per_step(t, slots: int, name: str, per_expert: bool) -> tuple[list[int], list[int]]:
+    """Decode misses of the policy and of Belady, summed over the layers, per decode step (in step order)."""
+    pol, opt = None, None
+    for il in t.layers().tolist():
+        lr = layer_ubatches(t, il)
+        o: list[int] = []
+        belady_misses(lr.sets, slots, o)
+        run = lr.per_expert() if per_expert else lr
+        g: list[int] = []
+        policy_misses(run.sets, slots, policies.make(name, slots), g, weights=run.weights)
+        if per_expert:   # back to one count per ubatch
+            it = iter(g)
+            g = [sum(next(it) for _ in s) for s in lr.sets]
+        dec_o = [x for x, d in zip(o, lr.decode) if d]
+        dec_g = [x for x, d in zip(g, lr.decode) if d]
+        pol = dec_g if pol is None else [a + b for a, b in zip(pol, dec_g)]
+        opt = dec_o if opt is None else [a + b for a, b in zip(opt, dec_o)]
+    return pol, opt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--slots", default="12,16,24,32")
+    ap.add_argument("--policies", default=",".join(policies.POLICIES))
+    ap.add_argument("--as-decode", action="store_true", help="every token a decode step (prefill-only traces)")
+    ap.add_argument("--requests", choices=["token", "expert"], default="token")
+    ap.add_argument("--json", help="also write the numbers here")
+    args = ap.parse_args()
+    t = load(args.trace)
+    if args.as_decode:
+        t = as_decode(t)
+    slots = [int(x) for x in args.slots.split(",")]
+    names = args.policies.split(",")
+    res: dict = {}
+    print(f"{Path(args.trace).name}: decode misses / Belady's (first half / second half of the decode steps); "
+          f"{args.requests} requests")
+    print("| policy | " + " | ".join(f"{c} slots" for c in slots) + " |")
+    print("|---|" + "---|" * len(slots))
+    for name in names:
+        cells = []
+        for c in slots:
+            pol, opt = per_step(t, c, name, args.requests == "expert")
+            h = len(pol) // 2
+            r = (sum(pol) / sum(opt), sum(pol[:h]) / max(sum(opt[:h]), 1), sum(pol[h:]) / max(sum(opt[h:]), 1))
+            res.setdefault(name, {})[c] = {"misses": sum(pol), "belady": sum(opt), "ratio": r[0],
+                                           "first_half": r[1], "second_half": r[2]}
+            cells.append(f"{r[0]:.2f} ({r[1]:.2f} / {r[2]:.2f})")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
