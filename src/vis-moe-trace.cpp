@@ -1,8 +1,6 @@
 // vis-moe-trace.cpp - routing trace writer (vis-moe-trace.h).
 #include "vis-moe-trace.h"
 
-#include "llama-batch.h"
-
 #include "ggml.h"
 
 #include <cerrno>
@@ -75,17 +73,7 @@ void vis_moe_trace::write(const void * p, size_t size, size_t n) {
 
 void vis_moe_trace::begin_ubatch(const llama_ubatch & ub) {
     ubatch_index++;
-    ub_pos.assign(ub.n_tokens, -1);
-    ub_seq.assign(ub.n_tokens, -1);
-    ub_out.clear();
-    for (uint32_t t = 0; t < ub.n_tokens; ++t) {
-        if (ub.output && ub.output[t]) {
-            ub_out.push_back((int32_t) t);
-        }
-        ub_pos[t] = ub.pos ? ub.pos[t] : -1;
-        ub_seq[t] = (ub.seq_id && ub.n_seq_id && ub.n_seq_id[t] > 0) ? ub.seq_id[t][0] : -1;
-    }
-    ub_image = ub.embd != nullptr ? 1 : 0;
+    rows.begin(ub);
 }
 
 void vis_moe_trace::record(int il, const ggml_tensor * ids, const ggml_tensor * weights) {
@@ -94,14 +82,12 @@ void vis_moe_trace::record(int il, const ggml_tensor * ids, const ggml_tensor * 
     const int32_t rec[5]   = { (int32_t) TRACE_REC_TAG, ubatch_index, il, n_tokens, k };
     write(rec, sizeof(int32_t), 5);
     std::vector<int32_t> seq(n_tokens, -1), pos(n_tokens, -1);
-    std::vector<uint8_t> mod(n_tokens, ub_image);
-    // a layer sees every token of the ubatch, or (the last layer) only the output tokens
-    const bool all_rows = n_tokens == (int) ub_pos.size();
+    std::vector<uint8_t> mod(n_tokens, rows.image);
     for (int t = 0; t < n_tokens; ++t) {
-        const int row = all_rows ? t : (t < (int) ub_out.size() ? ub_out[t] : -1);
-        if (row >= 0 && row < (int) ub_pos.size()) {
-            pos[t] = ub_pos[row];
-            seq[t] = ub_seq[row];
+        const int tok = rows.token(t, n_tokens);
+        if (tok >= 0) {
+            pos[t] = rows.pos[tok];
+            seq[t] = rows.seq[tok];
         }
     }
     write(seq.data(), sizeof(int32_t), n_tokens);

@@ -2,13 +2,14 @@
 // docs/residency.md#routing-trace, reader pyvis.runtime.trace).
 #pragma once
 
+#include "vis-moe-ubatch-rows.h"
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 struct ggml_tensor;
-struct llama_ubatch;
 
 class vis_moe_trace {
 public:
@@ -38,6 +39,5 @@ private:
     FILE *      f = nullptr;
     std::string error;  // first write error
     int32_t     ubatch_index = -1;
-    std::vector<int32_t> ub_pos, ub_seq, ub_out;  // ub_out: rows of the output tokens (the last layer computes only those)
-    uint8_t     ub_image = 0;
+    vis_ubatch_rows rows;
 };
