@@ -119,6 +119,11 @@ LLAMA_API int32_t llama_vis_moe_get_flag(int32_t i, struct llama_vis_moe_flag * 
 // separated by spaces ("predict=next-router mem=2078"); "" when none.  Valid until the next call on this thread.
 // llama-bench shows it as its vis_moe field (patch 0012).
 LLAMA_API const char * llama_vis_moe_env_brief(void);
+// VIS_MOE_REPLAY (a benchmark knob, environment only; docs/benchmarks.md#replaying-recorded-routing): the routing
+// trace that contexts created now on this thread would replay in place of their routers, or NULL when it is unset (or
+// when the settings are invalid: then llama_vis_last_error() says why).  llama-server refuses to start when it is set
+// (patch 0013).  Valid until the next call on this thread.
+LLAMA_API const char * llama_vis_moe_replay_trace(void);
 
 // Message of the last failed llama_vis_* call on this thread (or of a context that
 // failed to attach its expert cache), "" if none.  Every llama_vis_* call that can

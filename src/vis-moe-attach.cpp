@@ -8,6 +8,7 @@
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
@@ -450,7 +451,14 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     const int n_used = vis_moe_topk_attach(s, model);  // throws on N above the model's k
     const bool topk  = n_used < (int) hp.n_expert_used_max();
-    if (!s.cache_on() && !ap.any_deferred && !tracing && !topk) {
+    // VIS_MOE_REPLAY (vis-moe-replay.h): a benchmark knob; with every cache feature off the context still gets an
+    // object, with no managed layer, whose only graph change is the replay ops (the upstream-path baseline)
+    const bool replaying = !s.replay_path.empty() && !hp.no_alloc;
+    if (replaying && hp.n_expert == 0) {
+        throw std::runtime_error("VIS_MOE_REPLAY: " + s.replay_path + ": the model has no routed experts to replay "
+                                 "routing on (unset VIS_MOE_REPLAY)");
+    }
+    if (!s.cache_on() && !ap.any_deferred && !tracing && !topk && !replaying) {
         return nullptr;  // feature off: no object, no graph change
     }
     if (hp.n_expert == 0) {
@@ -468,6 +476,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         vis_moe_topk_note(*vm, (int) hp.n_expert_used_max());
     }
     vm->layers.resize(hp.n_layer());
+    if (replaying) {
+        vm->replay = std::make_unique<vis_moe_replay>(s.replay_path, model, n_used);  // throws on a bad or mismatched trace
+    }
 
     ap.policy = s.policy;
     choose_managed(model, s, ap);
@@ -550,7 +561,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
             }
         }
     }
-    if (vm->n_managed == 0 && !vm->trace && !vm->topk) {
+    if (vm->n_managed == 0 && !vm->trace && !vm->topk && !vm->replay) {
         return nullptr;
     }
     return vm;

@@ -8,6 +8,7 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
@@ -133,6 +134,9 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     }
     if (vm->trace) {
         vm->trace->begin_ubatch(ub);
+    }
+    if (vm->replay) {
+        vm->replay->begin_ubatch(ub);
     }
     if (vm->modality) {
         vm->modality->begin_ubatch(ub, (int64_t) vm->model->hparams.n_embd_inp());

@@ -40,6 +40,7 @@ class vis_moe_stager;
 struct vis_moe_shadow;
 class vis_moe_precision;
 class vis_moe_modality;
+class vis_moe_replay;
 struct vis_modality_profile;
 
 // the expert tensors of a layer, in slab order
@@ -49,7 +50,8 @@ enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
 std::array<ggml_tensor *, VIS_T_COUNT> vis_moe_expert_tensors(const llama_layer & l);
 
 // which custom op of a layer's graph (vis-moe-ops.h) a userdata belongs to
-enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT, VIS_OP_SHADOW };
+enum vis_op_kind { VIS_OP_PASS, VIS_OP_SELECT, VIS_OP_TRACE, VIS_OP_STREAM, VIS_OP_MERGE, VIS_OP_DROP, VIS_OP_PREDICT, VIS_OP_SHADOW,
+                   VIS_OP_REPLAY_IDS, VIS_OP_REPLAY_WEIGHTS };
 
 struct vis_moe_context;
 
@@ -131,6 +133,7 @@ struct vis_moe_context {
     llama_vis_moe_params params = {};
     llama_vis_moe_tier_params tier = {};
     std::unique_ptr<vis_moe_trace> trace;
+    std::unique_ptr<vis_moe_replay> replay;  // VIS_MOE_REPLAY (vis-moe-replay.h): a benchmark knob, else null
 
     std::vector<vis_moe_layer> layers;  // indexed by layer
     int n_managed     = 0;

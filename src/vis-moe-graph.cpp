@@ -5,6 +5,7 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
+#include "vis-moe-replay.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"
 
@@ -17,6 +18,9 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
         return 0;
     }
     uint32_t extra = 0;
+    if (vm->replay) {
+        extra += (uint32_t) vm->layers.size() * vis_moe_replay::NODES_PER_LAYER;
+    }
     if (vm->prefetch) {
         // per layer: ids copy, input view, predict op, and per layer ahead a router matmul and its bias (mlp passes the
         // input view instead)
@@ -35,13 +39,17 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 }
 
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
-                                         ggml_tensor * selected_experts, ggml_tensor * weights_, ggml_tensor * scores_,
-                                         ggml_tensor * cur, int64_t n_tokens, bool image_ubatch)
+                                         ggml_tensor *& selected_experts, ggml_tensor *& weights_,
+                                         ggml_tensor * scores_, ggml_tensor * cur, int64_t n_tokens, bool image_ubatch)
     : ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
     vm = const_cast<vis_moe_context *>(vm_);
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
         vm = nullptr;
         return;
+    }
+    if (vm->replay) {
+        // VIS_MOE_REPLAY: the recorded routing replaces the router's, for the caller's graph too (managed or not)
+        vm->replay->graph(*vm, ctx, il, selected_experts, weights_);
     }
     const vis_moe_layer & L = vm->layers[il];
     predicting = vm->prefetch && cur_in;  // every MoE layer: predictors learn from all of them

@@ -338,11 +338,27 @@ const flag_row ROWS[] = {
 };
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
+const vis_moe_env_row ENV_ROWS[] = {
+    { "VIS_MOE_REPLAY", "TRACE",
+      "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
+      "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"
+      "token position, not its router's; outputs are meaningless. The model must have the trace's MoE layers and\n"
+      "experts and a top-k >= the trace's (default: unset)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.replay_path = parse_path(w, v); } },
+};
+constexpr int N_ENV_ROWS = (int) (sizeof(ENV_ROWS) / sizeof(ENV_ROWS[0]));
+
 } // namespace
 
 const vis_moe_flag_row * vis_moe_flag_rows(int & n) {
     n = N_ROWS;
     return ROWS;
+}
+
+const vis_moe_env_row * vis_moe_env_rows(int & n) {
+    n = N_ENV_ROWS;
+    return ENV_ROWS;
 }
 
 vis_moe_settings vis_moe_settings_builtin() {

@@ -31,7 +31,9 @@ int n_rows() {
 // Process-wide values are the environment, read at each use (so a variable changed at run time counts, as
 // upstream's LLAMA_ARG_* do at parse time), overlaid by the groups of values set explicitly through a flag or
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
-enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128, G_TOPK = 256, G_POLICY = 512 };
+// G_ENV: the variables without a flag (vis_moe_env_rows), never set explicitly
+enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128,
+                        G_TOPK = 256, G_POLICY = 512, G_ENV = 1024 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
@@ -63,25 +65,37 @@ struct env_values {
 env_values read_env() {
     env_values ev;
     ev.s = vis_moe_settings_builtin();
-    for (int i = 0, n = n_rows(); i < n; ++i) {
-        const flag_row & r = vis_moe_flag_rows(n)[i];
-        const char * v = std::getenv(r.env);
+    // row: the flag row, or null for a variable without a flag
+    auto take = [&ev](const flag_row * row, const char * env, unsigned group, auto apply) {
+        const char * v = std::getenv(env);
         if (!v || !*v) {
-            continue;
+            return;
         }
         vis_moe_settings trial = ev.s;
         try {
-            r.apply(trial, r.env, v);
+            apply(trial, env, v);
             vis_moe_settings_validate(trial);
             ev.s = trial;
         } catch (const std::exception & e) {
-            ev.error_groups |= group_of(r);
-            ev.invalid.emplace_back(&r, std::string("invalid environment variable: ") + e.what() + " (fix or unset " +
-                                            r.env + ")");
+            ev.error_groups |= group;
+            const std::string msg = std::string("invalid environment variable: ") + e.what() + " (fix or unset " +
+                                    env + ")";
+            if (row) {
+                ev.invalid.emplace_back(row, msg);
+            }
             if (ev.error.empty()) {
-                ev.error = ev.invalid.back().second;
+                ev.error = msg;
             }
         }
+    };
+    for (int i = 0, n = n_rows(); i < n; ++i) {
+        const flag_row & r = vis_moe_flag_rows(n)[i];
+        take(&r, r.env, group_of(r), r.apply);
+    }
+    int n_env = 0;
+    const vis_moe_env_row * env_rows = vis_moe_env_rows(n_env);
+    for (int i = 0; i < n_env; ++i) {
+        take(nullptr, env_rows[i].env, G_ENV, env_rows[i].apply);
     }
     return ev;
 }
@@ -390,7 +404,30 @@ const char * llama_vis_moe_env_brief(void) {
         name = name.rfind("--moe-", 0) == 0 ? name.substr(6) : name;
         out += (out.empty() ? "" : " ") + name + "=" + v;
     }
+    const vis_moe_env_row * env_rows = vis_moe_env_rows(n);
+    for (int i = 0; i < n; ++i) {
+        const char * v = std::getenv(env_rows[i].env);
+        if (v) {  // VIS_MOE_REPLAY -> "replay=..."
+            std::string name = std::string(env_rows[i].env).substr(8);
+            for (char & c : name) {
+                c = c == '_' ? '-' : (char) std::tolower((unsigned char) c);
+            }
+            out += (out.empty() ? "" : " ") + name + "=" + v;
+        }
+    }
     return out.c_str();
+}
+
+const char * llama_vis_moe_replay_trace(void) {
+    vis_clear_last_error();
+    static thread_local std::string path;
+    try {
+        path = vis_moe_settings_current().replay_path;
+    } catch (const std::exception & e) {
+        vis_set_last_error(e.what());
+        return nullptr;
+    }
+    return path.empty() ? nullptr : path.c_str();
 }
 
 int32_t llama_vis_moe_get_flag(int32_t i, llama_vis_moe_flag * out) {

@@ -85,6 +85,7 @@ struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
     std::string trace_path;                 // routing trace file, "" = off
+    std::string replay_path;                // VIS_MOE_REPLAY: a recorded routing trace replayed (benchmarks), "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
     int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead
     int32_t     stream_lend   = -1;         // a streamed ubatch lends the slabs to the page cache (-1 auto, 0, 1)
@@ -115,6 +116,15 @@ struct vis_moe_flag_row {
     int32_t scope = LLAMA_VIS_MOE_SCOPE_KNOB;
 };
 const vis_moe_flag_row * vis_moe_flag_rows(int & n);
+// a variable without a flag (benchmark knobs: never on a command line, so no tool parses them as options;
+// llama-server refuses VIS_MOE_REPLAY): its value hint, help and strict parser
+struct vis_moe_env_row {
+    const char * env;
+    const char * hint;
+    const char * help;
+    void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
+};
+const vis_moe_env_row * vis_moe_env_rows(int & n);
 vis_moe_settings vis_moe_settings_builtin();
 // every field in range (the C API takes structs, the CLI strings); throws std::invalid_argument naming the flag
 void vis_moe_settings_validate(const vis_moe_settings & s);

@@ -44,9 +44,11 @@ class vis_moe_layer_graph {
 public:
     // scores: what the router ranked the experts by [n_expert, n_tokens] (router substitution reads it);
     // cur: the FFN input [n_embd, 1, n_tokens] (the routers of the layers ahead read it: --moe-predict);
-    // image_ubatch: the ubatch is image embeddings (--moe-capacity may bound its experts, vis-moe-capacity.h)
+    // image_ubatch: the ubatch is image embeddings (--moe-capacity may bound its experts, vis-moe-capacity.h).
+    // selected_experts and weights are the caller's: under VIS_MOE_REPLAY (vis-moe-replay.h) they are replaced by
+    // the recorded routing, which everything after this call reads; otherwise they are left as they are.
     vis_moe_layer_graph(const vis_moe_context * vm, ggml_context * ctx, ggml_cgraph * gf, int il,
-                        ggml_tensor * selected_experts, ggml_tensor * weights, ggml_tensor * scores, ggml_tensor * cur,
+                        ggml_tensor *& selected_experts, ggml_tensor *& weights, ggml_tensor * scores, ggml_tensor * cur,
                         int64_t n_tokens, bool image_ubatch = false);
 
     int n_passes() const { return n_pass; }

@@ -156,6 +156,12 @@ def llama_vis_moe_env_brief() -> bytes:
     """The VIS_MOE_* variables set in this process, as "flag=value" without "--moe-", space-separated; "" if none."""
 
 
+# LLAMA_API const char * llama_vis_moe_replay_trace(void);
+@ctypes_function("llama_vis_moe_replay_trace", [], ctypes.c_char_p)
+def llama_vis_moe_replay_trace() -> bytes | None:
+    """VIS_MOE_REPLAY (benchmark knob): the routing trace new contexts on this thread would replay, or None."""
+
+
 # LLAMA_API const char * llama_vis_last_error(void);
 @ctypes_function("llama_vis_last_error", [], ctypes.c_char_p)
 def llama_vis_last_error() -> bytes:
