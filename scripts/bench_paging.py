@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark the paging tiers against upstream under memory cgroups (docs/paging.md).
 
-    .venv/bin/python scripts/bench_paging.py MODEL.gguf [--fractions 0.5 0.25 0.125] [--out DIR]
-        [--upstream-bin DIR] [-n 32] [--prompt-tokens 128]
+    .venv/bin/python scripts/bench_paging.py MODEL.gguf [--fractions 0.5 0.25 0.125 | --limits-mib 4096] [--out DIR]
+        [--upstream-bin DIR] [-n 32] [--prompt-tokens 128] [--replay TRACE.csv]
 
 For every budget (a fraction of the model file's bytes) it runs, from a cold page
 cache (drop_caches before each run), inside a fresh memory cgroup with that hard
@@ -16,6 +16,11 @@ and reports prefill and decode tok/s, bytes read from storage per generated toke
 (getrusage inblock of the child), peak cgroup memory, whether the run finished, and
 for ours the misses against Belady's optimum for the same capacity (pyvis.runtime.cachesim).
 Needs root (cgroups, drop_caches).  Results: OUT/results.json and a markdown table.
+
+--replay TRACE (a recorded routing trace, CSV; docs/benchmarks.md#replaying-recorded-routing) runs every
+configuration, ours and the upstream path alike (our binary: no pristine --upstream-bin), with VIS_MOE_REPLAY=TRACE,
+the model at the trace's top-k (--override-kv), no warmup, a prompt of exactly the trace's prompt tokens and as many
+generated tokens as the trace holds (llama-cli, --ignore-eos): every run reads the experts the recorded model read.
 """
 from __future__ import annotations
 
@@ -235,6 +240,65 @@ def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
     return line
 
 
+def replay_shape(path: Path) -> dict:
+    """n_layer, n_expert, k, prompt and generated positions of a routing trace in the shared CSV format (this script's
+    own small reader of the model line and the phase column; the runtime checks the file strictly,
+    src/vis-moe-route-csv.cpp)."""
+    shape: dict = {}
+    phases: dict[int, int] = {}
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#"):
+                kv = dict(w.split("=", 1) for w in line[1:].split() if "=" in w)
+                if "n_expert_used" in kv:
+                    shape = dict(n_layer=int(kv["n_layer"]), n_expert=int(kv["n_expert"]), k=int(kv["n_expert_used"]))
+            elif line[:1].isdigit():
+                c = line.split(",", 3)
+                phases[int(c[2])] = int(c[1])
+    if not shape or not phases:
+        raise SystemExit(f"--replay {path}: not a routing trace (no '# ... n_layer= n_expert= n_expert_used=' line, "
+                         f"or no rows)")
+    shape["n_prompt"] = sum(1 for p in phases.values() if p == 0)
+    shape["n_gen"] = len(phases) - shape["n_prompt"]
+    return shape
+
+
+def replay_prompt(bindir: Path, n_tokens: int, out: Path) -> str:
+    """A prompt that llama-cli -st turns into exactly n_tokens tokens (chat template included), found on the small
+    qwen3moe fixture, whose tokenizer and template the --large models share (pyvis.fixtures): its --moe-trace says
+    how many tokens the prompt ubatch held.  The replayed runs check it again (a shorter prompt fails on the trace's
+    missing last-layer rows, a longer one runs past the trace's end)."""
+    from pyvis import fixtures as fx
+    from pyvis.runtime import trace as vtrace
+    small = fx.ensure("qwen3moe")
+    words = (PROMPT_WORDS * 4).split()
+
+    def count(n_words: int) -> int:
+        t = out / "prompt-calibration.trace"
+        t.unlink(missing_ok=True)
+        p = subprocess.run([bindir / "llama-cli", "-m", small, "-p", " ".join(words[:n_words]), "-n", "1", "-st",
+                            "--no-warmup", "-c", "512", "-t", "2", "--moe-trace", t], capture_output=True, text=True,
+                           errors="replace", stdin=subprocess.DEVNULL, timeout=120)
+        if p.returncode != 0 or not t.exists():
+            raise SystemExit(f"--replay: calibrating the prompt with llama-cli failed:\n{(p.stdout + p.stderr)[-1500:]}")
+        tr = vtrace.read(t)
+        return int(((tr.ubatch == tr.ubatch.min()) & (tr.layer == tr.layers()[0])).sum())
+    lo = 1
+    c = count(lo)
+    if c > n_tokens:
+        raise SystemExit(f"--replay: llama-cli's chat template alone makes {c} prompt tokens, more than the trace's "
+                         f"{n_tokens}")
+    while c < n_tokens and lo < len(words):
+        lo += max(1, (n_tokens - c) // 2)
+        c = count(lo)
+    while c > n_tokens and lo > 1:
+        lo -= 1
+        c = count(lo)
+    if c != n_tokens:
+        raise SystemExit(f"--replay: no prompt of whole words makes exactly {n_tokens} tokens (closest: {c})")
+    return " ".join(words[:lo])
+
+
 def flags_env(flags: list[str]) -> dict:
     """--moe-* flags as the VIS_MOE_* variables of the settings table (llama-bench reads only those)"""
     from pyvis.runtime import native
@@ -276,6 +340,12 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="another configuration of ours, run after 'ours' with these --moe-* flags added, e.g. "
                          "--variant 'router=--moe-substitute router' (repeatable; llama-bench gets them as variables)")
+    ap.add_argument("--limits-mib", type=int, nargs="+", default=None,
+                    help="memory limits in MiB (instead of --fractions of the model file)")
+    ap.add_argument("--replay", metavar="TRACE", default=None,
+                    help="replay this recorded routing trace (CSV) in every run, ours and the upstream path "
+                         "(VIS_MOE_REPLAY; docs/benchmarks.md#replaying-recorded-routing): prompt and generated tokens "
+                         "come from the trace, llama-cli only")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra args for ours")
     a = ap.parse_args()
     variants = {}
@@ -291,7 +361,27 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     up = Path(a.upstream_bin or a.bin)
     prompt = (PROMPT_WORDS * (a.prompt_tokens // 30 + 1))
-    base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp), "--seed", str(a.seed)]
+    replay_env: dict = {}
+    replay_args: list = []
+    if a.replay:
+        # every run, the upstream path included, replays the trace: our binary (a pristine upstream ignores the knob)
+        if a.upstream_bin:
+            ap.error("--replay runs the upstream path on our binary with every cache feature off (a pristine "
+                     "upstream has no VIS_MOE_REPLAY and would run its own routing): drop --upstream-bin")
+        if a.tool != "cli":
+            ap.error("--replay needs --tool cli: llama-bench has no --override-kv to run the model at the trace's "
+                     "top-k, and its warmup decodes positions the trace lacks")
+        from pyvis.runtime import plan as vplan
+        rs = replay_shape(Path(a.replay))
+        arch = vplan.read_shape(model).arch
+        a.n_predict, a.prompt_tokens = rs["n_gen"], rs["n_prompt"]
+        prompt = replay_prompt(Path(a.bin), rs["n_prompt"], out)
+        replay_env = {"VIS_MOE_REPLAY": str(Path(a.replay).resolve())}
+        replay_args = ["--override-kv", f"{arch}.expert_used_count=int:{rs['k']}", "--no-warmup", "--ignore-eos"]
+        print(f"replay: {a.replay}: {rs['n_layer']} MoE layers x {rs['n_expert']} experts, top-{rs['k']}, "
+              f"{rs['n_prompt']} prompt + {rs['n_gen']} generated tokens; prompt {prompt!r}", flush=True)
+    base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp),
+            "--seed", str(a.seed), *replay_args]
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
     from pyvis.runtime import plan as vplan
     shape = vplan.read_shape(model)
@@ -299,8 +389,9 @@ def main() -> int:
     bw = storage_bandwidth(model, expert // 3)
     print(f"storage: {bw / 2**20:.0f} MiB/s O_DIRECT random reads of {expert // 3 / 2**20:.2f} MiB (one expert tensor), "
           f"4 threads", flush=True)
-    for frac in a.fractions:
-        limit = int(size * frac)
+    limits = [m << 20 for m in a.limits_mib] if a.limits_mib else [int(size * f) for f in a.fractions]
+    for limit in limits:
+        frac = round(limit / size, 4)
         print(f"== budget {frac:.3f} x {size / 2**30:.2f} GiB = {limit / 2**20:.0f} MiB", flush=True)
         for rep in range(a.repeat):
             for name in names:
@@ -323,8 +414,11 @@ def main() -> int:
                 else:
                     cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
                            *vflags, *a.extra]
+                env = {**(env or {}), **replay_env} or None
                 r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}-{rep}.log", env)
                 r["tool"] = a.tool
+                if a.replay:
+                    r["replay"] = str(a.replay)
                 r.update(fraction=frac, limit_bytes=limit, model=str(model), model_bytes=size, rep=rep)
                 r["storage_bw"] = bw
                 summary = analyse_ours(r, out, expert)
