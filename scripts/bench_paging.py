@@ -19,8 +19,9 @@ Needs root (cgroups, drop_caches).  Results: OUT/results.json and a markdown tab
 
 --replay TRACE (a recorded routing trace, CSV; docs/benchmarks.md#replaying-recorded-routing) runs every
 configuration, ours and the upstream path alike (our binary: no pristine --upstream-bin), with VIS_MOE_REPLAY=TRACE,
-the model at the trace's top-k (--override-kv), no warmup, a prompt of exactly the trace's prompt tokens and as many
-generated tokens as the trace holds (llama-cli, --ignore-eos): every run reads the experts the recorded model read.
+the model at the trace's top-k (--override-kv), no warmup, the chatml template, a prompt of exactly the trace's prompt
+tokens and as many generated tokens as the trace holds (llama-cli, --ignore-eos): every run reads the experts the
+recorded model read.
 """
 from __future__ import annotations
 
@@ -263,11 +264,17 @@ def replay_shape(path: Path) -> dict:
     return shape
 
 
+# llama-cli under replay: no warmup (it would read experts before the measurement), the plain chatml template (the
+# fixtures' own template adds a 30-token system prompt, more than a recorded prompt may hold), as many tokens as asked
+REPLAY_CLI_ARGS = ["--no-warmup", "--chat-template", "chatml", "--ignore-eos"]
+
+
 def replay_prompt(bindir: Path, n_tokens: int, out: Path) -> str:
     """A prompt that llama-cli -st turns into exactly n_tokens tokens (chat template included), found on the small
     qwen3moe fixture, whose tokenizer and template the --large models share (pyvis.fixtures): its --moe-trace says
     how many tokens the prompt ubatch held.  The replayed runs check it again (a shorter prompt fails on the trace's
     missing last-layer rows, a longer one runs past the trace's end)."""
+    import numpy as np
     from pyvis import fixtures as fx
     from pyvis.runtime import trace as vtrace
     small = fx.ensure("qwen3moe")
@@ -277,12 +284,13 @@ def replay_prompt(bindir: Path, n_tokens: int, out: Path) -> str:
         t = out / "prompt-calibration.trace"
         t.unlink(missing_ok=True)
         p = subprocess.run([bindir / "llama-cli", "-m", small, "-p", " ".join(words[:n_words]), "-n", "1", "-st",
-                            "--no-warmup", "-c", "512", "-t", "2", "--moe-trace", t], capture_output=True, text=True,
+                            *REPLAY_CLI_ARGS, "-c", "512", "-t", "2", "--moe-trace", t], capture_output=True, text=True,
                            errors="replace", stdin=subprocess.DEVNULL, timeout=120)
         if p.returncode != 0 or not t.exists():
             raise SystemExit(f"--replay: calibrating the prompt with llama-cli failed:\n{(p.stdout + p.stderr)[-1500:]}")
         tr = vtrace.read(t)
-        return int(((tr.ubatch == tr.ubatch.min()) & (tr.layer == tr.layers()[0])).sum())
+        # the prompt's ubatch: the largest (llama-cli first decodes 2 tokens to check the context)
+        return int(np.bincount(tr.ubatch[tr.layer == tr.layers()[0]]).max())
     lo = 1
     c = count(lo)
     if c > n_tokens:
@@ -377,7 +385,7 @@ def main() -> int:
         a.n_predict, a.prompt_tokens = rs["n_gen"], rs["n_prompt"]
         prompt = replay_prompt(Path(a.bin), rs["n_prompt"], out)
         replay_env = {"VIS_MOE_REPLAY": str(Path(a.replay).resolve())}
-        replay_args = ["--override-kv", f"{arch}.expert_used_count=int:{rs['k']}", "--no-warmup", "--ignore-eos"]
+        replay_args = ["--override-kv", f"{arch}.expert_used_count=int:{rs['k']}", *REPLAY_CLI_ARGS]
         print(f"replay: {a.replay}: {rs['n_layer']} MoE layers x {rs['n_expert']} experts, top-{rs['k']}, "
               f"{rs['n_prompt']} prompt + {rs['n_gen']} generated tokens; prompt {prompt!r}", flush=True)
     base = ["-m", model, "-p", prompt, "-n", str(a.n_predict), "-st", "-c", "512", "-t", "2", "--temp", str(a.temp),

@@ -103,20 +103,15 @@ void vis_moe_replay::graph(vis_moe_context & vm, ggml_context * ctx, int il, ggm
     weights = rw;
 }
 
-std::string vis_moe_replay::why_not(int pos, int layer, int il) const {
+std::string vis_moe_replay::why_not(int pos) const {
     const std::string where = "VIS_MOE_REPLAY: " + tr.path;
     if (pos < 0) {
         return where + ": a token of the ubatch has no position";
     }
-    if (pos >= tr.n_pos) {
-        return where + " ends at position " + std::to_string(tr.n_pos - 1) + " (" + std::to_string(tr.n_prompt) +
-               " prompt + " + std::to_string(tr.n_pos - tr.n_prompt) + " generated tokens); position " +
-               std::to_string(pos) + " is past it. Replay stops there, it never wraps: use a prompt and generation "
-               "that together fit the trace";
-    }
-    return where + " has no routing for layer " + std::to_string(layer) + " (model layer " + std::to_string(il) +
-           ") at position " + std::to_string(pos) + " (a recording computes the last layer for the prompt's last "
-           "token only: replay a prompt of exactly " + std::to_string(tr.n_prompt) + " tokens, or with fewer outputs)";
+    return where + " ends at position " + std::to_string(tr.n_pos - 1) + " (" + std::to_string(tr.n_prompt) +
+           " prompt + " + std::to_string(tr.n_pos - tr.n_prompt) + " generated tokens); position " +
+           std::to_string(pos) + " is past it. Replay stops there, it never wraps: use a prompt and generation that "
+           "together fit the trace";
 }
 
 void vis_moe_replay::fill(vis_moe_context & vm, int il, ggml_tensor * dst, bool weights) const {
@@ -130,19 +125,27 @@ void vis_moe_replay::fill(vis_moe_context & vm, int il, ggml_tensor * dst, bool 
     for (int r = 0; r < n_rows; ++r) {
         const int tok = rows.token(r, n_rows);
         const int pos = tok >= 0 ? rows.pos[tok] : -1;
-        const bool ok = pos >= 0 && pos < tr.n_pos && tr.has(pos, layer);
-        if (!ok && !failed && !weights) {
-            vm.fail(why_not(pos, layer, il));
+        const bool in_range = pos >= 0 && pos < tr.n_pos;
+        if (!in_range && !failed && !weights) {
+            vm.fail(why_not(pos));
         }
-        failed = failed || !ok;
+        failed = failed || !in_range;
+        // a prompt position whose layer the recording did not compute (not an output row there): the router's own
+        // choice, said once (llama-cli's context check decodes positions 0-1 with an output; a shorter prompt)
+        const bool own = !in_range || !tr.has(pos, layer);
+        if (own && in_range && !weights && !warned_own.exchange(true)) {
+            std::fprintf(stderr, "vis-moe: VIS_MOE_REPLAY: %s has no routing for layer %d (model layer %d) at prompt "
+                         "position %d (a recording computes the last layer for its output rows only): rows like it run "
+                         "the model's own router. Expected for upstream's warmup and 2-token context check; otherwise "
+                         "replay a prompt of exactly %d tokens\n", tr.path.c_str(), layer, il, pos, tr.n_prompt);
+            std::fflush(stderr);
+        }
         for (int i = 0; i < k; ++i) {
             const char * from = (const char *) src->data + (size_t) i * nb_k + (size_t) r * nb_r;
             if (weights) {
-                float & w = ((float *) dst->data)[(size_t) r * k + i];
-                w = !ok ? *(const float *) from : tr.weights_at(pos, layer)[i];
+                ((float *) dst->data)[(size_t) r * k + i] = own ? *(const float *) from : tr.weights_at(pos, layer)[i];
             } else {
-                int32_t & e = ((int32_t *) dst->data)[(size_t) r * k + i];
-                e = !ok ? *(const int32_t *) from : tr.ids_at(pos, layer)[i];
+                ((int32_t *) dst->data)[(size_t) r * k + i] = own ? *(const int32_t *) from : tr.ids_at(pos, layer)[i];
             }
         }
     }

@@ -11,14 +11,18 @@
 // then the graph is upstream's plus those two ops per layer, the baseline on the same routing.
 //
 // Positions: the token at position p replays the trace's step p (prompt and generated steps alike).  A position
-// past the trace's end, or a (position, layer) the trace lacks, fails the decode with a message; it never wraps.
-// The model must route the trace's top-k (--override-kv ARCH.expert_used_count=int:K, or VIS_MOE_TOPK=K): fewer
+// past the trace's end fails the decode with a message; it never wraps.  A recording computes the last layer for
+// its output rows only, so a prompt position before the last may lack a layer: a run that needs it there (an output
+// row the recording did not have: llama-cli's 2-token context check, a shorter prompt) gets the router's own choice
+// for that row, with one warning.
+// The model must route the trace's top-k (--override-kv ARCH.expert_used_count=int:K, or --moe-topk K): fewer
 // slots could not hold the trace's experts, more would need experts the recording never read.
 #pragma once
 
 #include "vis-moe-route-csv.h"
 #include "vis-moe-ubatch-rows.h"
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -41,14 +45,15 @@ public:
     // extra graph nodes per layer
     static constexpr int NODES_PER_LAYER = 2;
 
-    // the op: dst = the trace's ids (or weights) of layer il for each row of the ubatch; a row the trace cannot
-    // serve keeps the router's value (src[0]) and fails the ubatch through vm
+    // the op: dst = the trace's ids (or weights) of layer il for each row of the ubatch; a row past the trace's end
+    // keeps the router's value (src[0]) and fails the ubatch through vm; a prompt row the trace lacks keeps it too
     void fill(vis_moe_context & vm, int il, ggml_tensor * dst, bool weights) const;
 
 private:
-    std::string why_not(int pos, int layer, int il) const;
+    std::string why_not(int pos) const;
 
     vis_route_csv   tr;
     std::vector<int> trace_layer;  // model layer -> the trace's layer (its index among the MoE layers), -1 if none
     vis_ubatch_rows  rows;
+    mutable std::atomic<bool> warned_own{ false };  // a row ran the router's own choice (said once)
 };

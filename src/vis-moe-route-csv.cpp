@@ -177,10 +177,21 @@ vis_route_csv vis_route_csv_read(const std::string & path) {
             rd.fail("step " + std::to_string(p) + " has no rows (steps must run 0.." + std::to_string(t.n_pos - 1) +
                     " without a gap)");
         }
+        if (phase[p] == 0 && p > 0 && phase[p - 1] == 1) {
+            rd.fail("prompt step " + std::to_string(p) + " comes after a generated step");
+        }
         t.n_prompt += phase[p] == 0 ? 1 : 0;
+    }
+    for (int p = 0; p < t.n_pos; ++p) {
         for (int l = 0; l < t.n_layer; ++l) {
             const int32_t * e = t.ids_at(p, l);
             const int n = (int) std::count_if(e, e + t.k, [](int32_t x) { return x >= 0; });
+            if (n == 0 && p >= t.n_prompt - 1) {
+                rd.fail("step " + std::to_string(p) + " has no rows for layer " + std::to_string(l) + ": only prompt "
+                        "steps before the last may lack layers (a recording computes the last layer for the output "
+                        "rows only); every generated step and the last prompt step need all " +
+                        std::to_string(t.n_layer));
+            }
             if (n != 0 && n != t.k) {
                 rd.fail("step " + std::to_string(p) + ", layer " + std::to_string(l) + " has " + std::to_string(n) +
                         " of its " + std::to_string(t.k) + " slots");

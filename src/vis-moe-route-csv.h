@@ -16,7 +16,9 @@ struct vis_route_csv {
     int n_pos    = 0;   // token positions 0 .. n_pos-1 (the file's steps), each with at least one layer
     int n_prompt = 0;   // positions recorded as prompt (phase 0)
 
-    std::vector<int32_t> ids;      // [pos][layer][k]: the expert of each rank; -1 where the file has no row
+    // [pos][layer][k]: the expert of each rank; -1 where the file has no row, which only a prompt step before the
+    // last may lack (a recording computes the last layer for the output rows only)
+    std::vector<int32_t> ids;
     std::vector<float>   weights;  // same layout: the router's weight after normalisation
 
     bool has(int pos, int layer) const { return ids[((size_t) pos * n_layer + layer) * k] >= 0; }
@@ -25,6 +27,7 @@ struct vis_route_csv {
 };
 
 // The whole file, checked strictly: the model line, the column header, nine fields per row, integers and a finite
-// weight, each (step, layer) with all k ranks once and k distinct experts, steps 0..N-1 without a gap.  Throws
+// weight, each (step, layer) with all k ranks once and k distinct experts, steps 0..N-1 without a gap, prompt steps
+// first, every layer at every generated step and the last prompt step.  Throws
 // std::runtime_error naming the file, the line and the problem.
 vis_route_csv vis_route_csv_read(const std::string & path);

@@ -117,6 +117,25 @@ def test_replay_runs_the_traced_experts_and_weights(model, own, tmp_path, monkey
     assert np.array_equal(routing_of(tmp_path / "flat.trace", 3)[0], own_ids[:P])
 
 
+def test_prompt_rows_the_recording_lacks_run_the_router(model, own, tmp_path, monkeypatch):
+    """A recording has the last layer for its last prompt token only; a run that computes it for every prompt row
+    (all logits) replays every other row and runs the router's own choice on those (with the layers before it
+    replaying the model's own routing, that is the model's own choice)."""
+    _, own_ids, own_w, n_prompt = own
+    P = n_prompt + N_DECODE
+    ids, w = random_routing(P, 3, 32, 8, seed=5)
+    ids[:n_prompt, :2], w[:n_prompt, :2] = own_ids[:n_prompt, :2], own_w[:n_prompt, :2]
+    lacking = {(p, 2) for p in range(n_prompt - 1)}
+    monkeypatch.setenv("VIS_MOE_REPLAY", str(write_csv(tmp_path / "last.csv", ids, w, n_prompt, 32, missing=lacking)))
+    _, llm = greedy(model, n_decode=0, trace=str(tmp_path / "last.trace"))
+    del llm
+    got, _ = routing_of(tmp_path / "last.trace", 3)
+    assert np.array_equal(got[: n_prompt, :2], ids[: n_prompt, :2])
+    assert np.array_equal(got[n_prompt - 1, 2], ids[n_prompt - 1, 2])
+    assert np.array_equal(got[: n_prompt - 1, 2], own_ids[: n_prompt - 1, 2])   # the router's choice
+    assert not np.array_equal(ids[: n_prompt - 1, 2], own_ids[: n_prompt - 1, 2])
+
+
 def test_without_the_knob_routing_is_the_models_own(model, own, tmp_path, monkeypatch):
     """Replay never reaches a default path: unset (or empty), the recorded routing and logits are the model's own."""
     ref, own_ids, _, _ = own
@@ -131,7 +150,8 @@ def test_without_the_knob_routing_is_the_models_own(model, own, tmp_path, monkey
 def _bad_csvs(tmp_path):
     ids, w = random_routing(4, 3, 32, 8)
     ok = dict(ids=ids, weights=w, n_prompt=2, n_expert=32)
-    yield "layers", write_csv(tmp_path / "l4.csv", **ok, n_layer=4), "the MoE layer counts differ"
+    ids4, w4 = random_routing(4, 4, 32, 8)
+    yield "layers", write_csv(tmp_path / "l4.csv", ids4, w4, 2, 32), "the MoE layer counts differ"
     yield "experts", write_csv(tmp_path / "e64.csv", **{**ok, "n_expert": 64}), "the expert counts differ"
     ids9, w9 = random_routing(4, 3, 32, 9)
     yield "top-k", write_csv(tmp_path / "k9.csv", ids9, w9, 2, 32), \
@@ -142,6 +162,8 @@ def _bad_csvs(tmp_path):
     yield "malformed", write_csv(tmp_path / "bad.csv", **ok, extra_rows=["0,1,4,0,0,x7,0.5,0,1000"]), \
         "expert must be an integer in 0..31, got 'x7'"
     yield "short row", write_csv(tmp_path / "short.csv", **ok, extra_rows=["0,1,4,0,0"]), "expected 9 comma-separated"
+    yield "gap", write_csv(tmp_path / "gap.csv", **ok, missing={(2, 1)}), \
+        "step 2 has no rows for layer 1: only prompt steps before the last may lack layers"
     yield "missing", tmp_path / "nope.csv", "cannot open the routing trace"
 
 
@@ -157,12 +179,14 @@ def test_cli_past_the_end_stops_with_an_error_and_says_replay_is_on(bindir, mode
     """llama-cli: the loud line; a prompt plus generation longer than the trace fails at the first position past its
     end (never wraps), after the positions the trace holds ran."""
     ids, w = random_routing(40, 3, 32, 8)
-    csv = write_csv(tmp_path / "t.csv", ids, w, 30, 32)
+    csv = write_csv(tmp_path / "t.csv", ids, w, 30, 32, missing={(p, 2) for p in range(29)})
     args = [bindir / "llama-cli", "-m", model, "-p", "hi", "-n", "64", "-st", "-c", "256", "-t", "2", "--ignore-eos",
             "--moe-trace", tmp_path / "cli.trace"]
     r = run(args, extra_env={"VIS_MOE_REPLAY": str(csv)}, timeout=180)
     out = r.stdout + r.stderr
     assert "OUTPUTS ARE MEANINGLESS" in out
+    # llama-cli's 2-token context check has an output at position 1, where the recording lacks the last layer
+    assert "has no routing for layer 2 (model layer 2) at prompt position 1" in out
     assert r.returncode != 0
     assert f"{csv} ends at position 39" in out and "position 40 is past it" in out
     t = vtrace.read(tmp_path / "cli.trace")
