@@ -139,6 +139,7 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         log.write_text(out)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = dict(name=name, rc=rc, wall_s=round(wall, 1), peak_bytes=cg.peak(), oom_killed=cg.oom_killed(),
+             load_avg=round(os.getloadavg()[1], 1),    # 5-minute load average at the end: a shared machine says so
              read_bytes=(after.ru_inblock - before.ru_inblock) * 512, cmd=" ".join(map(str, cmd)))
     cg.remove()
     m = re.search(r"\[ Prompt: ([\d.]+) t/s \| Generation: ([\d.]+) t/s \]", out)
@@ -186,7 +187,8 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
     if not r["finished"]:
         r["tail"] = out[-1500:]
     print(f"  {name:12s} rc={rc} finished={r['finished']} decode={r.get('decode_tps')} prefill={r.get('prefill_tps')} "
-          f"peak={r['peak_bytes'] / 2**20:.0f} MiB read={r['read_bytes'] / 2**20:.0f} MiB wall={wall:.0f}s", flush=True)
+          f"peak={r['peak_bytes'] / 2**20:.0f} MiB read={r['read_bytes'] / 2**20:.0f} MiB wall={wall:.0f}s "
+          f"load={r['load_avg']}", flush=True)
     return r
 
 
@@ -332,7 +334,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench-paging")
     ap.add_argument("--bin", default=str(ROOT / "build/bin"), help="our build's bin dir")
     ap.add_argument("--upstream-bin", default=None, help="pristine upstream bin dir (default: ours with features off)")
-    ap.add_argument("-n", "--n-predict", type=int, default=32)
+    ap.add_argument("-n", "--n-predict", type=int, default=None,
+                    help="tokens to generate (default 32; with --replay, all the trace's generated tokens)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
     ap.add_argument("--temp", type=float, default=0.8,
                     help="sampling temperature (default 0.8, llama-cli's default: varied tokens, varied routing; "
@@ -362,6 +365,7 @@ def main() -> int:
         if not eq or not name or name in ("upstream", "upstream-nr", "ours") or not flags.split():
             ap.error(f"--variant {v!r}: expected NAME=FLAGS with a new name and at least one flag")
         variants[name] = flags.split()
+    a.n_predict = a.n_predict if a.n_predict is not None or a.replay else 32
     names = list(a.only) + [n for n in variants if n not in a.only]
     model = Path(a.model).resolve()
     size = model.stat().st_size
@@ -378,11 +382,13 @@ def main() -> int:
                      "upstream has no VIS_MOE_REPLAY and would run its own routing): drop --upstream-bin")
         if a.tool != "cli":
             ap.error("--replay needs --tool cli: llama-bench has no --override-kv to run the model at the trace's "
-                     "top-k, and its warmup decodes positions the trace lacks")
+                     "top-k, and its generation test starts at position 0, replaying the trace's prompt as decode steps")
         from pyvis.runtime import plan as vplan
         rs = replay_shape(Path(a.replay))
         arch = vplan.read_shape(model).arch
-        a.n_predict, a.prompt_tokens = rs["n_gen"], rs["n_prompt"]
+        if a.n_predict is not None and not 1 <= a.n_predict <= rs["n_gen"]:
+            ap.error(f"-n {a.n_predict}: the trace holds {rs['n_gen']} generated tokens (1..{rs['n_gen']})")
+        a.n_predict, a.prompt_tokens = a.n_predict or rs["n_gen"], rs["n_prompt"]
         prompt = replay_prompt(Path(a.bin), rs["n_prompt"], out)
         replay_env = {"VIS_MOE_REPLAY": str(Path(a.replay).resolve())}
         replay_args = ["--override-kv", f"{arch}.expert_used_count=int:{rs['k']}", *REPLAY_CLI_ARGS]
