@@ -147,6 +147,17 @@ def test_without_the_knob_routing_is_the_models_own(model, own, tmp_path, monkey
     assert _native.capi.llama_vis_moe_replay_trace() is None
 
 
+def test_a_smaller_trace_top_k_runs_under_moe_topk(model, own, tmp_path, monkeypatch):
+    """A top-6 trace on the top-8 model: --moe-topk 6 (the alternative to --override-kv) runs exactly its experts."""
+    _, _, _, n_prompt = own
+    ids, w = random_routing(n_prompt + N_DECODE, 3, 32, 6, seed=7)
+    monkeypatch.setenv("VIS_MOE_REPLAY", str(write_csv(tmp_path / "k6.csv", ids, w, n_prompt, 32)))
+    _, llm = greedy(model, trace=str(tmp_path / "k6.trace"), topk=6)
+    del llm
+    got_ids, got_w = routing_of(tmp_path / "k6.trace", 3)
+    assert np.array_equal(got_ids, ids) and np.array_equal(got_w, w)
+
+
 def _bad_csvs(tmp_path):
     ids, w = random_routing(4, 3, 32, 8)
     ok = dict(ids=ids, weights=w, n_prompt=2, n_expert=32)
