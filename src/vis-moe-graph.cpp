@@ -47,9 +47,9 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         vm = nullptr;
         return;
     }
-    if (vm->replay) {
+    if (vm->replay && vm->replay->replays(il)) {
         // VIS_MOE_REPLAY: the recorded routing replaces the router's, for the caller's graph too (managed or not)
-        vm->replay->graph(*vm, ctx, il, selected_experts, weights_);
+        add_replay(selected_experts, weights_);
     }
     const vis_moe_layer & L = vm->layers[il];
     predicting = vm->prefetch && cur_in;  // every MoE layer: predictors learn from all of them
@@ -108,6 +108,24 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
     }
 }
 
+
+void vis_moe_layer_graph::add_replay(ggml_tensor *& ids, ggml_tensor *& w) {
+    if (w->ne[0] != 1 || w->ne[1] != ids->ne[0] || w->ne[2] != ids->ne[1]) {
+        vm->fail("VIS_MOE_REPLAY: the router weights of layer " + std::to_string(il) + " are not [1, k, n_tokens]; "
+                 "replay does not support this architecture");
+        return;
+    }
+    ggml_tensor * id_src[] = { ids };
+    ggml_tensor * ri = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, id_src, 1, vis_moe_replay_op, 1,
+                                      vm->ud(il, 0, VIS_OP_REPLAY_IDS));
+    ggml_format_name(ri, "vis_moe_replay_ids-%d", il);
+    ggml_tensor * w_src[] = { w, ri };  // after the ids: a failure's message comes from the ids op
+    ggml_tensor * rw = ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[0], w->ne[1], w->ne[2], w->ne[3], w_src, 2,
+                                      vis_moe_replay_op, 1, vm->ud(il, 0, VIS_OP_REPLAY_WEIGHTS));
+    ggml_format_name(rw, "vis_moe_replay_weights-%d", il);
+    ids = ri;
+    w   = rw;
+}
 
 void vis_moe_layer_graph::add_predict(ggml_tensor * dep) {
     const llama_model & model = *vm->model;

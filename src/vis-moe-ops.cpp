@@ -7,6 +7,7 @@
 #include "vis-moe-passes.h"
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-substitute.h"
 
@@ -307,5 +308,17 @@ void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         vm.prefetch->step(vm, in);
     } catch (const std::exception & e) {
         vm.fail(e.what());
+    }
+}
+
+void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto & ud = *(const vis_moe_op_ud *) userdata;
+    const std::string failure = ud.vm->replay->fill(ud.il, dst, ud.kind == VIS_OP_REPLAY_WEIGHTS);
+    if (!failure.empty()) {
+        ud.vm->fail(failure);  // the first message of the ubatch is kept
     }
 }

@@ -26,5 +26,8 @@ void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tenso
 // lookahead prediction (vis-moe-prefetch.h): learn from the layer's routing, read the layers ahead's experts
 // (src[0] = ids, src[1] = ordering dependency, src[1 + d] = router logits of layer il + d or the ids again)
 void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * ud);
+// VIS_MOE_REPLAY (vis-moe-replay.h): dst = the recorded ids (ud->kind VIS_OP_REPLAY_IDS) or weights
+// (VIS_OP_REPLAY_WEIGHTS) of layer ud->il; src[0] = the router's
+void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * ud);
 // prefill streaming: after the layer, drop the streamed pages
 void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud);

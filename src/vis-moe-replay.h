@@ -5,10 +5,11 @@
 // read.  Outputs are meaningless under replay; llama-server refuses it (patch 0013).
 //
 // Where it hooks in: vis_moe_layer_graph (vis-moe-graph.cpp) replaces the router's ids [k, n_tokens] and weights
-// [1, k, n_tokens] of every MoE layer by two ops that write the trace's, before anything reads them: the expert
-// cache's passes (managed layers), the trace recorder and upstream's mul_mat_id (unmanaged layers).  A context
-// with VIS_MOE_REPLAY set always gets a vis_moe_context, with no managed layer when every cache feature is off:
-// then the graph is upstream's plus those two ops per layer, the baseline on the same routing.
+// [1, k, n_tokens] of every MoE layer by two ops (vis_moe_replay_op, vis-moe-ops.cpp) that write the trace's, before
+// anything reads them: the expert cache's passes (managed layers), the trace recorder and upstream's mul_mat_id
+// (unmanaged layers).  A context with VIS_MOE_REPLAY set always gets a vis_moe_context, with no managed layer when
+// every cache feature is off: then the graph is upstream's plus those two ops per layer, the baseline on the same
+// routing.  This file knows the trace and the ubatch, nothing of the cache.
 //
 // Positions: the token at position p replays the trace's step p (prompt and generated steps alike).  A position
 // past the trace's end fails the decode with a message; it never wraps.  A recording computes the last layer for
@@ -26,33 +27,33 @@
 #include <string>
 #include <vector>
 
-struct ggml_context;
 struct ggml_tensor;
-struct llama_model;
-struct vis_moe_context;
 
 class vis_moe_replay {
 public:
-    // the trace at `path`, checked against the model's MoE layers, experts and the experts per token it runs
-    // (k_used: the model's k, or --moe-topk's): throws std::runtime_error naming the file and the mismatch
-    vis_moe_replay(const std::string & path, const llama_model & model, int k_used);
+    // the trace at `path`, checked against the model: moe_layers = its layers with routed experts (in order),
+    // n_layer its layers, n_expert, k_used the experts per token it runs (its k, or --moe-topk's), arch its name
+    // (for the --override-kv hint).  Throws std::runtime_error naming the file and the mismatch.
+    vis_moe_replay(const std::string & path, const std::vector<int> & moe_layers, int n_layer, int n_expert, int k_used,
+                   const std::string & arch);
 
     void begin_ubatch(const llama_ubatch & ub) { rows.begin(ub); }
 
-    // graph of layer il: ids and weights become the outputs of the replay ops (unchanged for a layer without experts)
-    void graph(vis_moe_context & vm, ggml_context * ctx, int il, ggml_tensor *& ids, ggml_tensor *& weights) const;
+    // does model layer il replay (a MoE layer)?
+    bool replays(int il) const { return il >= 0 && il < (int) trace_layer.size() && trace_layer[il] >= 0; }
 
-    // extra graph nodes per layer
+    // extra graph nodes per layer (vis_moe_extra_nodes)
     static constexpr int NODES_PER_LAYER = 2;
 
-    // the op: dst = the trace's ids (or weights) of layer il for each row of the ubatch; a row past the trace's end
-    // keeps the router's value (src[0]) and fails the ubatch through vm; a prompt row the trace lacks keeps it too
-    void fill(vis_moe_context & vm, int il, ggml_tensor * dst, bool weights) const;
+    // the op's work: dst = the trace's ids [k, n] (or weights [1, k, n]) of layer il for each row of the ubatch;
+    // dst->src[0] holds the router's.  A row past the trace's end keeps the router's value and returns the message
+    // that fails the ubatch ("" when every row was served); a prompt row the trace lacks keeps it too, said once.
+    std::string fill(int il, ggml_tensor * dst, bool weights) const;
 
 private:
-    std::string why_not(int pos) const;
+    std::string past_end(int pos) const;
 
-    vis_route_csv   tr;
+    vis_route_csv    tr;
     std::vector<int> trace_layer;  // model layer -> the trace's layer (its index among the MoE layers), -1 if none
     vis_ubatch_rows  rows;
     mutable std::atomic<bool> warned_own{ false };  // a row ran the router's own choice (said once)

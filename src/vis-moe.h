@@ -67,6 +67,8 @@ public:
 private:
     // the predict op (vis-moe-prefetch.h), after `dep` (null: no ordering)
     void add_predict(ggml_tensor * dep);
+    // VIS_MOE_REPLAY (vis-moe-replay.h): ids and weights become the replay ops' outputs
+    void add_replay(ggml_tensor *& ids, ggml_tensor *& weights);
 
     vis_moe_context * vm = nullptr;
     ggml_context    * ctx;
