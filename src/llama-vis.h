@@ -119,6 +119,8 @@ LLAMA_API int32_t llama_vis_moe_get_flag(int32_t i, struct llama_vis_moe_flag * 
 // separated by spaces ("predict=next-router mem=2078"); "" when none.  Valid until the next call on this thread.
 // llama-bench shows it as its vis_moe field (patch 0012).
 LLAMA_API const char * llama_vis_moe_env_brief(void);
+// The largest --moe-slots (and --moe-shadow-slots) value the settings accept: the one limit `pyvis plan` shares.
+LLAMA_API int32_t llama_vis_moe_max_slots(void);
 
 // Message of the last failed llama_vis_* call on this thread (or of a context that
 // failed to attach its expert cache), "" if none.  Every llama_vis_* call that can

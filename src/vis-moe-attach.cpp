@@ -9,6 +9,7 @@
 #include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
 #include "vis-moe-modality.h"
+#include "vis-moe-named-files.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
@@ -558,7 +559,11 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
 
 vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
     try {
-        return attach(lctx, model);
+        auto vm = attach(lctx, model);
+        if (!model.hparams.no_alloc) {  // not for the --fit probe
+            vis_moe_check_named_files(vis_moe_settings_current(), model, vm.get());
+        }
+        return vm;
     } catch (const std::exception & e) {
         vis_set_last_error(e.what());
         LLAMA_LOG_ERROR("%s\n", e.what());

@@ -114,6 +114,10 @@ struct vis_moe_flag_row {
     int32_t scope = LLAMA_VIS_MOE_SCOPE_KNOB;
 };
 const vis_moe_flag_row * vis_moe_flag_rows(int & n);
+// [+-]digits and nothing else, within [lo, hi]: the value; else std::invalid_argument
+// "WHAT: expected an integer in LO..HI<note>, got 'V'" (the table's parser, shared with other variables)
+long long vis_parse_int(const std::string & what, const std::string & v, long long lo, long long hi,
+                        const char * note = "");
 vis_moe_settings vis_moe_settings_builtin();
 // every field in range (the C API takes structs, the CLI strings); throws std::invalid_argument naming the flag
 void vis_moe_settings_validate(const vis_moe_settings & s);
