@@ -3,14 +3,9 @@ in pyvis, named files always checked, strict keyword arguments, output kinds, mi
 and truncation inside expert-interleaved files.  Each test here failed on the code before its fix."""
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 
@@ -23,48 +18,8 @@ from pyvis.runtime import predict_profile as pp
 from pyvis.runtime import profile as prof
 from pyvis.runtime import shadow as sh
 from pyvis.runtime import trace as vtrace
-from conftest import run
-
-PROMPT_ARGS = ["-p", "hi", "-n", "2", "-st", "-c", "128", "-t", "2", "--temp", "0"]
-
-
-def _cli(bindir, model, *extra, env=None, timeout=60):
-    r = run([bindir / "llama-cli", "-m", model, *PROMPT_ARGS, *extra], timeout=timeout, extra_env=env)
-    return r, r.stdout + r.stderr
-
-
-def _sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-# --------------------------------------------------------------------------
-# a llama-server on 127.0.0.1, every request bounded
-# --------------------------------------------------------------------------
-@contextlib.contextmanager
-def _server(bindir, model, *extra):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(model), "--port", str(port), "--host", "127.0.0.1",
-                             "-c", "256", "-t", "2", "-np", "1", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, LLAMA_LOG_COLORS="0"))
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except Exception:
-                assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-                time.sleep(0.3)
-        yield proc, port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+from conftest import llama_server, run
+from test_hardening import _cli, _sha
 
 
 def _complete(port, prompt, n=4):
@@ -87,7 +42,7 @@ def _complete(port, prompt, n=4):
 def test_server_serves_on_after_the_model_is_replaced(bindir, fixture_dir, tmp_path, how):
     model = tmp_path / "m.gguf"
     shutil.copy(fixture_dir / "qwen3moe.gguf", model)
-    with _server(bindir, model, "--moe-slots", "4") as (proc, port):
+    with llama_server(bindir, model, "-c", "256", "-t", "2", "-np", "1", "--moe-slots", "4") as (proc, port):
         before = _complete(port, "Experts route tokens")
         assert before[0] == 200, before
         if how == "rename":  # docs/paging.md: write a new file and rename it over the old one
@@ -101,23 +56,7 @@ def test_server_serves_on_after_the_model_is_replaced(bindir, fixture_dir, tmp_p
         assert other[0] == 200, other
         assert again == before                             # the same bytes, read from the open file
         assert proc.poll() is None
-
-
-def test_in_place_rewrite_is_still_detected_after_a_hard_link(fixture_dir, tmp_path):
-    """The link count explains a moved ctime only when it moved: a rewrite with the link count unchanged is caught."""
-    model = tmp_path / "m.gguf"
-    shutil.copy(fixture_dir / "qwen3moe.gguf", model)
-    llm = moe.load(model, slots=4, n_ctx=128, n_threads=2, verbose=False)
-    llm.eval(llm.tokenize(b"Experts", add_bos=True))
-    st = os.stat(model)
-    with open(model, "r+b") as f:
-        f.write(model.read_bytes())
-    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
-    llm.reset()
-    with pytest.raises(Exception):
-        llm.eval(llm.tokenize(b"A different prompt reaches other experts", add_bos=True))
-    from pyvis.runtime import native
-    assert "changed since the model was loaded (change time (rewritten in place)" in native.last_error()
+    # an in-place rewrite is still caught: tests/test_hardening.py::test_file_rewritten_in_place_with_mtime_restored
 
 
 # --------------------------------------------------------------------------
@@ -400,7 +339,7 @@ def test_truncation_inside_interleaved_experts_is_an_error(bindir, fixture_dir, 
     resident_after = [t.name for t in r.tensors if int(t.data_offset) > exps0 + 4096 and "_exps." not in t.name]
     assert "blk.1.attn_q.weight" in resident_after       # the layout this test is about
     del r
-    with _server(bindir, model, "--moe-slots", "2") as (proc, port):
+    with llama_server(bindir, model, "-c", "256", "-t", "2", "-np", "1", "--moe-slots", "2") as (proc, port):
         assert _complete(port, "Experts route tokens")[0] == 200
         os.truncate(model, exps0 + 4096)                  # inside layer 0's experts
         status, body = _complete(port, "A different prompt reaches other experts")
