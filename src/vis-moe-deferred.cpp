@@ -57,15 +57,21 @@ bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64
     if (bid < 0 || !is_routed_expert_weight(name)) {
         return false;
     }
+    const int64_t model_bytes = (int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes;
     int n_pinned = 0;
-    if (!vis_moe_settings_deferral(n_pinned, n_expert)) {
-        return false;
-    }
+    const bool deferral = vis_moe_settings_deferral(n_pinned, n_expert);
     std::lock_guard<std::mutex> lock(g_store_mutex);
     if (g_load.loader != loader || bid < g_load.last_bid) {
         g_load = {};  // a new model load starts
         g_load.loader = loader;
-        g_load.fits   = vis_moe_settings_model_fits((int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes);
+        g_load.fits   = deferral && vis_moe_settings_model_fits(model_bytes);
+        if (!deferral) {
+            vis_moe_settings_check_resident(model_bytes, n_expert);  // --moe-mem with every expert resident
+        }
+    }
+    if (!deferral) {
+        g_load.last_bid = bid;
+        return false;
     }
     if (g_load.fits) {
         return false;  // upstream's load, unchanged (repacking included)

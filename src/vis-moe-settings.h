@@ -135,5 +135,9 @@ bool vis_moe_settings_deferral(int & n_pinned, int64_t n_expert);
 // model_bytes fits the budget whole (with the runtime floor of llama_vis_moe_estimate_reserve and
 // 10 % left for KV cache and compute): then nothing is deferred or managed, and upstream's path runs.
 bool vis_moe_settings_model_fits(int64_t model_bytes);
+// Model load (patch 0004): --moe-mem with flags that keep every expert resident (--moe-pinned-layers -1,
+// --moe-slots >= n_expert) defers nothing, so the whole model must fit the budget: throws std::runtime_error
+// naming the flags, the budget and the smallest one that fits, before anything is loaded.
+void vis_moe_settings_check_resident(int64_t model_bytes, int64_t n_expert);
 // the same settings, at context creation: a model loaded without deferral runs upstream's path
 bool vis_moe_settings_mem_only(const vis_moe_settings & s);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -347,3 +348,44 @@ def test_truncation_inside_interleaved_experts_is_an_error(bindir, fixture_dir, 
         assert status == 500 and "changed since the model was loaded (size" in body, body
         status, body = _complete(port, "Experts route tokens")
         assert proc.poll() is None and status == 500 and "changed since the model was loaded" in body, body
+
+
+# --------------------------------------------------------------------------
+# 1-2. --moe-mem: one plan decides; every expert resident must fit; a budget above the limit is clamped
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, plan_kw", [
+    (["--moe-pinned-layers", "-1"], dict(pinned=-1)),
+    (["--moe-slots", "128"], dict(slots=128)),
+])
+def test_every_expert_resident_must_fit_the_budget(bindir, medium_model, flags, plan_kw):
+    """pyvis plan said "fits" for --pinned -1 at any budget and the run loaded everything (issue #25, item 2)."""
+    shape = vplan.read_shape(medium_model)
+    for budget in (200, 4096):
+        p = vplan.make_plan(shape, budget_mib=budget, n_ctx=128, gpu=False, **plan_kw)
+        r, out = _cli(bindir, medium_model, "--moe-mem", str(budget), *flags, timeout=120)
+        assert p["ok"] == (r.returncode == 0) == (budget == 4096), (budget, p.get("error"), out[-1500:])
+        if budget == 200:
+            assert re.search(r"every expert stays resident|cannot hold 408 MiB slabs \(128 slots", p["error"])
+            assert f"--moe-mem 200: {flags[0]} " in out and "keeps every expert resident" in out, out[-1500:]
+            assert "must fit; raise the budget to at least that" in out
+
+
+def test_budget_above_the_cgroup_limit_is_clamped(bindir, medium_model):
+    """--moe-mem 4000 in a 300 MiB cgroup: planned for 300 MiB with a line, and the run stays inside it (before: a
+    warning, then the whole 438 MiB model was loaded by upstream's path and the kernel killed the run)."""
+    from test_paging import memory_cgroup
+    import sys
+    limit = 300 << 20
+    with memory_cgroup(limit) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *PROMPT, "--moe-mem", "4000", "-v"]), timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2000:]
+        assert "--moe-mem 4000 exceeds what this process may hold (cgroup v" in out and \
+            "planned for 300 MiB instead" in out, out[-2000:]
+        assert 0 < peak() <= limit
+        p = run(wrap([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", "4000", "-c", "128"]), timeout=120)
+        assert "--budget 4000 MiB exceeds what this process may hold (cgroup limit): planned for 300 MiB" in p.stdout, \
+            p.stdout + p.stderr
+
+
+PROMPT = ["-p", "hi", "-n", "2", "-st", "-c", "128", "-t", "2", "--temp", "0"]

@@ -269,7 +269,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     src = ("the machine's limit (auto)" if budget is None else
            f"{sku.name}: {sku.memory_gb} GB board, MemoryMax={sku.memory_max_mib}M, --moe-mem {sku.moe_mem_mib}"
            if sku else "--budget")
-    print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens\n")
+    print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens")
+    if budget is not None and p["budget"] < budget * MIB:
+        lim = "cgroup limit" if 0 < mem["cgroup_limit"] <= mem["mem_total"] else "MemTotal"
+        print(f"         --budget {budget} MiB exceeds what this process may hold ({lim}): planned for "
+              f"{p['budget'] / MIB:.0f} MiB instead, as the runtime does")
+    print()
     rq = p["request"]
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
