@@ -388,4 +388,18 @@ def test_budget_above_the_cgroup_limit_is_clamped(bindir, medium_model):
             p.stdout + p.stderr
 
 
+def test_a_kv_cache_the_budget_cannot_hold_is_refused_before_it_is_allocated(bindir, medium_model):
+    """-c 131072 (256 MiB of KV cache) under --moe-mem auto in a 250 MiB cgroup: refused with the largest context
+    that could fit, before upstream allocates and clears the cache (before: killed while clearing it)."""
+    from test_paging import memory_cgroup
+    with memory_cgroup(250 << 20) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *PROMPT[:-6], "-c", "131072", "-t", "2",
+                      "--moe-mem", "auto"]), timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1, (r.returncode, out[-2000:])
+        assert re.search(r"--moe-mem auto: the KV cache of a 131072-token context needs at least 256 MiB, more than "
+                         r"the budget of \d+ MiB holds next to the runtime \(64 MiB\) before any weight; use -c \d+ "
+                         r"or less", out), out[-2000:]
+
+
 PROMPT = ["-p", "hi", "-n", "2", "-st", "-c", "128", "-t", "2", "--temp", "0"]
