@@ -41,12 +41,14 @@ void vis_moe_check_kv(const llama_model & model, uint32_t n_ctx, ggml_type type_
     if (llama_vis_moe_plan(&rq, &plan) == 0 && plan.ok) {
         return;
     }
-    const int64_t fit = std::max<int64_t>(0, (plan.budget - rq.reserve_bytes) / per_token);
-    throw std::runtime_error("vis-moe: --moe-mem " + (s.tier.mem_mib < 0 ? std::string("auto") : std::to_string(s.tier.mem_mib)) +
-                             ": the KV cache of a " + std::to_string(n_ctx) + "-token context needs at least " +
-                             std::to_string((rq.kv_bytes + (1 << 20) - 1) >> 20) + " MiB, more than the budget of " +
-                             std::to_string(plan.budget >> 20) + " MiB holds next to the runtime (" +
-                             std::to_string(rq.reserve_bytes >> 20) + " MiB) before any weight; use -c " +
-                             std::to_string(fit) + " or less (the weights need room too: pyvis plan MODEL -c N says " +
-                             "how much), or raise --moe-mem");
+    const int64_t fit = (plan.budget - rq.reserve_bytes) / per_token;
+    const std::string mem = s.tier.mem_mib < 0 ? std::string("auto") : std::to_string(s.tier.mem_mib);
+    throw std::runtime_error("vis-moe: --moe-mem " + mem + ": the memory budget of " + std::to_string(plan.budget >> 20) +
+                             " MiB is too small: the KV cache of a " + std::to_string(n_ctx) +
+                             "-token context needs at least " + std::to_string((rq.kv_bytes + (1 << 20) - 1) >> 20) +
+                             " MiB next to the runtime (" + std::to_string(rq.reserve_bytes >> 20) +
+                             " MiB), before any weight; " +
+                             (fit > 0 ? "use -c " + std::to_string(fit) + " or less (the weights need room too: pyvis "
+                                        "plan MODEL -c N says how much), or raise --moe-mem"
+                                      : std::string("raise --moe-mem")));
 }

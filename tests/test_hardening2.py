@@ -387,9 +387,9 @@ def test_a_kv_cache_the_budget_cannot_hold_is_refused_before_it_is_allocated(bin
                       "--moe-mem", "auto"]), timeout=300)
         out = r.stdout + r.stderr
         assert r.returncode == 1, (r.returncode, out[-2000:])
-        assert re.search(r"--moe-mem auto: the KV cache of a 131072-token context needs at least 256 MiB, more than "
-                         r"the budget of \d+ MiB holds next to the runtime \(64 MiB\) before any weight; use -c \d+ "
-                         r"or less", out), out[-2000:]
+        assert re.search(r"--moe-mem auto: the memory budget of \d+ MiB is too small: the KV cache of a 131072-token "
+                         r"context needs at least 256 MiB next to the runtime \(64 MiB\), before any weight; use -c "
+                         r"\d+ or less", out), out[-2000:]
 
 
 PROMPT = ["-p", "hi", "-n", "2", "-st", "-c", "128", "-t", "2", "--temp", "0"]
