@@ -65,6 +65,10 @@ def _load(model: str, n_ctx: int, verbose: bool, **kw):
     try:
         return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, verbose=verbose, **kw)
     except ValueError as e:
+        from .runtime.gguf_model import what_it_is
+        why = what_it_is(model)         # a later shard, an mmproj, a sidecar: say so, not "re-download"
+        if why:
+            raise SystemExit(f"error: failed to load {model}: {why}") from e
         raise SystemExit(f"error: failed to load {model}: {e}\n"
                          "  The file may be truncated or not a GGUF model; re-download or regenerate it.") from e
 

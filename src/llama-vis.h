@@ -124,6 +124,8 @@ LLAMA_API const char * llama_vis_moe_env_brief(void);
 // when the settings are invalid: then llama_vis_last_error() says why).  llama-server refuses to start when it is set
 // (patch 0013).  Valid until the next call on this thread.
 LLAMA_API const char * llama_vis_moe_replay_trace(void);
+// The largest --moe-slots (and --moe-shadow-slots) value the settings accept: the one limit `pyvis plan` shares.
+LLAMA_API int32_t llama_vis_moe_max_slots(void);
 
 // Message of the last failed llama_vis_* call on this thread (or of a context that
 // failed to attach its expert cache), "" if none.  Every llama_vis_* call that can
@@ -371,7 +373,9 @@ LLAMA_API int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out);
 
 // How one memory budget splits over resident weights, KV cache, compute, slabs and the host cache.
 struct llama_vis_moe_plan_request {
-    int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available)
+    int64_t budget;            // bytes for the whole process; <= 0: the machine's (llama_vis_mem_probe().available);
+                               // above what the process may hold (llama_vis_mem_probe().limit: cgroup, MemTotal)
+                               // it is clamped to that (plan.budget says so)
     int64_t resident_bytes;    // weights that stay resident (everything but the managed experts)
     int64_t kv_bytes;          // KV cache
     int64_t reserve_bytes;     // compute buffers, runtime and slack (>= 0): llama_vis_moe_estimate_reserve()
@@ -391,7 +395,7 @@ struct llama_vis_moe_plan {
                                // budget is tight: exact, a decode step then runs ceil(k / n_slots) passes per layer
     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
     int64_t host_bytes;        // tier 2
-    int64_t budget;            // the budget planned for
+    int64_t budget;            // the budget planned for (the request's, clamped; or the machine's)
     int64_t fixed_bytes;       // resident weights + KV + reserve
     int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
@@ -409,7 +413,7 @@ LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_voc
 LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
 
 // 1 if a model of model_bytes (all its tensors) fits a budget of budget_bytes whole (<= 0: the machine's,
-// llama_vis_mem_probe().available), with the runtime floor of the reserve estimate and 10 % left for KV cache
+// llama_vis_mem_probe().available; clamped as a plan's), with the runtime floor of the reserve estimate and 10 % left for KV cache
 // and compute.  With --moe-mem alone such a model is loaded and run by upstream's path: nothing deferred or paged.
 LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget_bytes);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)

@@ -10,6 +10,7 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
+#include "vis-moe-named-files.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
@@ -174,7 +175,8 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     rq.kv_bytes         = kv_bytes;
     rq.reserve_bytes    = llama_vis_moe_estimate_reserve(lctx ? (int64_t) lctx->n_ubatch() : 512, model.vocab.n_tokens(),
                                                          hp.n_embd, hp.n_expert_used_max(), hp.n_ff_exp());
-    rq.expert_bytes     = (ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot)) / (int64_t) ap.managed.size();
+    rq.expert_bytes     = ap.managed.empty() ? 0 : (ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot)) /
+                                                (int64_t) ap.managed.size();
     rq.n_managed_layers = (int32_t) ap.managed.size();
     rq.n_expert         = n_exp;
     rq.n_expert_used    = (int32_t) hp.n_expert_used_max();
@@ -182,7 +184,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     rq.host_mib         = s.tier.host_mib;
     rq.n_slots          = s.params.n_slots;
     rq.no_staging       = ap.cpu_only ? 1 : 0;
-    if (!ap.all_host_devices) {
+    if (!ap.all_host_devices && !ap.managed.empty()) {
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);
         rq.device_bytes = (int64_t) (free * 9 / 10);
@@ -201,10 +203,11 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     vm.plan_free    = std::max<int64_t>(0, plan.budget - plan.fixed_bytes - plan.slab_bytes - plan.host_bytes);
     llama_vis_mem_info mi;
     llama_vis_mem_probe(&mi);
-    if (s.tier.mem_mib > 0 && mi.cgroup_limit > 0 && (s.tier.mem_mib << 20) > mi.cgroup_limit) {
-        vm.note("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds this process's memory limit of " +
-                std::to_string(mi.cgroup_limit >> 20) + " MiB (cgroup v" + std::to_string(mi.cgroup_version) +
-                "): the kernel may kill the run; use --moe-mem auto or at most " + std::to_string(mi.cgroup_limit >> 20));
+    if (s.tier.mem_mib > 0 && plan.budget < (s.tier.mem_mib << 20)) {
+        vm.note("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds what this process may hold (" +
+                (mi.cgroup_limit > 0 && mi.cgroup_limit <= mi.mem_total
+                     ? "cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("MemTotal")) +
+                "): planned for " + std::to_string(plan.budget >> 20) + " MiB instead");
     }
     if (s.tier.mem_mib < 0) {
         vm.plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget
@@ -231,6 +234,11 @@ void size_slots(const llama_context * lctx, const llama_model & model, const vis
         ap.n_slots = s.params.n_slots > 0 ? s.params.n_slots : k;  // a memory-fit probe (--fit): nothing loaded, nothing to plan
     } else if (s.tier.mem_mib != 0 && !ap.managed.empty()) {
         size_from_memory_plan(lctx, model, s, ap, vm);
+    } else if (s.tier.mem_mib != 0 && !model.hparams.no_alloc) {
+        // every expert resident by the flags (--moe-pinned-layers -1, --moe-slots >= experts): the same plan, with
+        // nothing to page, checks that all of it fits (pyvis plan asks the same question)
+        size_from_memory_plan(lctx, model, s, ap, vm);
+        ap.n_slots = std::max(ap.n_slots, s.params.n_slots);
     } else if (ap.n_slots <= 0) {
         ap.n_slots = n_exp;  // deferred layers with the cache off: every expert gets a slot
     }
@@ -572,7 +580,11 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
 
 vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, const llama_model & model) {
     try {
-        return attach(lctx, model);
+        auto vm = attach(lctx, model);
+        if (!model.hparams.no_alloc) {  // not for the --fit probe
+            vis_moe_check_named_files(vis_moe_settings_current(), model, vm.get());
+        }
+        return vm;
     } catch (const std::exception & e) {
         vis_set_last_error(e.what());
         LLAMA_LOG_ERROR("%s\n", e.what());

@@ -113,9 +113,32 @@ int vis_moe_context::shadow_passes(const vis_moe_layer & L, int64_t n_pairs, boo
     return n;
 }
 
+// the model files the layers' experts are read from
+static std::set<const vis_gguf_file *> model_files(const vis_moe_context & vm) {
+    std::set<const vis_gguf_file *> files;
+    for (const auto & L : vm.layers) {
+        for (const auto * f : L.file) {
+            if (f) {
+                files.insert(f->file.get());
+            }
+        }
+    }
+    return files;
+}
+
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     if (!vm) {
         return;
+    }
+    // a model file changed since the last ubatch (truncated, rewritten): this ubatch fails with the reason, and a
+    // truncated file's mappings past its end are zero pages before the graph touches a resident tensor there
+    // (vis_gguf_file::check_unchanged; one fstat per file)
+    for (const vis_gguf_file * f : model_files(*vm)) {
+        try {
+            f->check_unchanged();
+        } catch (const std::exception & e) {
+            vm->fail(e.what());
+        }
     }
     vm->ub_decode = ub.n_tokens <= ub.n_seqs_unq;  // one token per sequence
     if (!vm->ub_decode && !vm->in_prompt) {  // a new prompt: its time to first token starts
@@ -150,13 +173,8 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
 // read-ahead also spills past the streamed ranges: drop every unmapped page of the model files, so the page cache
 // does not sit on the budget during the next steps (mapped, locked resident weights stay)
 static void drop_streamed_pages(vis_moe_context & vm) {
-    std::set<const vis_gguf_file *> files;
-    for (const auto & L : vm.layers) {
-        for (const auto * f : L.file) {
-            if (f && files.insert(f->file.get()).second) {
-                posix_fadvise(f->file->fd, 0, 0, POSIX_FADV_DONTNEED);
-            }
-        }
+    for (const vis_gguf_file * f : model_files(vm)) {
+        posix_fadvise(f->fd, 0, 0, POSIX_FADV_DONTNEED);
     }
 }
 

@@ -3,8 +3,10 @@
 #include "vis-moe-deferred.h"
 #include "vis-moe-settings.h"
 
+#include "llama-impl.h"
 #include "llama-model-loader.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -13,7 +15,9 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 // ---------------------------------------------------------------------------
@@ -53,15 +57,21 @@ bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64
     if (bid < 0 || !is_routed_expert_weight(name)) {
         return false;
     }
+    const int64_t model_bytes = (int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes;
     int n_pinned = 0;
-    if (!vis_moe_settings_deferral(n_pinned, n_expert)) {
-        return false;
-    }
+    const bool deferral = vis_moe_settings_deferral(n_pinned, n_expert);
     std::lock_guard<std::mutex> lock(g_store_mutex);
     if (g_load.loader != loader || bid < g_load.last_bid) {
         g_load = {};  // a new model load starts
         g_load.loader = loader;
-        g_load.fits   = vis_moe_settings_model_fits((int64_t) static_cast<const llama_model_loader *>(loader)->n_bytes);
+        g_load.fits   = deferral && vis_moe_settings_model_fits(model_bytes);
+        if (!deferral) {
+            vis_moe_settings_check_resident(model_bytes, n_expert);  // --moe-mem with every expert resident
+        }
+    }
+    if (!deferral) {
+        g_load.last_bid = bid;
+        return false;
     }
     if (g_load.fits) {
         return false;  // upstream's load, unchanged (repacking included)
@@ -91,15 +101,63 @@ static int64_t stat_ctime_ns(const struct stat & st) {
     return (int64_t) st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
 }
 
+// Replace every mapping of the file (dev, ino; or its path, where a stacked filesystem shows another device) from
+// file offset new_size on, rounded up to a page, by anonymous zero pages.  Upstream maps the resident weights from
+// the file; a page past the end of a truncated file raises SIGBUS when touched, and a resident tensor may lie after
+// the experts (the gpt-oss fixture stores layer 1's attention after layer 0's experts).  The ubatch has failed
+// already (check_unchanged throws); what its remaining nodes compute from zeros is discarded.
+static void unmap_past_end(const vis_gguf_file & f, uint64_t new_size) {
+    FILE * maps = std::fopen("/proc/self/maps", "r");
+    if (!maps) {
+        return;
+    }
+    const uint64_t page = (uint64_t) sysconf(_SC_PAGESIZE);
+    const uint64_t keep = (new_size + page - 1) / page * page;  // file offsets below it stay mapped
+    struct range { uintptr_t addr; size_t len; int prot; };
+    std::vector<range> todo;
+    char line[4352];
+    while (std::fgets(line, sizeof(line), maps)) {
+        unsigned long start = 0, end = 0, off = 0, inode = 0;
+        unsigned int maj = 0, min = 0;
+        char perms[8] = {}, name[4096] = {};
+        const int n = std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu %4095s", &start, &end, perms, &off, &maj, &min,
+                                  &inode, name);
+        if (n < 7 || inode != f.ino || (makedev(maj, min) != f.dev && f.path != name)) {
+            continue;
+        }
+        const uint64_t from = std::max<uint64_t>(off, keep);
+        if (from >= off + (end - start)) {
+            continue;
+        }
+        const int prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0);
+        todo.push_back({ (uintptr_t) (start + (from - off)), (size_t) (end - start - (from - off)), prot });
+    }
+    std::fclose(maps);
+    for (const range & r : todo) {
+        if (mmap((void *) r.addr, r.len, r.prot, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) == MAP_FAILED) {
+            LLAMA_LOG_ERROR("vis-moe: cannot replace the mapping of %s past its new end: %s\n", f.path.c_str(),
+                            std::strerror(errno));
+        }
+    }
+}
+
 void vis_gguf_file::check_unchanged() const {
     struct stat st;
     if (fstat(fd, &st) != 0) {
         throw vis_io_error("vis-moe: cannot stat " + path + ": " + std::strerror(errno));
     }
-    // an in-place rewrite may keep the size and restore the mtime, but it always moves the ctime
+    const uint64_t now = (uint64_t) st.st_size;
+    if (now < size && now < unmapped_from.load()) {
+        unmapped_from.store(now);
+        unmap_past_end(*this, now);
+    }
+    // an in-place rewrite may keep the size and restore the mtime, but it always moves the ctime.  So does a change
+    // of the link count: the documented replacement (a new file renamed over the path) or an rm leaves the open
+    // inode's bytes as they were, with one link less - a moved ctime with another link count is that, not a rewrite
+    const bool relinked = (uint64_t) st.st_nlink != nlink;
     const char * what = (uint64_t) st.st_size != size ? "size"
                       : stat_mtime_ns(st) != mtime_ns  ? "modification time"
-                      : stat_ctime_ns(st) != ctime_ns  ? "change time (rewritten in place)"
+                      : stat_ctime_ns(st) != ctime_ns && !relinked ? "change time (rewritten in place)"
                       : (uint64_t) st.st_ino != ino    ? "inode" : nullptr;
     if (what) {
         throw vis_io_error("vis-moe: " + path + " changed since the model was loaded (" + what + ": size " +
@@ -121,6 +179,8 @@ std::shared_ptr<vis_gguf_file> vis_gguf_file_open(const std::string & path, std:
     f->mtime_ns = stat_mtime_ns(st);
     f->ctime_ns = stat_ctime_ns(st);
     f->ino      = (uint64_t) st.st_ino;
+    f->dev      = (uint64_t) st.st_dev;
+    f->nlink    = (uint64_t) st.st_nlink;
 #ifdef O_DIRECT
     f->fd_direct = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1 (EINVAL) on tmpfs and friends
 #endif
@@ -183,4 +243,21 @@ const vis_deferred_tensor * vis_moe_deferred(const ggml_tensor * t) {
     std::lock_guard<std::mutex> lock(g_store_mutex);
     auto it = g_deferred.find(t);
     return it == g_deferred.end() ? nullptr : it->second.get();
+}
+
+uint64_t vis_bytes_sum(const void * data, size_t n) {
+    const uint8_t * b = (const uint8_t *) data;
+    const size_t nw = n / 4;
+    uint64_t sum = (uint64_t) n;
+    for (size_t i = 0; i < nw; ++i) {
+        uint32_t w;
+        std::memcpy(&w, b + 4 * i, 4);  // little endian hosts only (x86-64, aarch64)
+        sum += ((uint64_t) w + 1) * (2 * (uint64_t) i + 1);
+    }
+    if (n % 4) {
+        uint32_t w = 0;
+        std::memcpy(&w, b + 4 * nw, n % 4);
+        sum += ((uint64_t) w + 1) * (2 * (uint64_t) nw + 1);
+    }
+    return sum;
 }

@@ -2,6 +2,7 @@
 // buffer per I/O thread (buffered with the pages dropped where refused), the I/O thread pool, and the read
 // fault injection the tests use.
 #include "vis-moe-io-pool.h"
+#include "vis-moe-settings.h"
 
 #include "llama-impl.h"
 
@@ -11,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -20,19 +23,46 @@ static constexpr size_t VIS_DIO_ALIGN = 4096;
 // ---------------------------------------------------------------------------
 // fault injection (tests)
 // ---------------------------------------------------------------------------
-bool vis_fault_injected(int il, int e) {
-    static const char * spec = std::getenv("VIS_MOE_FAULT_READ");
+namespace {
+struct fault_spec {
+    bool any = false;      // "*"
+    int  il  = -1, e = -1; // "IL:E"; -1: off
+};
+
+fault_spec parse_fault_spec(const char * spec) {
+    fault_spec f;
     if (spec == nullptr || *spec == '\0') {
-        return false;
+        return f;
     }
-    if (std::strcmp(spec, "*") == 0) {
-        return true;
+    const std::string v = spec;
+    if (v == "*") {
+        f.any = true;
+        return f;
     }
-    int fil = -1, fe = -1;
-    if (std::sscanf(spec, "%d:%d", &fil, &fe) == 2) {
-        return fil == il && fe == e;
+    const size_t colon = v.find(':');
+    const char * what = "VIS_MOE_FAULT_READ";
+    if (colon == std::string::npos) {
+        throw std::invalid_argument(std::string(what) + ": expected '*' or LAYER:EXPERT (integers >= 0), got '" + v + "'");
     }
-    return false;
+    f.il = (int) vis_parse_int(std::string(what) + " layer", v.substr(0, colon), 0, 1 << 16);
+    f.e  = (int) vis_parse_int(std::string(what) + " expert", v.substr(colon + 1), 0, 1 << 16);
+    return f;
+}
+} // namespace
+
+void vis_fault_check_env() {
+    parse_fault_spec(std::getenv("VIS_MOE_FAULT_READ"));
+}
+
+bool vis_fault_injected(int il, int e) {
+    static const fault_spec f = [] {
+        try {
+            return parse_fault_spec(std::getenv("VIS_MOE_FAULT_READ"));
+        } catch (const std::exception &) {
+            return fault_spec();  // reported at context creation (vis_fault_check_env), before any read
+        }
+    }();
+    return f.any || (f.il == il && f.e == e);
 }
 
 // ---------------------------------------------------------------------------
@@ -139,6 +169,22 @@ void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce
     dev_bytes += (int64_t) n;
 }
 
+// a shadow expert's bytes against the checksum its sidecar stores (vis_deferred_tensor::sums)
+static void check_sum(const vis_read_req & r) {
+    if (r.src->sums.empty()) {
+        return;
+    }
+    const uint64_t want = r.src->sums[(size_t) r.expert];
+    const uint64_t got  = vis_bytes_sum(r.dst, r.src->nb2);
+    if (got != want) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "checksum %016llx, the file stores %016llx", (unsigned long long) got,
+                      (unsigned long long) want);
+        throw vis_io_error(read_error(r, std::string("its bytes do not match their checksum (") + buf +
+                                         "): the file is damaged or was changed after it was written; write it again"));
+    }
+}
+
 void vis_io_pool::run_jobs(int idx) {
     for (;;) {
         size_t i;
@@ -155,6 +201,7 @@ void vis_io_pool::run_jobs(int idx) {
         std::string err;
         try {
             read_one(r, bounces[idx], dev, direct);
+            check_sum(r);
         } catch (const std::exception & e) {
             err = e.what();
         }

@@ -64,3 +64,6 @@ private:
 
 // test hook: VIS_MOE_FAULT_READ="IL:E" (or "*") makes reads of that expert fail with EIO
 bool vis_fault_injected(int il, int e);
+// the hook's value parsed strictly (unset or "": off); throws std::invalid_argument naming the variable for
+// anything but "*" or "IL:E" with IL and E integers >= 0
+void vis_fault_check_env();

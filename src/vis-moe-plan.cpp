@@ -214,12 +214,19 @@ int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_
     return act + (64ll << 20);  // + runtime (binary, libraries, heap: ~45 MiB measured for llama-cli)
 }
 
-int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget) {
-    if (budget <= 0) {
-        llama_vis_mem_info mi;
-        llama_vis_mem_probe(&mi);
-        budget = mi.available;
+// the budget a plan works with: `requested` bytes, never above what this process may hold at all (the cgroup
+// limit, MemTotal: a larger number would be planned for and then killed); <= 0: what the machine gives (auto)
+static int64_t effective_budget(int64_t requested) {
+    llama_vis_mem_info mi;
+    llama_vis_mem_probe(&mi);
+    if (requested <= 0) {
+        return mi.available;
     }
+    return mi.limit > 0 ? std::min(requested, mi.limit) : requested;
+}
+
+int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget) {
+    budget = effective_budget(budget);
     return model_bytes + llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0) <= budget / 10 * 9 ? 1 : 0;
 }
 
@@ -246,21 +253,23 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         return -1;
     }
     struct llama_vis_moe_plan p = {};
+    const int64_t budget = effective_budget(r.budget);
     if (r.n_managed_layers <= 0 || r.expert_bytes <= 0 || r.n_expert <= 0) {
-        // nothing to page: everything is resident
-        p.ok = 1;
+        // nothing to page: everything is resident, and all of it must fit
         p.n_slots = r.n_expert;
         p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes;
-        p.budget = r.budget;
+        p.budget = budget;
         p.min_budget = p.fixed_bytes;
+        p.tight_budget = p.fixed_bytes;
+        p.ok = p.fixed_bytes <= budget ? 1 : 0;
+        if (!p.ok) {
+            vis_set_last_error("the memory budget of " + mib(budget) + " is too small: every expert stays resident, so " +
+                               mib(r.resident_bytes) + " of weights + " + mib(r.kv_bytes + r.reserve_bytes) +
+                               " for KV cache and compute = " + mib(p.fixed_bytes) + " must fit; raise the budget to " +
+                               "at least that, or let experts page (fewer --moe-pinned-layers, fewer --moe-slots)");
+        }
         *out = p;
         return 0;
-    }
-    int64_t budget = r.budget;
-    if (budget <= 0) {
-        llama_vis_mem_info m;
-        llama_vis_mem_probe(&m);
-        budget = m.available;
     }
     const int64_t reserve = r.reserve_bytes;
     const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer

@@ -226,6 +226,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
                            profile->lookahead, s.predict.lookahead, profile->lookahead + 1, s.predict.lookahead);
         }
     } else if (!pf.empty()) {
+        vis_predict_profile_load(pf, model);  // a named file is checked even when it is not used; throws on a bad one
         LLAMA_LOG_WARN("vis-moe: --moe-predict-profile %s is not used: --moe-predict %s does not learn from counts "
                        "(only coact, freq and mlp read a profile)\n", pf.c_str(), vis_predict_mode_name(mode));
     }

@@ -1,5 +1,6 @@
 // vis-moe-profile.cpp - loading calibrated profiles and the model fingerprint (vis-moe-profile.h).
 #include "vis-moe-profile.h"
+#include "vis-moe-deferred.h"
 #include "vis-error.h"
 #include "llama-vis.h"
 
@@ -132,6 +133,10 @@ void vis_profile_open(vis_profile_file & f, const llama_model & model, bool meta
         throw f.error("profile version " + std::to_string(version) + ", this build reads version " +
                       std::to_string(PROFILE_VERSION));
     }
+    const std::string arch_key = f.str("general.architecture");
+    if (arch_key != "vis-profile") {  // every vis sidecar has it (pyvis.runtime.profile.PROFILE_ARCH)
+        throw f.error("general.architecture is '" + arch_key + "', a vis sidecar has 'vis-profile' (damaged file)");
+    }
     const auto & hp = model.hparams;
     const std::string arch = llm_arch_name(model.arch);
     const std::string p_arch = f.str("vis.model.arch");
@@ -173,15 +178,9 @@ uint64_t vis_moe_router_hash(const llama_model & model) {
                                      " is repacked for this CPU; its stored bytes cannot be fingerprinted (use --no-repack)");
         }
         const size_t n = ggml_nbytes(t);
-        bytes.assign((n + 3) & ~(size_t) 3, 0);
+        bytes.resize(n);
         ggml_backend_tensor_get(t, bytes.data(), 0, n);
-        uint64_t sum = (uint64_t) n;
-        for (size_t i = 0; i < bytes.size() / 4; ++i) {
-            uint32_t w;
-            std::memcpy(&w, bytes.data() + 4 * i, 4);  // little endian hosts only (x86-64, aarch64)
-            sum += ((uint64_t) w + 1) * (2 * (uint64_t) i + 1);
-        }
-        h = h * 0x100000001b3ull + sum;
+        h = h * 0x100000001b3ull + vis_bytes_sum(bytes.data(), n);
         any = true;
     }
     if (!any) {

@@ -442,3 +442,11 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
         throw vis_error("--moe-slots and --moe-cache-mib are alternatives: give one of them");
     }
 }
+
+int32_t llama_vis_moe_max_slots(void) {
+    return (int32_t) MAX_SLOTS;
+}
+
+long long vis_parse_int(const std::string & what, const std::string & v, long long lo, long long hi, const char * note) {
+    return parse_int(what, v, lo, hi, note);
+}

@@ -239,6 +239,29 @@ bool vis_moe_settings_mem_only(const vis_moe_settings & s) {
            s.params.n_pinned >= 0;
 }
 
+void vis_moe_settings_check_resident(int64_t model_bytes, int64_t n_expert) {
+    const vis_moe_settings s = vis_moe_settings_current();
+    const bool all_pinned = s.params.n_pinned < 0;
+    const bool all_slots  = s.params.n_slots > 0 && s.params.n_slots >= n_expert;
+    if (s.tier.mem_mib == 0 || s.tier.store != 0 || (!all_pinned && !all_slots)) {
+        return;
+    }
+    // the plan of a model with nothing to page (llama_vis_moe_plan, as pyvis plan asks it): all of it must fit
+    llama_vis_moe_plan_request rq = {};
+    rq.budget         = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
+    rq.resident_bytes = model_bytes;
+    rq.reserve_bytes  = llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);  // the runtime floor; KV comes later
+    rq.host_mib       = -1;
+    struct llama_vis_moe_plan plan;
+    if (llama_vis_moe_plan(&rq, &plan) != 0 || !plan.ok) {
+        const std::string why = all_pinned ? "--moe-pinned-layers -1 keeps every expert resident"
+                                           : "--moe-slots " + std::to_string(s.params.n_slots) + " >= the model's " +
+                                             std::to_string(n_expert) + " experts keeps every expert resident";
+        throw std::runtime_error("vis-moe: --moe-mem " + (s.tier.mem_mib < 0 ? std::string("auto") :
+                                 std::to_string(s.tier.mem_mib)) + ": " + why + ", and " + llama_vis_last_error());
+    }
+}
+
 bool vis_moe_settings_model_fits(int64_t model_bytes) {
     const vis_moe_settings s = vis_moe_settings_current();
     return vis_moe_settings_mem_only(s) && llama_vis_moe_whole_model_fits(model_bytes, s.tier.mem_mib << 20) != 0;

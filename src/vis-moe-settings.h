@@ -125,6 +125,10 @@ struct vis_moe_env_row {
     void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
 };
 const vis_moe_env_row * vis_moe_env_rows(int & n);
+// [+-]digits and nothing else, within [lo, hi]: the value; else std::invalid_argument
+// "WHAT: expected an integer in LO..HI<note>, got 'V'" (the table's parser, shared with other variables)
+long long vis_parse_int(const std::string & what, const std::string & v, long long lo, long long hi,
+                        const char * note = "");
 vis_moe_settings vis_moe_settings_builtin();
 // every field in range (the C API takes structs, the CLI strings); throws std::invalid_argument naming the flag
 void vis_moe_settings_validate(const vis_moe_settings & s);
@@ -142,5 +146,9 @@ bool vis_moe_settings_deferral(int & n_pinned, int64_t n_expert);
 // model_bytes fits the budget whole (with the runtime floor of llama_vis_moe_estimate_reserve and
 // 10 % left for KV cache and compute): then nothing is deferred or managed, and upstream's path runs.
 bool vis_moe_settings_model_fits(int64_t model_bytes);
+// Model load (patch 0004): --moe-mem with flags that keep every expert resident (--moe-pinned-layers -1,
+// --moe-slots >= n_expert) defers nothing, so the whole model must fit the budget: throws std::runtime_error
+// naming the flags, the budget and the smallest one that fits, before anything is loaded.
+void vis_moe_settings_check_resident(int64_t model_bytes, int64_t n_expert);
 // the same settings, at context creation: a model loaded without deferral runs upstream's path
 bool vis_moe_settings_mem_only(const vis_moe_settings & s);

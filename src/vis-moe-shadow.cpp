@@ -10,9 +10,13 @@
 #include "ggml.h"
 #include "gguf.h"
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
+
+#include <unistd.h>
 
 
 namespace {
@@ -21,6 +25,40 @@ static_assert(VIS_SHADOW_KINDS == VIS_T_COUNT, "shadow tensor kinds are the expe
 
 std::string ne_str(int64_t a, int64_t b, int64_t c) {
     return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
+}
+
+// the per-expert checksums of tensor "vis.shadow.sums" (pyvis shadow writes it last: row j holds the experts of
+// the file's j-th tensor), read from the file; empty for a sidecar written before there were checksums
+std::vector<uint64_t> read_sums(const vis_profile_file & f, const vis_gguf_file & file, size_t data0,
+                                int64_t n_expert) {
+    const int64_t id = gguf_find_tensor(f.g, VIS_SHADOW_SUMS);
+    if (id < 0) {
+        return {};
+    }
+    const int64_t n_tensors = gguf_get_n_tensors(f.g);
+    const ggml_tensor * t = ggml_get_tensor(f.ctx, VIS_SHADOW_SUMS);
+    if (!t || t->type != GGML_TYPE_I64 || id != n_tensors - 1 || t->ne[0] != n_expert || t->ne[1] != n_tensors - 1 ||
+        t->ne[2] != 1 || t->ne[3] != 1) {
+        throw f.error(std::string("tensor ") + VIS_SHADOW_SUMS + " is not the last tensor, I64 [" +
+                      std::to_string(n_expert) + " experts, " + std::to_string(n_tensors - 1) + " tensors] (damaged file)");
+    }
+    const uint64_t off = (uint64_t) data0 + gguf_get_tensor_offset(f.g, id);
+    const size_t bytes = ggml_nbytes(t);
+    if (off + bytes > file.size) {
+        throw f.error(std::string("tensor ") + VIS_SHADOW_SUMS + " ends at byte " + std::to_string(off + bytes) +
+                      ", past the end of the file (" + std::to_string(file.size) + " bytes): truncated");
+    }
+    std::vector<uint64_t> sums(bytes / sizeof(uint64_t));
+    size_t done = 0;
+    while (done < bytes) {
+        const ssize_t r = pread(file.fd, (char *) sums.data() + done, bytes - done, (off_t) (off + done));
+        if (r <= 0) {
+            throw f.error(std::string("cannot read tensor ") + VIS_SHADOW_SUMS + ": " +
+                          (r == 0 ? "unexpected end of file" : std::strerror(errno)));
+        }
+        done += (size_t) r;
+    }
+    return sums;
 }
 
 } // namespace
@@ -66,6 +104,8 @@ std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, co
         throw f.error("vis.shadow.type '" + tname + "' is not a quantized ggml type (damaged file)");
     }
     const size_t data0 = gguf_get_data_offset(f.g);
+    const std::vector<uint64_t> sums = read_sums(f, *file, data0, model.hparams.n_expert);
+    sh->checked = !sums.empty();
     sh->layers.resize(model.layers.size());
     for (int il : need) {
         if (il < 0 || il >= (int) model.layers.size()) {
@@ -113,6 +153,14 @@ std::unique_ptr<vis_moe_shadow> vis_moe_shadow_load(const std::string & path, co
             t->src.offs     = off;
             t->src.nb2      = st_->nb[2];
             t->src.n_expert = st_->ne[2];
+            if (!sums.empty()) {
+                const size_t n_exp = (size_t) model.hparams.n_expert;
+                if ((size_t) st_->ne[2] != n_exp) {
+                    throw f.error(std::string("tensor ") + name + " has " + std::to_string(st_->ne[2]) +
+                                  " experts, the model " + std::to_string(n_exp));
+                }
+                t->src.sums.assign(sums.begin() + (size_t) id * n_exp, sums.begin() + (size_t) (id + 1) * n_exp);
+            }
             t->type         = st_->type;
             t->model_type   = mt->type;
             t->ne0          = st_->ne[0];
@@ -146,4 +194,8 @@ void vis_moe_shadow_attach(const vis_moe_context & vm, const std::string & path,
                    sh.bytes / 1048576.0, sh.model_bytes / 1048576.0, sh.expert_bytes(need.front()) / 1024.0,
                    need.front(), used ? "misses may run from them (--moe-precision)"
                                       : "validated; --moe-precision is off, so no miss runs from them");
+    if (!sh.checked) {
+        LLAMA_LOG_WARN("vis-moe: --moe-shadow %s was written before sidecars had per-expert checksums: its experts are "
+                       "read unchecked; write it again with pyvis shadow\n", path.c_str());
+    }
 }

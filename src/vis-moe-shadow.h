@@ -4,7 +4,9 @@
 //
 // The loader opens the file, checks the shared sidecar header and the model fingerprint (vis-moe-profile.h), and
 // checks every expected tensor: present, the model tensor's ne0 / ne1 / n_expert, a quantized type (the file's
-// vis.shadow.type), its data inside the file.  It reads no tensor data (no mmap of the file): what it exposes per
+// vis.shadow.type), its data inside the file; and the general.architecture every vis sidecar has.  It reads no
+// tensor data but the per-expert checksums (tensor vis.shadow.sums, the last; absent in sidecars written before
+// them), which the I/O pool checks each shadow expert it reads against (no mmap of the file): what it exposes per
 // layer and tensor kind is what a positioned read of one shadow expert needs, as a vis_deferred_tensor that the
 // I/O pool (vis-moe-io-pool.h) reads like the model's own deferred experts: fd (and O_DIRECT fd), offset of expert
 // 0, bytes per expert (nb2).
@@ -27,6 +29,9 @@ struct vis_moe_context;
 
 // the tensor kinds of a layer, in the order of vis-moe-context.h's VIS_T_* (gate, up, down, gate_up)
 constexpr int VIS_SHADOW_KINDS = 4;
+// the tensor of per-expert checksums, I64 [n_expert, n_tensors - 1]: row j holds vis_bytes_sum of each expert's
+// slice of the file's j-th tensor (stored as u64)
+constexpr const char * VIS_SHADOW_SUMS = "vis.shadow.sums";
 
 // one shadow tensor of one layer
 struct vis_shadow_tensor {
@@ -45,6 +50,7 @@ struct vis_moe_shadow {
     int     n_layers    = 0;   // layers with shadow tensors
     int64_t bytes       = 0;   // shadow bytes of those layers
     int64_t model_bytes = 0;   // the model's bytes of the same tensors
+    bool    checked     = false;  // the file has per-expert checksums: each read is checked against them
 
     // the shadow tensor of layer il and kind k (VIS_T_*), or null
     const vis_shadow_tensor * get(int il, int k) const;

@@ -25,6 +25,11 @@ vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, co
 // Print the stats if asked (--moe-stats) and free the cache.
 void vis_moe_context_detach(vis_owned<vis_moe_context> & vm);
 
+// Before upstream creates (and clears) the KV cache of a context (patch 0002): under --moe-mem, throws
+// std::runtime_error when a lower bound of the KV cache of n_ctx tokens alone does not fit the budget, naming
+// the largest context that could.
+void vis_moe_check_kv(const llama_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+
 // Record the ubatch about to be computed (positions, sequences, modality for the trace).
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);
 // After compute: false if a load or a trace write failed during the ubatch (message in llama_vis_last_error()).

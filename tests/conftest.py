@@ -1,8 +1,12 @@
 """Shared pytest fixtures: the native build, the generated MoE models."""
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,41 @@ def run(cmd: list, timeout: float = 120, extra_env: dict | None = None, **kw) ->
     env.update(extra_env or {})
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, env=env, **{"errors": "surrogateescape", **kw})
+
+
+@contextlib.contextmanager
+def llama_server(bindir, model, *extra, log=None, env: dict | None = None):
+    """A llama-server for ``model`` on a free 127.0.0.1 port, healthy within 60 s: yields (process, port); stopped
+    (terminate, then kill) on exit.  ``log``: a path for its output (default: discarded)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                             *[str(x) for x in extra]], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "LLAMA_LOG_COLORS": "0", **(env or {})})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as h:
+                    if h.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, open(log).read()[-3000:] if log else "server exited"
+            assert time.monotonic() < deadline, "server did not become healthy in 60 s"
+            time.sleep(0.3)
+        yield proc, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+        if log:
+            out.close()
 
 
 MEDIUM = fx.ModelSpec(name="paging-medium", arch="qwen3moe", n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,

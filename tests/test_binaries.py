@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import time
 import urllib.request
 
 import pytest
 
-from conftest import run
+from conftest import llama_server, run
 
 
 def test_llama_cli_generates(bindir, text_model):
@@ -62,32 +59,10 @@ def test_llama_perplexity_runs(bindir, fixture_dir, tmp_path):
     assert "Final estimate: PPL" in r.stdout + r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_llama_server_completes(bindir, fixture_dir, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(fixture_dir / "deepseek2.gguf"),
-                             "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2", "-np", "2"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as h:
-                    if h.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not become healthy in 60 s"
-            time.sleep(0.3)
-        req = urllib.request.Request(base + "/completion", method="POST",
+    with llama_server(bindir, fixture_dir / "deepseek2.gguf", "-c", "512", "-t", "2", "-np", "2",
+                      log=tmp_path / "server.log") as (_, port):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", method="POST",
                                      data=json.dumps({"prompt": "Experts are", "n_predict": 6,
                                                       "temperature": 0}).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -95,10 +70,3 @@ def test_llama_server_completes(bindir, fixture_dir, tmp_path):
             out = json.loads(resp.read())
         assert out["tokens_predicted"] == 6
         assert isinstance(out["content"], str)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()

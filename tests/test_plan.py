@@ -31,7 +31,7 @@ def test_plan_reserve_is_the_runtimes(fixture_dir, name):
     (["--pinned", "-2"], "--pinned", "an integer in -1..2147483647 (-1 = all), got '-2'"),
     (["-c", "-5"], "-c/--ctx-size", "an integer in 1..2147483647, got '-5'"),
     (["-ub", "0"], "-ub/--ubatch-size", "an integer in 1..2147483647, got '0'"),
-    (["--slots", "-1"], "--slots", "an integer in 0..2147483647 (0 = planned), got '-1'"),
+    (["--slots", "-1"], "--slots", "an integer in 0..65536 (0 = planned), got '-1'"),
     (["--host-mib", "-2"], "--host-mib", "(-1 = planned), got '-2'"),
     (["--device-mib", "0"], "--device-mib", "got '0'"),
     (["--slots", "4294967296"], "--slots", "got '4294967296'"),

@@ -111,7 +111,8 @@ def test_a_streamed_prompt_forgets_the_shadow_slots(fixture_dir, tmp_path, monke
     sh.write_shadow(model, "Q8_0", shadow, threads=2)
     import gguf
     same = {t.name: bytes(np.asarray(t.data).view(np.uint8)) for t in gguf.GGUFReader(model).tensors}
-    assert all(bytes(np.asarray(t.data).view(np.uint8)) == same[t.name] for t in gguf.GGUFReader(shadow).tensors)
+    assert all(bytes(np.asarray(t.data).view(np.uint8)) == same[t.name] for t in gguf.GGUFReader(shadow).tensors
+               if t.name != sh.T_SUMS)
     second = b" and a second prompt long enough to stream through every managed layer of the model once more"
     ref, _ = _greedy(model, extra_bufts=False, prompt2=second)
     monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")  # every prompt streams; decode steps run in passes

@@ -42,8 +42,7 @@ def qwen_q4(fixture_dir, tmp_path_factory):
 
 
 def _model_tensors(model):
-    r = vprof._reader(model, "model")
-    return {t.name: t for _, t in sh.expert_tensors(r)}
+    return {t.name: t for _, t in sh.expert_tensors(vprof.model_readers(model))}
 
 
 @pytest.mark.parametrize("name, typ", [("qwen3moe", "Q4_0"), ("deepseek2", "Q8_0"), ("gptoss", "Q5_1")])
@@ -210,10 +209,13 @@ def test_cli_loads_logs_and_changes_nothing(bindir, fixture_dir, qwen_q4):
     # through the environment, like every flag
     r3, out3 = _cli(bindir, model, n=1, env={"VIS_MOE_SHADOW": str(qwen_q4)})
     assert r3.returncode == 0 and f"--moe-shadow {qwen_q4}: q4_0 shadows" in out3, out3[-2000:]
-    # without the expert cache it is not read, and says so
+    # without the expert cache it is not used, and says so; the file is still checked (issue #25)
+    r2 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "2", "-st", "-c", "256", "-t", "2",
+              "--no-warmup", "-lv", "4", "--moe-shadow", qwen_q4], timeout=180)
+    assert r2.returncode == 0 and "--moe-shadow " + str(qwen_q4) + " ignored" in r2.stdout + r2.stderr
     r2 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "2", "-st", "-c", "256", "-t", "2",
               "--no-warmup", "-lv", "4", "--moe-shadow", model], timeout=180)
-    assert r2.returncode == 0 and "--moe-shadow " + str(model) + " ignored" in r2.stdout + r2.stderr
+    assert r2.returncode != 0 and "missing key vis.profile.kind" in r2.stdout + r2.stderr
     r4 = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", "1", "-st", "-c", "256", "-t", "2",
               "--no-warmup", "-lv", "4", "--moe-mem", "4000", "--moe-shadow", qwen_q4], timeout=180)
     assert r4.returncode == 0 and "ignored: shadows are for the managed layers of the expert cache, which is not " \

@@ -206,11 +206,11 @@ def fit(traces: list[Trace], n_layer: int, n_expert: int, alpha: float = DEFAULT
 
 
 def write(fit_: BuddyFit, out: str | os.PathLike, fingerprint: dict, source: str,
-          model_path: str | os.PathLike | None = None) -> Path:
+          model_path: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The profile of a fit (:func:`pyvis.runtime.profile.write_buddy_profile`)."""
     return prof.write_buddy_profile(out, fingerprint, fit_.ids, fit_.q, fit_.tae, fit_.alpha, fit_.k_max, fit_.k,
                                     fit_.n_tokens, source, freq=fit_.freq, smoothing=fit_.smoothing,
-                                    model_path=model_path)
+                                    model_path=model_path, force=force)
 
 
 # --------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _cmd_buddies(args) -> int:
         if not Path(args.model).is_file():
             raise CalibrationError(f"model not found: {args.model}")
         out = Path(args.out)
-        prof.check_output_path(out, Path(args.model))     # before minutes of work
+        prof.check_output_path(out, Path(args.model), prof.KIND, args.force)     # before minutes of work
         fp = prof.model_fingerprint(args.model)
         traces, source = traces_from_args(args)
         total = sum(len(t) for t in traces)
@@ -236,7 +236,7 @@ def _cmd_buddies(args) -> int:
             raise CalibrationError("the traces hold no routing records")
         if not r.n_tae.any():
             log("warning: the traces hold no gate weights: TAE quantiles are NaN (--moe-sub-tae pN cannot use them)")
-        path = write(r, out, fp, source, model_path=args.model)
+        path = write(r, out, fp, source, model_path=args.model, force=args.force)
     except (CalibrationError, prof.ProfileError, TraceError, QualityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -116,6 +116,7 @@ def add_input_args(s, what: str) -> None:
                      "(a file, or a named text: calibration, heldout, vim-all)")
     s.add_argument("-o", "--out", required=True, metavar="FNAME", help="profile to write (never a model or another "
                    "existing file that is not a profile)")
+    s.add_argument("--force", action="store_true", help="replace an existing vis sidecar of another kind at --out")
     s.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX, metavar="N",
                    help=f"corpus runs: context size of llama-perplexity (default: {DEFAULT_CTX})")
     s.add_argument("--chunks", type=int, metavar="N", help="corpus runs: use this many chunks (default: all)")

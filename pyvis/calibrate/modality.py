@@ -34,8 +34,8 @@ from typing import Callable
 import numpy as np
 
 from ..runtime import profile as prof
-from ..runtime.modality_profile import LABELS, SHARED, TEXT, UNKNOWN, UNUSED, VISUAL, check_thresholds, \
-    write_modality_profile
+from ..runtime.modality_profile import KIND as MODALITY_KIND, LABELS, SHARED, TEXT, UNKNOWN, UNUSED, VISUAL, \
+    check_thresholds, write_modality_profile
 from ..runtime.trace import Trace, TraceError
 from .inputs import CalibrationError, check_traces, traces_from_files
 
@@ -283,7 +283,7 @@ def _refuse_overwrite(args) -> None:
     if args.out:
         if not args.model:
             raise CalibrationError("--out needs -m MODEL: a profile carries the fingerprint of the model it is for")
-        prof.check_output_path(Path(args.out), Path(args.model))
+        prof.check_output_path(Path(args.out), Path(args.model), MODALITY_KIND, args.force)
 
 
 def _cmd_modality(args) -> int:
@@ -307,7 +307,8 @@ def _cmd_modality(args) -> int:
         path = None
         if args.out:
             path = write_modality_profile(args.out, fp, r.arrays(), r.visual_min, r.text_max, r.n_image_tokens,
-                                          r.n_text_tokens, r.k, source, model_path=args.model)
+                                          r.n_text_tokens, r.k, source, model_path=args.model,
+                                          force=args.force)
         if args.json:
             Path(args.json).write_text(json.dumps(to_json(r, source, args.model, path and str(path))) + "\n")
         if args.plot:
@@ -344,6 +345,7 @@ def register(sub) -> None:
                    help=f"label an expert visual when v >= V (default: {DEFAULT_VISUAL_MIN})")
     s.add_argument("--text-max", type=_share, default=DEFAULT_TEXT_MAX, metavar="V",
                    help=f"label an expert text when v <= V; below --visual-min (default: {DEFAULT_TEXT_MAX})")
+    s.add_argument("--force", action="store_true", help="replace an existing vis sidecar of another kind at --out")
     s.add_argument("--json", metavar="FNAME", help="also write every count, share and label here")
     s.add_argument("--plot", metavar="FNAME", help="also draw v per layer x expert as a heat map (PNG)")
     s.set_defaults(fn=_cmd_modality)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..runtime import predict
 from ..runtime import profile as prof
-from ..runtime.predict_profile import write_predictor_profile
+from ..runtime.predict_profile import KIND, write_predictor_profile
 from ..runtime.trace import Trace, TraceError
 from ..runtime.predict_mlp import DEFAULT_HIDDEN as DEFAULT_MLP_HIDDEN, DEFAULT_HISTORY as DEFAULT_MLP_HISTORY
 from .inputs import CalibrationError, add_input_args, check_traces, log, traces_from_args, traces_from_corpus, \
@@ -171,7 +171,7 @@ def _cmd_predictor(args) -> int:
         if args.eval_corpus and args.corpus and Path(args.eval_corpus) == Path(args.corpus):
             raise CalibrationError("--eval-corpus is the calibration text: evaluate on text the tables never saw")
         out = Path(args.out)
-        prof.check_output_path(out, Path(args.model))     # before minutes of work
+        prof.check_output_path(out, Path(args.model), KIND, args.force)     # before minutes of work
         fp = prof.model_fingerprint(args.model)
         L, E = fp["n_layer"], fp["n_expert"]
         if args.budgets and (max(args.budgets) > E or min(args.budgets) < 1):
@@ -187,7 +187,7 @@ def _cmd_predictor(args) -> int:
         counts = fit(fit_routes, L, E, args.lookahead, progress=Progress("predictor", total, unit="tokens", scale=1))
         source += f" (fitted on {total} tokens" + (f"; evaluated on {ev_src})" if ev_src else ")")
         path = write_predictor_profile(out, fp, counts.freq(), counts.tables(), k, total, source, args.weighting,
-                                       model_path=args.model)
+                                       model_path=args.model, force=args.force)
         res = None
         if ev_routes:
             budgets = args.budgets or predict.default_budgets(k, E)
@@ -257,7 +257,7 @@ def _cmd_mlp(args, out: Path, fp: dict) -> int:
                         progress=Progress("mlp", 1, unit="layer-epochs", scale=1))
     source = cap.source + f" (fitted on {total} tokens" + (f"; evaluated on {ev_src})" if ev_src else ")")
     path = write_predictor_profile(out, fp, counts.freq(), counts.tables(), k, total, source, args.weighting,
-                                   model_path=args.model, mlp=weights)
+                                   model_path=args.model, mlp=weights, force=args.force)
     print(f"predictor profile: lookahead {args.lookahead}, top-{k} of {E} experts, {total} tokens, weighting "
           f"{args.weighting}, MLP {weights.n_embd}+{E} -> {weights.hidden} -> {args.lookahead}x{E} "
           f"(history {weights.history}, {path.stat().st_size / (1 << 20):.1f} MiB)")

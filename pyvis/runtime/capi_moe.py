@@ -150,6 +150,12 @@ def llama_vis_moe_get_flag(i: int, out) -> int:
     """Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range."""
 
 
+# LLAMA_API int32_t llama_vis_moe_max_slots(void);
+@ctypes_function("llama_vis_moe_max_slots", [], ctypes.c_int32)
+def llama_vis_moe_max_slots() -> int:
+    """The largest --moe-slots / --moe-shadow-slots value the settings accept (`pyvis plan` shares it)."""
+
+
 # LLAMA_API const char * llama_vis_moe_env_brief(void);
 @ctypes_function("llama_vis_moe_env_brief", [], ctypes.c_char_p)
 def llama_vis_moe_env_brief() -> bytes:

@@ -110,7 +110,7 @@ def _check(a: dict, L: int, E: int, path: Path, fix: str) -> None:
 
 def write_modality_profile(path: str | os.PathLike, fingerprint: dict, arrays: dict, visual_min: float,
                            text_max: float, n_image_tokens: int, n_text_tokens: int, k: int, source: str,
-                           model_path: str | os.PathLike | None = None) -> Path:
+                           model_path: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Write a modality profile (atomically; never over ``model_path`` or a file that is not a vis profile).
     ``arrays``: every name of PER_EXPERT and PER_LAYER (without the ``modality.`` prefix)."""
     L, E = int(fingerprint["n_layer"]), int(fingerprint["n_expert"])
@@ -120,7 +120,7 @@ def write_modality_profile(path: str | os.PathLike, fingerprint: dict, arrays: d
         raise prof.ProfileError(why)
     _check(a, L, E, Path(path), "a bug in the caller")
     w = prof.start_profile(path, fingerprint, KIND, VERSION, k, int(n_image_tokens) + int(n_text_tokens), source,
-                           model_path)
+                           model_path, force)
     w.add_float32(K_VMIN, float(visual_min))
     w.add_float32(K_TMAX, float(text_max))
     w.add_uint64(K_NIMG, int(n_image_tokens))

@@ -45,6 +45,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     docs/topk.md), as --moe-topk.  A bad value raises VisError naming the option and its range; a bad
     profile or sidecar, VisError naming the file and the fix.
     """
+    _check_llama_kwargs(llama_kwargs)
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
     sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
@@ -61,6 +62,19 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
             if err:
                 raise VisError(err) from e
             raise
+
+
+def _check_llama_kwargs(kw: dict) -> None:
+    """TypeError for a keyword that is neither ours nor a named parameter of llama_cpp.Llama (which would swallow it
+    in its **kwargs: ``slotz=3`` would load the model fully resident without a word)."""
+    import inspect
+    named = {n for n, p in inspect.signature(llama_cpp.Llama.__init__).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self", "model_path"}
+    unknown = sorted(set(kw) - named)
+    if unknown:
+        ours = [n for n in inspect.signature(load).parameters if n not in ("model_path", "llama_kwargs")]
+        raise TypeError(f"pyvis.moe.load() got unknown keyword argument(s) {', '.join(unknown)}: neither an option of "
+                        f"the expert cache ({', '.join(ours)}) nor a parameter of llama_cpp.Llama")
 
 
 def stats(llm) -> MoeStats | None:

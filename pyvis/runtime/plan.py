@@ -29,21 +29,32 @@ RANGES = {
     "n_ctx": (1, _I32, "-c/--ctx-size", ""),
     "n_ubatch": (1, _I32, "-ub/--ubatch-size", ""),
     "pinned": (-1, _I32, "--pinned", " (-1 = all)"),
-    "slots": (0, _I32, "--slots", " (0 = planned)"),
+    "slots": (0, None, "--slots", " (0 = planned)"),           # None: the runtime's limit (_max_slots)
     "host_mib": (-1, _MAX_MIB, "--host-mib", " (-1 = planned)"),
     "device_mib": (1, _MAX_MIB, "--device-mib", ""),
 }
 
 
+def _max_slots() -> int:
+    """The runtime's largest --moe-slots (llama_vis_moe_max_slots): one limit for the plan and the runtime."""
+    from . import capi
+    return capi.llama_vis_moe_max_slots()
+
+
+def _bounds(key: str) -> tuple[int, int]:
+    lo, hi, _, _ = RANGES[key]
+    return lo, _max_slots() if hi is None else hi
+
+
 def _range_text(key: str) -> str:
-    lo, hi, _, note = RANGES[key]
-    return f"an integer in {lo}..{hi}{note}"
+    lo, hi = _bounds(key)
+    return f"an integer in {lo}..{hi}{RANGES[key][3]}"
 
 
 def check_args(**kw) -> None:
     """ValueError naming the option and its range for an argument of make_plan outside RANGES (None: not given)."""
     for key, v in kw.items():
-        lo, hi, opt, _ = RANGES[key]
+        (lo, hi), opt = _bounds(key), RANGES[key][2]
         if v is not None and not (isinstance(v, int) and lo <= v <= hi):
             raise ValueError(f"{opt} must be {_range_text(key)}, got {v!r}")
 
@@ -93,15 +104,23 @@ def _kv(fields: dict, key: str, default=None):
 
 
 def read_shape(path: str | Path) -> ModelShape:
-    """MoE shape and byte counts of a GGUF, from its header."""
+    """MoE shape and byte counts of a GGUF, from its header (every shard's, for a split model)."""
     from gguf import GGUFReader
+    from .gguf_model import shard_paths, what_it_is
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such model file")
-    try:
-        r = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{path}: not a readable GGUF file ({e}); re-download or re-convert the model") from e
+    shards = shard_paths(path)
+    readers = []
+    for p in shards:
+        try:
+            readers.append(GGUFReader(str(p)))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{p}: not a readable GGUF file ({e}); re-download or re-convert the model") from e
+    not_a_model = what_it_is(path, readers[0])
+    if not_a_model:
+        raise ValueError(not_a_model)
+    r = readers[0]
     fields = r.fields
     arch = _kv(fields, "general.architecture")
     if not arch:
@@ -125,9 +144,10 @@ def read_shape(path: str | Path) -> ModelShape:
         n_expert_used=int(g("expert_used_count", 0)), n_embd=n_embd,
         n_vocab=len(tokens) if tokens is not None else 0, n_ff_exp=int(g("expert_feed_forward_length", 0)),
         kv_bytes_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,  # F16 K and V
-        file_bytes=path.stat().st_size, total_bytes=0)
-    names = {t.name for t in r.tensors}
-    for t in r.tensors:
+        file_bytes=sum(p.stat().st_size for p in shards), total_bytes=0)
+    tensors = [t for rd in readers for t in rd.tensors]
+    names = {t.name for t in tensors}
+    for t in tensors:
         nb = int(t.n_bytes)
         shape.total_bytes += nb
         if t.name == "token_embd.weight" and "output.weight" in names:
@@ -249,7 +269,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     src = ("the machine's limit (auto)" if budget is None else
            f"{sku.name}: {sku.memory_gb} GB board, MemoryMax={sku.memory_max_mib}M, --moe-mem {sku.moe_mem_mib}"
            if sku else "--budget")
-    print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens\n")
+    print(f"budget:  {p['budget'] / MIB:.0f} MiB from {src}; context {args.ctx_size} tokens")
+    if budget is not None and p["budget"] < budget * MIB:
+        lim = "cgroup limit" if 0 < mem["cgroup_limit"] <= mem["mem_total"] else "MemTotal"
+        print(f"         --budget {budget} MiB exceeds what this process may hold ({lim}): planned for "
+              f"{p['budget'] / MIB:.0f} MiB instead, as the runtime does")
+    print()
     rq = p["request"]
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
@@ -293,7 +318,7 @@ def _shadow_slots(s: str):
     if s == "auto":
         return s
     v = int(s)
-    if not 1 <= v <= 65536:
+    if not 1 <= v <= _max_slots():
         raise ValueError(s)
     return v
 

@@ -73,7 +73,8 @@ class PredictorProfile:
 
 def write_predictor_profile(path: str | os.PathLike, fingerprint: dict, freq, coact, k: int, n_tokens: int,
                             source: str, weighting: str = "conditional",
-                            model_path: str | os.PathLike | None = None, mlp: MlpWeights | None = None) -> Path:
+                            model_path: str | os.PathLike | None = None, mlp: MlpWeights | None = None,
+                            force: bool = False) -> Path:
     """Write a predictor profile (atomically; never over ``model_path`` or a file that is not a vis profile), with
     the lookahead MLP if given."""
     L, E = int(fingerprint["n_layer"]), int(fingerprint["n_expert"])
@@ -88,7 +89,7 @@ def write_predictor_profile(path: str | os.PathLike, fingerprint: dict, freq, co
     _check_rows(coact, Path(path))
     if mlp is not None:
         _check_mlp(mlp, L, E, Path(path))
-    w = prof.start_profile(path, fingerprint, KIND, VERSION, k, n_tokens, source, model_path)
+    w = prof.start_profile(path, fingerprint, KIND, VERSION, k, n_tokens, source, model_path, force)
     w.add_uint32(K_LOOKAHEAD, int(coact.shape[0]))
     w.add_string(K_WEIGHTING, weighting)
     w.add_tensor(T_FREQ, freq)

@@ -80,29 +80,53 @@ def _field(r, key: str):
     return None if f is None else f.contents()
 
 
+def model_readers(path: str | os.PathLike) -> list:
+    """GGUFReaders of every file of the model ``path`` names (the shards of a split model, in order); ProfileError
+    for a later shard, a missing one, an mmproj or a sidecar (:mod:`pyvis.runtime.gguf_model`)."""
+    from .gguf_model import ModelFileError, shard_paths, what_it_is
+    path = Path(path)
+    try:
+        paths = shard_paths(path)
+    except ModelFileError as e:
+        raise ProfileError(str(e)) from None
+    readers = [_reader(p, "model") for p in paths]
+    why = what_it_is(path, readers[0])
+    if why:
+        raise ProfileError(why)
+    return readers
+
+
 def router_hash(model_path: str | os.PathLike) -> int:
     """The routers' fingerprint (formula above) over the raw stored bytes of every ``blk.<il>.ffn_gate_inp.weight``."""
     path = Path(model_path)
-    return _hash_routers(_reader(path, "model"), path)
+    return _hash_routers(model_readers(path), path)
 
 
-def _hash_routers(r, path: Path) -> int:
-    routers = sorted((int(m.group(1)), t) for t in r.tensors if (m := _ROUTER.fullmatch(t.name)))
+def _hash_routers(readers: list, path: Path) -> int:
+    routers = sorted(((int(m.group(1)), r, t) for r in readers for t in r.tensors
+                      if (m := _ROUTER.fullmatch(t.name))), key=lambda x: x[0])
     if not routers:
         raise ProfileError(f"{path}: no router tensors (blk.N.ffn_gate_inp.weight): not a MoE model")
     h = HASH_INIT
-    for _, t in routers:
-        raw = np.asarray(r.data[t.data_offset: t.data_offset + t.n_bytes], np.uint8)
-        pad = (-len(raw)) % 4
-        if pad:
-            raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-        w = raw.view("<u4").astype(np.uint64)
-        i = np.arange(len(w), dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            s = int(((w + np.uint64(1)) * (np.uint64(2) * i + np.uint64(1))).sum(dtype=np.uint64))  # wraps mod 2^64
-        tsum = (int(t.n_bytes) + s) & MASK64
-        h = (h * HASH_MUL + tsum) & MASK64
+    for _, r, t in routers:
+        h = (h * HASH_MUL + bytes_sum(r.data[t.data_offset: t.data_offset + t.n_bytes])) & MASK64
     return h
+
+
+def bytes_sum(data) -> int:
+    """The checksum of a run of bytes: ``nbytes + sum_i (w_i + 1) * (2 i + 1) mod 2^64`` over its little-endian u32
+    words ``w_i`` (zero-padded).  Each router's term of :func:`router_hash`, and each shadow expert's checksum
+    (:mod:`pyvis.runtime.shadow`); ``vis_bytes_sum`` in C.  A change of any one word changes it (odd factors)."""
+    raw = np.asarray(data, np.uint8).reshape(-1)
+    n = len(raw)
+    pad = (-n) % 4
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
+    w = raw.view("<u4").astype(np.uint64)
+    i = np.arange(len(w), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        s = int(((w + np.uint64(1)) * (np.uint64(2) * i + np.uint64(1))).sum(dtype=np.uint64))  # wraps mod 2^64
+    return (n + s) & MASK64
 
 
 _FP_CACHE: dict = {}   # (path, inode, size, mtime) -> fingerprint: GGUFReader takes seconds on a large vocabulary
@@ -121,7 +145,8 @@ def model_fingerprint(model_path: str | os.PathLike) -> dict:
 
 
 def _fingerprint(path: Path) -> dict:
-    r = _reader(path, "model")
+    readers = model_readers(path)
+    r = readers[0]
     arch = _field(r, "general.architecture")
     if not isinstance(arch, str):
         raise ProfileError(f"{path}: no general.architecture: not a model GGUF")
@@ -131,7 +156,7 @@ def _fingerprint(path: Path) -> dict:
         if v is None:
             raise ProfileError(f"{path}: no {arch}.{key}: not a MoE model")
         vals[name] = int(v)
-    return {"arch": arch, **vals, "router_hash": _hash_routers(r, path)}
+    return {"arch": arch, **vals, "router_hash": _hash_routers(readers, path)}
 
 
 @dataclass
@@ -157,8 +182,10 @@ class BuddyProfile:
         return [int(j) for j in self.ids[il, i] if j >= 0]
 
 
-def check_output_path(out: Path, model_path: Path | None) -> None:
-    """Raise ProfileError unless ``out`` may be written: not the model, not an existing file other than a profile."""
+def check_output_path(out: Path, model_path: Path | None, kind: str | None = None, force: bool = False) -> None:
+    """Raise ProfileError unless ``out`` may be written: not the model, not an existing file other than a profile,
+    and (``kind`` given) not a profile of another kind unless ``force`` (``--force``): a predictor profile written
+    with ``-o X.shadow.gguf`` must not replace the shadow sidecar there without a word."""
     if model_path is not None and (out.resolve() == model_path.resolve()
                                    or (out.exists() and model_path.exists() and os.path.samefile(out, model_path))):
         raise ProfileError(f"refusing to write the profile over the model itself ({out}); give another --out")
@@ -171,21 +198,25 @@ def check_output_path(out: Path, model_path: Path | None) -> None:
     if magic != b"GGUF":
         raise ProfileError(f"refusing to overwrite {out}: it exists and is not a vis profile; give another --out")
     try:
-        kind = _field(_reader(out, "profile"), K_KIND)
+        have = _field(_reader(out, "profile"), K_KIND)
     except ProfileError:
-        kind = None
-    if kind is None:
+        have = None
+    if have is None:
         raise ProfileError(f"refusing to overwrite {out}: it is a GGUF file that is not a vis profile "
                            "(a model?); give another --out")
+    if kind is not None and have != kind and not force:
+        raise ProfileError(f"refusing to overwrite {out}: it is a '{have}' sidecar, not a '{kind}' one; "
+                           "give another --out, or --force to replace it")
 
 
 def start_profile(path: str | os.PathLike, fingerprint: dict, kind: str, version: int, k: int, n_tokens: int,
-                  source: str, model_path: str | os.PathLike | None = None):
+                  source: str, model_path: str | os.PathLike | None = None, force: bool = False):
     """A GGUFWriter on ``PATH.part`` holding the kind, version, fingerprint and provenance keys; add the kind's keys
-    and tensors, then :func:`finish_profile`.  Refuses ``model_path`` and any file that is not a vis profile."""
+    and tensors, then :func:`finish_profile`.  Refuses ``model_path``, any file that is not a vis profile, and one of
+    another kind unless ``force``."""
     import gguf
     out = Path(path)
-    check_output_path(out, Path(model_path) if model_path else None)
+    check_output_path(out, Path(model_path) if model_path else None, kind, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     w = gguf.GGUFWriter(str(tmp), PROFILE_ARCH)
@@ -219,7 +250,7 @@ def finish_profile(w, path: str | os.PathLike) -> Path:
 
 def write_buddy_profile(path: str | os.PathLike, fingerprint: dict, ids, q, tae_quantiles, alpha: float, k_max: int,
                         k: int, n_tokens: int, source: str, *, freq=None, smoothing: float | None = None,
-                        model_path: str | os.PathLike | None = None) -> Path:
+                        model_path: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Write a buddies profile (atomically: ``PATH.part``, then rename).  Refuses to replace ``model_path``, any
     non-profile file, or a GGUF that is not a vis profile."""
     L, E = int(fingerprint["n_layer"]), int(fingerprint["n_expert"])
@@ -237,7 +268,7 @@ def write_buddy_profile(path: str | os.PathLike, fingerprint: dict, ids, q, tae_
         freq = np.ascontiguousarray(freq, np.float32)
         if freq.shape != (L, E):
             raise ProfileError(f"{T_FREQ}: shape {freq.shape}, expected {(L, E)}")
-    w = start_profile(path, fingerprint, KIND, VERSION, k, n_tokens, source, model_path)
+    w = start_profile(path, fingerprint, KIND, VERSION, k, n_tokens, source, model_path, force)
     w.add_float32(K_ALPHA, float(alpha))
     w.add_uint32(K_KMAX, int(k_max))
     if smoothing is not None:
@@ -277,6 +308,10 @@ def open_profile(path: str | os.PathLike, kind: str, version: int, keys: tuple =
         raise ProfileError(f"{p}: a {got!r} profile, not a {kind!r} one ({K_KIND}); {fix}")
     if ver != version:
         raise ProfileError(f"{p}: profile version {ver} is not supported (expected {version}); {fix}")
+    arch = _field(r, "general.architecture")
+    if arch != PROFILE_ARCH:
+        raise ProfileError(f"{p}: general.architecture is {arch!r}, a vis profile has {PROFILE_ARCH!r} (damaged file); "
+                           f"{fix}")
     meta = {}
     for key, typ in COMMON_KEYS + tuple(keys):
         v = _field(r, key)

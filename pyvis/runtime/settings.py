@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import numbers
+import os
 import threading
 import typing
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -56,8 +58,51 @@ def _switch(field: str, v) -> int:
     return _SWITCH_IN[v]
 
 
+def _type_ok(v, ann) -> bool:
+    """Does ``v`` have the annotated type?  bool is not an int or float here (``slots=True`` is a mistake), an int is
+    a float, and a path-like is a str (file names)."""
+    if ann is type(None):
+        return v is None
+    if ann is bool:
+        return isinstance(v, bool)
+    if ann is int:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    if ann is float:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if ann is str:
+        return isinstance(v, (str, os.PathLike))
+    return any(_type_ok(v, a) for a in typing.get_args(ann))
+
+
+_TYPE_NAMES = {int: "an integer", bool: "True or False", float: "a number", str: "a string", type(None): "None"}
+
+
+def _type_name(ann) -> str:
+    args = typing.get_args(ann)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return _TYPE_NAMES[ann]
+
+
+class VisTypeError(VisError, TypeError):
+    """A setting of the wrong type: a VisError like every bad setting, and a TypeError."""
+
+
+class _Typed:
+    """Base of the settings dataclasses: each field must have its annotated type (VisTypeError naming the field and
+    its flag), so ``mlock='no'`` or ``slots=True`` is an error, not a silently different setting."""
+
+    def __post_init__(self):
+        for name, ann in typing.get_type_hints(type(self)).items():
+            if name.startswith("_"):
+                continue
+            v = getattr(self, name)
+            if not _type_ok(v, ann):
+                raise VisTypeError(f"{name} ({flag_of(name)}) must be {_type_name(ann)}, got {v!r}")
+
+
 @dataclass(frozen=True)
-class MoeParams:
+class MoeParams(_Typed):
     """Expert-residency settings (docs/residency.md)."""
     slots: int = 0            # slots per managed MoE layer (0 = off unless cache_mib)
     cache_mib: int = 0        # alternative: total slab budget in MiB
@@ -81,7 +126,7 @@ class MoeParams:
 
 
 @dataclass(frozen=True)
-class TierParams:
+class TierParams(_Typed):
     """Paging-tier settings (docs/paging.md)."""
     store: str = "file"              # "file": managed experts read from the GGUF on demand; "model": loaded by llama.cpp
     host_mib: int = -1               # tier-2 host cache in MiB; -1 = planned by mem (else 0)
@@ -111,7 +156,7 @@ class TierParams:
 
 
 @dataclass(frozen=True)
-class SubParams:
+class SubParams(_Typed):
     """Substitution on a miss (lossy; docs/substitution.md).  Values as the flags take them."""
     substitute: str = "off"          # off | router | buddy | auto
     sub_profile: str | None = None   # buddy lists (pyvis calibrate buddies)
@@ -129,7 +174,7 @@ class SubParams:
 
 
 @dataclass(frozen=True)
-class PredictParams:
+class PredictParams(_Typed):
     """Lookahead prediction and prefetch (exact; docs/prediction.md).  Values as the flags take them."""
     predict: str = "off"                 # off | next-router | coact | freq | mlp | random | auto
     lookahead: int = 1                   # W: layers l+1 .. l+W
@@ -143,7 +188,7 @@ class PredictParams:
 
 
 @dataclass(frozen=True)
-class PrecisionParams:
+class PrecisionParams(_Typed):
     """Shadow experts and the precision policy (lossy; docs/precision.md): the sidecar of ``pyvis shadow`` and when a
     miss may run from it.  Values as the flags take them."""
     shadow: str | None = None            # --moe-shadow FILE
@@ -161,7 +206,7 @@ class PrecisionParams:
 
 
 @dataclass(frozen=True)
-class CapacityParams:
+class CapacityParams(_Typed):
     """Entropy-weighted capacity (lossy; docs/precision.md): image pairs over a layer's capacity of missing experts
     rerouted to experts in memory.  Values as the flags take them."""
     capacity: int | str = "off"          # off | auto | N
@@ -176,7 +221,7 @@ class CapacityParams:
 
 
 @dataclass(frozen=True)
-class TopkParams:
+class TopkParams(_Typed):
     """Fewer experts per token (lossy; docs/topk.md): each token runs its ``topk`` highest-weighted experts instead
     of the model's k (0 = off), exactly as upstream with ``expert_used_count`` overridden."""
     topk: int = 0

@@ -13,6 +13,12 @@ model's top-k, ``vis.profile.n_tokens`` = 0, ``vis.profile.source`` = the model'
     vis.shadow.layers                   [u32]   the layers written, ascending
     vis.shadow.model_bytes              u64     bytes of those tensors in the model
     vis.shadow.source_type.<tensor>     string  the model tensor's type, one key per tensor
+
+and, after the shadow tensors, one more tensor:
+
+    vis.shadow.sums                     I64 [n_tensors, n_expert]  row j: the checksum (:func:`profile.bytes_sum`,
+                                        stored as u64) of each expert's slice of the j-th shadow tensor, in file
+                                        order; the runtime checks each expert it reads against it (docs/shadow.md)
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ KIND = "shadow"
 VERSION = 1
 K_TYPE, K_LAYERS, K_MODEL_BYTES = "vis.shadow.type", "vis.shadow.layers", "vis.shadow.model_bytes"
 K_SRC = "vis.shadow.source_type."
+T_SUMS = "vis.shadow.sums"
 PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 _EXPS = re.compile(r"blk\.(\d+)\.(" + "|".join(PARTS) + r")\.weight")
 ShadowError = prof.ProfileError
@@ -51,9 +58,10 @@ class ShadowFile:
     tensors: dict            # name -> (source type name, ne tuple, reader tensor)
 
 
-def expert_tensors(reader) -> list:
-    """The routed-expert weight tensors of an open model, by layer then name: ``[(layer, tensor), ...]``."""
-    out = [(int(m.group(1)), t) for t in reader.tensors if (m := _EXPS.fullmatch(t.name))]
+def expert_tensors(readers: list) -> list:
+    """The routed-expert weight tensors of an open model (the readers of its files, :func:`profile.model_readers`),
+    by layer then name: ``[(layer, tensor), ...]``."""
+    out = [(int(m.group(1)), t) for r in readers for t in r.tensors if (m := _EXPS.fullmatch(t.name))]
     return sorted(out, key=lambda x: (x[0], PARTS.index(x[1].name.split(".")[2])))
 
 
@@ -88,7 +96,7 @@ def _shadow_expert(src_type, dst_type, raw: np.ndarray, ne0: int) -> np.ndarray:
 
 
 def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinned: int = 0, threads: int = 1,
-                 progress=None) -> dict:
+                 progress=None, force: bool = False) -> dict:
     """Write the shadow sidecar of ``model_path`` (atomically; never over the model or a file that is not a vis
     profile).  Returns ``{path, type, layers, tensors, model_bytes, shadow_bytes, seconds}``."""
     import gguf
@@ -98,9 +106,10 @@ def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinn
     out = Path(out) if out else default_out(model, dst.name)
     if not 1 <= threads <= 256:
         raise ShadowError(f"-t {threads}: expected 1..256 threads")
-    prof.check_output_path(out, model)                      # before any work
-    r = prof._reader(model, "model")
-    all_exps = expert_tensors(r)
+    prof.check_output_path(out, model, KIND, force)         # before any work
+    readers = prof.model_readers(model)                     # every shard of a split model
+    r = readers[0]
+    all_exps = expert_tensors(readers)
     moe_layers = sorted({il for il, _ in all_exps})
     if not moe_layers:
         raise ShadowError(f"{model}: no routed-expert tensors (blk.N.ffn_*_exps.weight): not a MoE model")
@@ -118,7 +127,7 @@ def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinn
         if src.name not in gq.FLOAT_TYPES and not gq.traits(src).to_float:
             raise ShadowError(f"{t.name}: ggml cannot dequantise its type {src.name}")
     fp = prof.model_fingerprint(model)                      # the routers' hash: after the cheap checks
-    w = prof.start_profile(out, fp, KIND, VERSION, fp["n_expert_used"], 0, model.name, model)
+    w = prof.start_profile(out, fp, KIND, VERSION, fp["n_expert_used"], 0, model.name, model, force)
     w.add_string(K_TYPE, dst.name)
     w.add_array(K_LAYERS, sorted(chosen))
     model_bytes = sum(int(t.n_bytes) for _, t in todo)
@@ -131,6 +140,12 @@ def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinn
         w.add_tensor_info(t.name, (n_exp, ne1, rb), np.dtype(np.uint8), n_exp * ne1 * rb, raw_dtype=dst)
         plan.append((t, ne0, ne1, n_exp, rb))
     shadow_bytes = sum(n * ne1 * rb for _, _, ne1, n, rb in plan)
+    n_expert = int(fp["n_expert"])
+    if any(n != n_expert for _, _, _, n, _ in plan):
+        raise ShadowError(f"{model}: an expert tensor does not have the model's {n_expert} experts")
+    sums = np.zeros((len(plan), n_expert), np.uint64)
+    w.add_tensor_info(T_SUMS, (len(plan), n_expert), np.dtype(np.int64), sums.nbytes,
+                      raw_dtype=gguf.GGMLQuantizationType.I64)
     tmp = out.with_name(out.name + ".part")
     done = 0
     try:
@@ -138,16 +153,18 @@ def write_shadow(model_path, type_name: str, out=None, layers: str = "all", pinn
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for t, ne0, ne1, n_exp, rb in plan:
+            for j, (t, ne0, ne1, n_exp, rb) in enumerate(plan):
                 src = gguf.GGMLQuantizationType(int(t.tensor_type))
                 data = t.data.reshape(n_exp, -1)                # the expert's bytes (or values), row-major
                 shadow = np.empty((n_exp, ne1, rb), np.uint8)
                 for e, q in enumerate(pool.map(lambda e: _shadow_expert(src, dst, data[e], ne0), range(n_exp))):
                     shadow[e] = q
+                    sums[j, e] = prof.bytes_sum(q)
                 w.write_tensor_data(shadow)
                 done += int(t.n_bytes)
                 if progress:
                     progress(done, model_bytes)
+        w.write_tensor_data(sums.view(np.int64))
         w.close()
         os.replace(tmp, out)
     finally:
@@ -173,6 +190,8 @@ def read_shadow(path, model_path=None) -> ShadowFile:
         raise ShadowError(f"{p}: key {K_LAYERS} is missing or empty; {fix}")
     tensors = {}
     for t in r.tensors:
+        if t.name == T_SUMS:
+            continue
         m = _EXPS.fullmatch(t.name)
         tt = gguf.GGMLQuantizationType(int(t.tensor_type))
         if not m or tt.name != typ:
@@ -186,8 +205,7 @@ def read_shadow(path, model_path=None) -> ShadowFile:
                     tensors)
     if model_path is not None:
         prof.check_model(sf, model_path, KIND)
-        mr = prof._reader(Path(model_path), "model")
-        for il, t in expert_tensors(mr):
+        for il, t in expert_tensors(prof.model_readers(Path(model_path))):
             if il in sf.layers:
                 got = sf.tensors.get(t.name)
                 if got is None or got[1] != tuple(int(x) for x in t.shape):
@@ -216,16 +234,17 @@ def write_hybrid(model_path, shadow_path, out, layers=None) -> Path:
     keep = set(sf.layers if layers is None else layers)
     if not keep <= set(sf.layers):
         raise ShadowError(f"{shadow_path}: no shadow of layers {sorted(keep - set(sf.layers))}")
-    r = prof._reader(model_path, "model")
+    readers = prof.model_readers(model_path)
+    r = readers[0]
     arch = r.fields["general.architecture"].contents()
     tmp = out.with_name(out.name + ".part")
     w = gguf.GGUFWriter(str(tmp), arch)
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith(("GGUF.", "split.")) or name == "general.architecture":   # one file, even from shards
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, f.contents(), f.types[0], sub)
-    for t in r.tensors:
+    for t in (t for rd in readers for t in rd.tensors):
         m = _EXPS.fullmatch(t.name)
         src = sf.tensors[t.name][2] if m and int(m.group(1)) in keep else t
         w.add_tensor(t.name, np.asarray(src.data), raw_dtype=gguf.GGMLQuantizationType(int(src.tensor_type)))
@@ -262,7 +281,7 @@ def _cmd_shadow(args) -> int:
         if not model.is_file():
             raise ShadowError(f"model not found: {model}")
         res = write_shadow(model, args.type, args.out, args.layers, args.pinned, args.threads,
-                           progress=Progress("shadow", 1))
+                           progress=Progress("shadow", 1), force=args.force)
     except (prof.ProfileError, gq.QuantError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -286,6 +305,7 @@ def register(sub) -> None:
     s.add_argument("--pinned", type=_pinned, default=0, metavar="N",
                    help="with --layers managed: MoE layers kept resident, as --moe-pinned-layers (default: 0)")
     s.add_argument("--out", default=None, help="sidecar path (default: MODEL's name with .shadow-TYPE.gguf, beside it)")
+    s.add_argument("--force", action="store_true", help="replace an existing vis sidecar of another kind at --out")
     s.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1, metavar="N",
                    help="quantisation threads, 1..256 (default: the CPU count)")
     s.set_defaults(fn=_cmd_shadow)

@@ -178,7 +178,10 @@ class Trace:
 def parse(data: bytes, name: str = "<bytes>", progress=None) -> Trace:
     """A ``--moe-trace`` file's contents (``name`` only for messages); ``progress(bytes_done, bytes_total)`` is
     called after each record if given (``pyvis.cli.Progress`` throttles itself)."""
-    if len(data) < HEADER_BYTES or data[:8] != MAGIC:
+    if len(data) < HEADER_BYTES and MAGIC.startswith(data[:8]):
+        raise TraceError(f"{name}: truncated header ({len(data)} of {HEADER_BYTES} bytes; the writer may still be "
+                         "running, or the file was cut)")
+    if data[:8] != MAGIC:
         raise TraceError(f"{name}: not a vis-moe routing trace (bad magic)")
     version, n_layer, n_expert, k_model = np.frombuffer(data, np.uint32, 4, 8)
     if version != 1:
