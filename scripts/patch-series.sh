@@ -3,7 +3,7 @@
 #   scripts/patch-series.sh init DIR    pristine upstream in DIR (a git repo), one commit per ggml-patches/*.patch,
 #                                       named after the patch file
 #   ... edit in DIR; commit each change as `git commit --fixup=<the patch's commit>`, then
-#       GIT_SEQUENCE_EDITOR=true git rebase -i --autosquash base   (base = the pristine commit)
+#       GIT_SEQUENCE_EDITOR=true git rebase -i --autosquash base   (base: the tag of the pristine commit)
 #   scripts/patch-series.sh export DIR  rewrite the bodies of ggml-patches/*.patch from DIR's commits; each patch keeps
 #                                       its header (the why) and its file order; hunk headers carry no function context
 # Then `git diff ggml-patches/` shows what changed; a patch whose diff is only renumbered hunks is the effect of an
@@ -17,7 +17,7 @@ init)
     echo "error: $dir exists and is not empty; give a new folder (init never overwrites one)" >&2; exit 2
   fi
   $repo/.venv/bin/python $repo/scripts/upstream.py --pristine "$dir" >/dev/null
-  cd "$dir"; rm -f .git; git init -q; git add -A >/dev/null; git commit -qm base
+  cd "$dir"; rm -f .git; git init -q; git add -A >/dev/null; git commit -qm base; git tag base
   for p in $repo/ggml-patches/*.patch; do
     patch -p1 -s --no-backup-if-mismatch < "$p"; git add -A >/dev/null; git commit -qm "$(basename $p)"
   done
