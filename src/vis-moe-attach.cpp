@@ -72,7 +72,7 @@ struct attach_plan {
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
     int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
     int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
-    int32_t policy = VIS_POLICY_LRU; // VIS_MOE_POLICY: eviction order of the full slots
+    int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
 };
 
 // step 1: MoE layers, and which of them the loader deferred to the file

@@ -82,7 +82,7 @@ const flag_row ROWS[] = {
     { "--moe-policy", "VIS_MOE_POLICY", "lru|lfu|lfu-adapt",
       "vis-moe: eviction policy of the expert slots: lru = least recently used; lfu = least frequently used with\n"
       "decay 0.95 per step, history kept for evicted experts; lfu-adapt = decay 0.5 or 0.95, whichever a ghost\n"
-      "cache of each missed less lately (docs/policies.md) (default: lru)",
+      "cache of each missed less lately (docs/policies.md) (default: lfu-adapt)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "lru") s.policy = VIS_POLICY_LRU;
           else if (v == "lfu") s.policy = VIS_POLICY_LFU;

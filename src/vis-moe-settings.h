@@ -91,7 +91,7 @@ struct vis_moe_settings {
     int32_t     stream_lend   = -1;         // a streamed ubatch lends the slabs to the page cache (-1 auto, 0, 1)
     int32_t     stream_stage  = 1;          // streamed layers are read into staging buffers in the slabs when they fit
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
-    int32_t     policy  = 0;                // eviction policy of the full slots (vis_policy_kind: 0 lru, 1 lfu, 2 lfu-adapt)
+    int32_t     policy  = 2;                // eviction policy of the full slots (vis_policy_kind: 0 lru, 1 lfu, 2 lfu-adapt; default lfu-adapt: docs/policies.md)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*
     vis_moe_predict_settings predict;       // --moe-predict*, --moe-lookahead, --moe-prefetch-*
     vis_moe_prec_settings prec;             // --moe-shadow, --moe-precision, --moe-prec-*, --moe-shadow-slots

@@ -42,7 +42,8 @@ def _mtmd(bindir, fixture_dir, *extra, trace=None):
     return run([bindir / "llama-mtmd-cli", "-m", fixture_dir / "qwen3vlmoe.gguf",
                 "--mmproj", fixture_dir / "qwen3vlmoe-mmproj.gguf", "--image", fixture_dir / "test-image.png",
                 "-p", "Describe the image.", "-n", "6", "--temp", "0", "-c", "512", "-t", "2", "--moe-slots", "4",
-                "--moe-stats", *t, *extra], timeout=240)
+                "--moe-stats", *t, *extra], timeout=240,
+               extra_env={"VIS_MOE_POLICY": "lru"})   # the residency check below replays LRU (resident_before)
 
 
 def _cap_total(text):

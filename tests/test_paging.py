@@ -422,13 +422,20 @@ def test_belady_and_lru_on_known_sequences():
     assert belady_misses(sets, 2) == 8 and belady_misses(sets, 4) == 4
 
 
+def _default_misses(req, slots: int, streamed, lent: bool = False) -> int:
+    """The simulator's misses under the policy the runtime runs by default (VIS_MOE_POLICY unset)."""
+    from pyvis.runtime import policies
+    from pyvis.runtime.cachesim import policy_misses
+    return policy_misses(req, slots, policies.make(policies.DEFAULT, slots), None, streamed, lent)
+
+
 def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, reference, tmp_path, monkeypatch):
     """One slot per layer: a prefill ubatch would need one pass per routed expert, so it streams the layer through
     the mapping (upstream's graph) instead.  Logits stay byte-identical, the streamed experts are counted, the slabs
-    are not touched by the streamed ubatch (LRU simulation with the same rule == runtime misses), and
+    are not touched by the streamed ubatch (the default policy's simulation with the same rule == runtime misses), and
     VIS_MOE_STREAM_PASSES=0 turns it off."""
     from pyvis.runtime import trace as vtrace
-    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
+    from pyvis.runtime.cachesim import layer_requests, stream_flags
     spec = fx.FIXTURES["qwen3moe"]()
     ref = reference("qwen3moe")
     seen = {}
@@ -445,7 +452,7 @@ def test_prefill_streaming_is_exact_and_leaves_the_slabs_alone(fixture_dir, refe
         t = vtrace.read(path)
         for il in range(spec.n_layer):
             streamed = stream_flags(t, il, 1, int(passes))
-            assert lru_misses(layer_requests(t, il), 1, None, streamed) == per_layer[il], (passes, il)
+            assert _default_misses(layer_requests(t, il), 1, streamed) == per_layer[il], (passes, il)
     assert seen["8"] > 0 and seen["0"] == 0, seen
 
 
@@ -454,7 +461,7 @@ def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp
     Logits stay byte-identical to upstream's, and the runtime's misses equal the LRU simulation in which a streamed
     ubatch empties the cache (and differ from the one in which it leaves it alone, so the test can tell)."""
     from pyvis.runtime import trace as vtrace
-    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
+    from pyvis.runtime.cachesim import layer_requests, stream_flags
     spec = fx.FIXTURES["qwen3moe"]()
     ref = reference("qwen3moe")
     monkeypatch.setenv("VIS_MOE_STREAM_LEND", "on")
@@ -471,8 +478,8 @@ def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp
     differs = False
     for il in range(spec.n_layer):
         req, streamed = layer_requests(t, il), stream_flags(t, il, 2)
-        assert lru_misses(req, 2, None, streamed, lent=True) == per_layer[il], il
-        differs = differs or lru_misses(req, 2, None, streamed) != per_layer[il]
+        assert _default_misses(req, 2, streamed, lent=True) == per_layer[il], il
+        differs = differs or _default_misses(req, 2, streamed) != per_layer[il]
     assert differs
 
 
@@ -480,11 +487,11 @@ def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp
 def test_staged_streaming_is_exact_and_empties_the_slots(fixture_dir, reference, tmp_path, monkeypatch, name):
     """Staged streaming (src/vis-moe-stage.h): with --moe-stream-passes 1 every prefill ubatch streams, and slabs
     that hold two layers' experts (one, where the fixture has too few layers) become staging buffers read with our
-    own reads.  Logits stay byte-identical to upstream's on every architecture; the runtime's misses equal the LRU
-    simulation in which a streamed ubatch empties the cache (the staging overwrote the slots) and differ from the
+    own reads.  Logits stay byte-identical to upstream's on every architecture; the runtime's misses equal the
+    default policy's simulation in which a streamed ubatch empties the cache (the staging overwrote the slots) and differ from the
     page-cache path's, which leaves them alone (--moe-stream-stage off: same logits)."""
     from pyvis.runtime import trace as vtrace
-    from pyvis.runtime.cachesim import layer_requests, lru_misses, stream_flags
+    from pyvis.runtime.cachesim import layer_requests, stream_flags
     spec = fx.FIXTURES[name]()
     n_managed = spec.n_layer - spec.n_dense_lead
     slots = min(spec.n_expert - 1, -(-2 * spec.n_expert // n_managed) + 1)
@@ -507,8 +514,8 @@ def test_staged_streaming_is_exact_and_empties_the_slots(fixture_dir, reference,
         t = vtrace.read(path)
         for il, m in misses[stage].items():
             req, streamed = layer_requests(t, il), stream_flags(t, il, slots, 1)
-            assert lru_misses(req, slots, None, streamed, lent=stage == "on") == m, (stage, il)
-            differs = differs or (stage == "on" and lru_misses(req, slots, None, streamed) != m)
+            assert _default_misses(req, slots, streamed, lent=stage == "on") == m, (stage, il)
+            differs = differs or (stage == "on" and _default_misses(req, slots, streamed) != m)
     assert differs, misses
     assert np.array_equal(second["on"].view(np.uint32), second["off"].view(np.uint32))
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 from .cachesim import LayerCache
 
-DEFAULT = "lru"            # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/vis-moe-policy.cpp)
+DEFAULT = "lfu-adapt"      # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/vis-moe-settings.h)
 RUNTIME = ("lru", "lfu", "lfu-adapt")   # policies the runtime implements identically
 LFU_DECAY = 0.95           # per step; the runtime's constant (src/vis-moe-policy.cpp)
 _RESCALE_AT = 2.0 ** 200   # the runtime's: scores and the increment are scaled by 2^-200 (exact) past this
