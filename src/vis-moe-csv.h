@@ -1,0 +1,38 @@
+// vis-moe-csv.h - the --moe-csv writer (docs/telemetry.md#the-csv): one row per ubatch of a context, a
+// generated token being one decode ubatch; columns in VIS_MOE_CSV_HEADER.
+#pragma once
+
+#include "vis-moe-telemetry-types.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+// the header line, without its newline: the first line of every file we write, and what an existing file must
+// start with to be overwritten
+extern const char * const VIS_MOE_CSV_HEADER;
+
+// "" when `path` may be written: nothing there, an empty file, a device (/dev/null) or an earlier --moe-csv; else
+// why not (a directory, one of `inputs`, a GGUF model, any other file)
+std::string vis_moe_csv_refusal(const std::string & path, const std::vector<vis_moe_input> & inputs);
+
+class vis_moe_csv {
+public:
+    // throws std::runtime_error naming the flag, the file and the fix when vis_moe_csv_refusal refuses it or it
+    // cannot be opened; writes the header
+    vis_moe_csv(const std::string & path, const std::vector<vis_moe_input> & inputs);
+    ~vis_moe_csv();
+    vis_moe_csv(const vis_moe_csv &) = delete;
+    vis_moe_csv & operator=(const vis_moe_csv &) = delete;
+
+    // one row, flushed to the file at once (a crash keeps every row written before it); "" or the message of the
+    // first write error
+    std::string write(const vis_moe_step & st, const std::string & mode);
+
+    const std::string & path() const { return file_path; }
+
+private:
+    std::string file_path;
+    FILE *      f = nullptr;
+    std::string error;
+};
