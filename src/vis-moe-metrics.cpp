@@ -54,7 +54,8 @@ struct metric_text {
         out += "# HELP " + full + " " + help + "\n# TYPE " + full + " " + type + "\n";
         for (const auto & [labels, v] : samples) {
             char b[64];
-            std::snprintf(b, sizeof(b), "%.17g", v);
+            // counts as integers (exact to 2^53), times with microsecond resolution
+            std::snprintf(b, sizeof(b), v == (double) (int64_t) v && v < 9007199254740992.0 ? "%.0f" : "%.6f", v);
             out += full + labels + " " + b + "\n";
         }
     }

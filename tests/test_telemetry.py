@@ -283,12 +283,18 @@ def test_server_props_say_lossy(bindir, fixture_dir):
 
 
 def test_metrics_of_the_c_api_mirror(fixture_dir):
-    """The two functions patch 0014 calls, through the Python mirror: the counters of a context this process ran."""
+    """The two functions patch 0014 calls, through the Python mirror: they move by what this context read."""
+    def counts():
+        t = capi.llama_vis_moe_metrics_text().decode()
+        return (_metric(t, "read_bytes_total"), _metric(t, "misses_total", '{tier="storage"}')) if t else (0, 0)
+    b0, m0 = counts()
     llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, **KW)
     llm.eval(llm.tokenize(b"Experts route", add_bos=True))
-    text = capi.llama_vis_moe_metrics_text().decode()
+    b1, m1 = counts()
+    io, st = moe.io_stats(llm), moe.stats(llm)
+    assert b1 - b0 == io["bytes_read"] > 0 and m1 - m0 == io["file_reads"] == st.n_misses
     props = json.loads(capi.llama_vis_moe_props_json().decode())
-    assert _metric(text, "hits_total") > 0 and props["slots_per_layer"] == 4
+    assert props["slots_per_layer"] == 4 and props["managed_layers"] == 3
     del llm
 
 
@@ -309,15 +315,12 @@ def test_pyvis_report(fixture_dir, tmp_path, capsys):
     assert f"misses {st.n_misses} " in text and "mode: exact" in text
     s = telemetry.summary(telemetry.load(out))
     assert s["decode_tokens"] == 6 and s["lossy_events"] == 0
-    # the plot: matplotlib's, as cachesim's; a clear error where this Python has none
-    png = tmp_path / "r.png"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(SystemExit, match="-o needs matplotlib"):
-            main(["report", str(out), "-o", str(png)])
-    else:
-        assert main(["report", str(out), "-o", str(png)]) == 0 and png.stat().st_size > 0
+    # the plot (matplotlib, a dependency of pyvis), as PNG or SVG by its name
+    png, svg = tmp_path / "r.png", tmp_path / "r.svg"
+    assert main(["report", str(out), "-o", str(png)]) == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", str(out), "-o", str(svg)]) == 0 and b"<svg" in svg.read_bytes()[:1000]
+    with pytest.raises(SystemExit, match="written as .png or .svg"):
+        main(["report", str(out), "-o", str(tmp_path / "r.pdf")])
     # not a --moe-csv file
     with pytest.raises(SystemExit, match="is not a --moe-csv file"):
         main(["report", str(fixture_dir / "qwen3moe.gguf")])
