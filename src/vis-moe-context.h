@@ -250,4 +250,4 @@ vis_moe_counters vis_moe_counters_now(const vis_moe_context & vm);
 std::string vis_moe_lossy_what(const vis_moe_context & vm);
 std::string vis_moe_props_json(const vis_moe_context & vm, int64_t kv_bytes);
 int64_t vis_moe_kv_bytes(const llama_context * lctx);
-std::vector<vis_moe_input> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s);
+std::vector<vis_input_file> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s);

@@ -6,49 +6,14 @@
 #include <cstring>
 #include <stdexcept>
 
-#include <sys/stat.h>
 
 const char * const VIS_MOE_CSV_HEADER =
     "t_ms,phase,tokens,wall_ms,compute_ms,stall_ms,routed,hits,misses,host_hits,file_reads,model_copies,"
     "loaded_bytes,read_bytes,ahead_used,ahead_wasted,ahead_bytes,substituted,shadow,rerouted,dropped,mode";
 
-std::string vis_moe_csv_refusal(const std::string & path, const std::vector<vis_moe_input> & inputs) {
-    struct stat st;
-    if (stat(path.c_str(), &st) != 0) {
-        return "";  // nothing there yet
-    }
-    if (S_ISDIR(st.st_mode)) {
-        return "it is a directory";
-    }
-    if (!S_ISREG(st.st_mode)) {
-        return "";  // a device or a pipe (/dev/null): nothing to lose
-    }
-    for (const auto & in : inputs) {
-        struct stat si;
-        if (!in.path.empty() && stat(in.path.c_str(), &si) == 0 && si.st_dev == st.st_dev && si.st_ino == st.st_ino) {
-            return "it is " + in.what + " of this run (" + in.path + ")";
-        }
-    }
-    FILE * f = std::fopen(path.c_str(), "rb");
-    if (!f) {
-        return "";  // not readable: opening it for writing says why
-    }
-    const size_t n_head = std::strlen(VIS_MOE_CSV_HEADER);
-    std::string head(n_head + 1, '\0');
-    const size_t n = std::fread(&head[0], 1, head.size(), f);
-    std::fclose(f);
-    head.resize(n);
-    if (n == 0 || head == std::string(VIS_MOE_CSV_HEADER) + "\n") {
-        return "";
-    }
-    if (n >= 4 && head.compare(0, 4, "GGUF") == 0) {
-        return "it is a GGUF model file";
-    }
-    return "it exists and is not a --moe-csv file (its first line is not our header)";
-}
-
-vis_moe_csv::vis_moe_csv(const std::string & path, const std::vector<vis_moe_input> & inputs) : file_path(path) {
-    const std::string why = vis_moe_csv_refusal(path, inputs);
+vis_moe_csv::vis_moe_csv(const std::string & path, const std::vector<vis_input_file> & inputs) : file_path(path) {
+    const std::string why = vis_output_refusal(path, std::string(VIS_MOE_CSV_HEADER) + "\n",
+                                               "a --moe-csv file (its first line is not our header)", inputs);
     if (!why.empty()) {
         throw std::runtime_error("--moe-csv: refusing to write '" + path + "': " + why + "; give a new file name");
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "vis-moe-telemetry-types.h"
+#include "vis-output-file.h"
 
 #include <cstdio>
 #include <string>
@@ -12,15 +13,11 @@
 // start with to be overwritten
 extern const char * const VIS_MOE_CSV_HEADER;
 
-// "" when `path` may be written: nothing there, an empty file, a device (/dev/null) or an earlier --moe-csv; else
-// why not (a directory, one of `inputs`, a GGUF model, any other file)
-std::string vis_moe_csv_refusal(const std::string & path, const std::vector<vis_moe_input> & inputs);
-
 class vis_moe_csv {
 public:
-    // throws std::runtime_error naming the flag, the file and the fix when vis_moe_csv_refusal refuses it or it
-    // cannot be opened; writes the header
-    vis_moe_csv(const std::string & path, const std::vector<vis_moe_input> & inputs);
+    // throws std::runtime_error naming the flag, the file and the fix when vis_output_refusal refuses it (one of
+    // `inputs`, a model, a directory, a file that is not an earlier --moe-csv) or it cannot be opened; writes the header
+    vis_moe_csv(const std::string & path, const std::vector<vis_input_file> & inputs);
     ~vis_moe_csv();
     vis_moe_csv(const vis_moe_csv &) = delete;
     vis_moe_csv & operator=(const vis_moe_csv &) = delete;

@@ -87,8 +87,8 @@ int64_t vis_moe_kv_bytes(const llama_context * lctx) {
     return n;
 }
 
-std::vector<vis_moe_input> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s) {
-    std::vector<vis_moe_input> in = { { s.sub.profile, "the --moe-sub-profile file" },
+std::vector<vis_input_file> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s) {
+    std::vector<vis_input_file> in = { { s.sub.profile, "the --moe-sub-profile file" },
                                       { s.predict.profile, "the --moe-predict-profile file" },
                                       { s.prec.shadow, "the --moe-shadow file" },
                                       { s.cap.profile, "the --moe-cap-profile file" },

@@ -1,8 +1,10 @@
 // vis-moe-telemetry-types.h - the values telemetry works on (docs/telemetry.md): a snapshot of the expert
-// cache's counters, one step (ubatch) of them, what a context publishes to /metrics, a file the run reads.
+// cache's counters, one step (ubatch) of them, what a context publishes to /metrics.
 // Plain data: the telemetry files (vis-moe-telemetry, -csv, -status, -metrics) include this and never the cache's
 // state; vis-moe-telemetry-probe.cpp reads these values out of a vis_moe_context.
 #pragma once
+
+#include "vis-output-file.h"
 
 #include <cstdint>
 #include <string>
@@ -58,9 +60,4 @@ struct vis_moe_published {
     vis_moe_counters c;
     int64_t prompt_tokens = 0, decode_tokens = 0, ubatches = 0;
     double  busy_s = 0;  // wall time of its ubatches
-};
-
-// a file the run reads, and what it is ("the model file", "the --moe-shadow file"): never an output
-struct vis_moe_input {
-    std::string path, what;
 };

@@ -22,7 +22,7 @@ std::string vis_moe_mode_label(const std::string & lossy_what) {
     return r;
 }
 
-vis_moe_telemetry::vis_moe_telemetry(const std::string & csv_path, const std::vector<vis_moe_input> & inputs,
+vis_moe_telemetry::vis_moe_telemetry(const std::string & csv_path, const std::vector<vis_input_file> & inputs,
                                      bool draw_status, const std::string & lossy_what, const std::string & props_json,
                                      const vis_moe_counters & now)
     : t0_us(ggml_time_us()), last(now), lossy(lossy_what), mode(vis_moe_mode_label(lossy_what)) {

@@ -22,7 +22,7 @@ public:
     // csv_path: --moe-csv ("" = none), refused (std::runtime_error naming the flag and the file) when it is one of
     // `inputs`, a model or any file but an earlier --moe-csv; status: draw the live line (vis_moe_status_wanted);
     // lossy_what: vis_moe_lossy_what ("" = exact); props_json: vis_moe_props_json; now: the counters at attach
-    vis_moe_telemetry(const std::string & csv_path, const std::vector<vis_moe_input> & inputs, bool status,
+    vis_moe_telemetry(const std::string & csv_path, const std::vector<vis_input_file> & inputs, bool status,
                       const std::string & lossy_what, const std::string & props_json, const vis_moe_counters & now);
     ~vis_moe_telemetry();  // the status line cleared, the context's counters kept in the process totals
 
