@@ -116,10 +116,13 @@ def test_cli_csv_matches_the_exit_table_and_leaves_the_text_alone(bindir, fixtur
     assert _sum(rows, "read_bytes") / 2**20 == pytest.approx(payload, abs=0.006)
     assert _sum(rows, "stall_ms") >= stall - 0.01                    # the table's stall, plus shadow/staged waits
     assert sum(1 for x in rows if x["phase"] == "decode") >= 6
-    # an earlier --moe-csv is ours to overwrite
-    r2, out2 = _cli(bindir, model, "--moe-slots", "4", "--moe-csv", out_csv)
+    # an earlier --moe-csv is ours to overwrite; VIS_MOE_CSV is the same setting; an empty path is an error
+    out_csv.write_text(out_csv.read_text() + "0,prompt,1,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,exact\n")
+    r2, out2 = _cli(bindir, model, "--moe-slots", "4", env={"VIS_MOE_CSV": str(out_csv)})
     assert r2.returncode == 0, out2[-2000:]
     assert len(_rows(out_csv)) == len(rows)
+    r3, out3 = _cli(bindir, model, "--moe-slots", "4", "--moe-csv", "", n=2)
+    assert r3.returncode != 0 and "--moe-csv: expected a file path, got ''" in out3, out3[-2000:]
 
 
 def test_lossy_runs_say_so_in_every_row(fixture_dir, tmp_path):
