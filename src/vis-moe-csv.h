@@ -5,8 +5,10 @@
 #include "vis-moe-telemetry-types.h"
 #include "vis-output-file.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 // the header line, without its newline: the first line of every file we write, and what an existing file must
@@ -32,4 +34,6 @@ private:
     std::string file_path;
     FILE *      f = nullptr;
     std::string error;
+    std::pair<uint64_t, uint64_t> open_key;  // its (device, inode) in the set of files this process writes
+    bool        registered = false;
 };

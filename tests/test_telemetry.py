@@ -174,6 +174,20 @@ def test_csv_refuses_an_input_named_by_another_option(fixture_dir, tmp_path):
     assert _sha(side) == before
 
 
+def test_two_live_contexts_never_share_a_csv(fixture_dir, tmp_path):
+    from pyvis.runtime.native import VisError
+    out = tmp_path / "one.csv"
+    first = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)
+    first.eval(first.tokenize(b"Experts route", add_bos=True))
+    rows = _rows(out)
+    with pytest.raises(VisError, match="another context of this process is writing it"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)
+    assert _rows(out) == rows                       # not truncated
+    del first
+    again = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)   # free again once it is freed
+    del again
+
+
 # --------------------------------------------------------------------------
 # the status line: on a terminal only
 # --------------------------------------------------------------------------
