@@ -161,6 +161,17 @@ LLAMA_API const char * llama_vis_moe_last_failure(const struct llama_context * c
 // Print the stats table (as at exit with --moe-stats) to stderr.
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 
+// Telemetry of every expert cache of the process (src/vis-moe-metrics.cpp, docs/telemetry.md), for llama-server
+// (patch 0014); safe to call from any thread (each context publishes a snapshot at the end of every ubatch).
+// Prometheus text exposition of the counters since the process started (llamacpp:vis_moe_* families, HELP and TYPE
+// lines, a freed context's counts kept), "" when no context with an expert cache was created.  Valid until the next
+// call on this thread.
+LLAMA_API const char * llama_vis_moe_metrics_text(void);
+// A JSON object: the mode ("exact" or "lossy" and the lossy mechanisms) and the memory plan (budget, slots per
+// layer, managed and resident MoE layers, KV cache, slab and host-cache bytes) of the context created last; "null"
+// when there was none.  Valid until the next call on this thread.
+LLAMA_API const char * llama_vis_moe_props_json(void);
+
 // ---------------------------------------------------------------------------
 // Substitution on a miss (lossy, off by default; src/vis-moe-substitute.cpp, docs/substitution.md)
 //

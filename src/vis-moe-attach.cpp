@@ -14,6 +14,8 @@
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-status.h"
+#include "vis-moe-telemetry.h"
 #include "vis-moe-topk.h"
 #include "vis-moe-upload.h"
 #include "vis-error.h"
@@ -157,11 +159,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
             model_bytes += (int64_t) ggml_nbytes(t);
         }
     }
-    if (lctx && lctx->get_memory()) {
-        for (const auto & [buft, size] : lctx->get_memory()->memory_breakdown()) {
-            kv_bytes += (int64_t) size;
-        }
-    }
+    kv_bytes = vis_moe_kv_bytes(lctx);
     for (int il : ap.managed) {
         if (ap.deferred[il]) {
             deferred_bytes += (int64_t) n_exp * layer_expert_bytes(model.layers[il]);
@@ -466,7 +464,8 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         throw std::runtime_error("VIS_MOE_REPLAY: " + s.replay_path + ": the model has no routed experts to replay "
                                  "routing on (unset VIS_MOE_REPLAY)");
     }
-    if (!s.cache_on() && !ap.any_deferred && !tracing && !topk && !replaying) {
+    const bool csv = !s.csv_path.empty() && !hp.no_alloc;  // --moe-csv: rows even on upstream's path (a baseline)
+    if (!s.cache_on() && !ap.any_deferred && !tracing && !topk && !replaying && !csv) {
         return nullptr;  // feature off: no object, no graph change
     }
     if (hp.n_expert == 0) {
@@ -570,8 +569,16 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
             }
         }
     }
-    if (vm->n_managed == 0 && !vm->trace && !vm->topk && !vm->replay) {
+    if (vm->n_managed == 0 && !vm->trace && !vm->topk && !vm->replay && !csv) {
         return nullptr;
+    }
+    if (!hp.no_alloc) {
+        if (!s.csv_path.empty() && s.csv_path == s.trace_path) {
+            throw std::runtime_error("--moe-csv: '" + s.csv_path + "' is also the --moe-trace file; give each its own file");
+        }
+        vm->telemetry = std::make_unique<vis_moe_telemetry>(  // throws on a refused --moe-csv file
+            s.csv_path, vis_moe_run_inputs(*vm, s), vis_moe_status_wanted(vm->params.print_stats != 0, STDERR_FILENO),
+            vis_moe_lossy_what(*vm), vis_moe_props_json(*vm, vis_moe_kv_bytes(lctx)), vis_moe_counters_now(*vm));
     }
     return vm;
 }

@@ -12,6 +12,7 @@
 #include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-telemetry.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
@@ -66,6 +67,9 @@ vis_moe_context * vis_moe_of(const llama_context * lctx) {
 }
 
 void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
+    if (vm && vm->telemetry) {
+        vm->telemetry->clear_status();  // the live line goes before the exit summary
+    }
     if (vm && vm->params.print_stats && vm->n_managed > 0) {
         llama_vis_moe_stats tot;
         vis_moe_total_stats(*vm, tot);
@@ -167,6 +171,9 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
     if (vm->precision) {
         vm->precision->begin_ubatch();
     }
+    if (vm->telemetry) {
+        vm->telemetry->begin_ubatch(vis_moe_counters_now(*vm), ub.n_tokens, vm->ub_decode);
+    }
 }
 
 // after a ubatch that streamed a layer: streaming faults its experts in on purpose (not a sign of paging), and the
@@ -220,6 +227,12 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
             vm->warned_faults = true;
             LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "
                            "(swap or evicted mmap pages); lower --moe-mem / --moe-slots / --moe-host-mib or use --moe-mem auto\n", d);
+        }
+    }
+    if (vm->telemetry) {
+        const std::string err = vm->telemetry->end_ubatch(vis_moe_counters_now(*vm));  // last: the whole ubatch
+        if (!err.empty()) {
+            vm->fail(err);
         }
     }
     std::lock_guard<std::mutex> lock(vm->err_mutex);

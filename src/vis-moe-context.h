@@ -16,6 +16,7 @@
 #include "vis-moe-capacity.h"
 #include "vis-moe-shadow-slots.h"
 #include "vis-moe-store.h"
+#include "vis-moe-telemetry-types.h"
 #include "vis-moe-trace.h"
 #include "vis-moe-upload.h"
 
@@ -41,7 +42,9 @@ struct vis_moe_shadow;
 class vis_moe_precision;
 class vis_moe_modality;
 class vis_moe_replay;
+class vis_moe_telemetry;
 struct vis_modality_profile;
+struct vis_moe_settings;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -134,6 +137,7 @@ struct vis_moe_context {
     llama_vis_moe_tier_params tier = {};
     std::unique_ptr<vis_moe_trace> trace;
     std::unique_ptr<vis_moe_replay> replay;  // VIS_MOE_REPLAY (vis-moe-replay.h): a benchmark knob, else null
+    std::unique_ptr<vis_moe_telemetry> telemetry;  // --moe-csv, the status line, /metrics (vis-moe-telemetry.h)
 
     std::vector<vis_moe_layer> layers;  // indexed by layer
     int n_managed     = 0;
@@ -238,3 +242,12 @@ void vis_moe_print_notes(const vis_moe_context & vm);
 void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
 void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
 void vis_moe_print_prec_stats(const vis_moe_context & vm);
+
+// what telemetry reads out of the cache (vis-moe-telemetry-probe.cpp; vis-moe-telemetry.h): the counters now, the
+// lossy mechanisms on (space-separated, "" = exact), the mode and memory plan /props shows (JSON), the bytes of a
+// context's KV cache, the files the run reads that --moe-csv must never overwrite
+vis_moe_counters vis_moe_counters_now(const vis_moe_context & vm);
+std::string vis_moe_lossy_what(const vis_moe_context & vm);
+std::string vis_moe_props_json(const vis_moe_context & vm, int64_t kv_bytes);
+int64_t vis_moe_kv_bytes(const llama_context * lctx);
+std::vector<vis_input_file> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s);

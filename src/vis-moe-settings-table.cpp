@@ -108,6 +108,12 @@ const flag_row ROWS[] = {
               throw vis_error(w + ": expected a file path, got ''");
           }
           s.trace_path = v; }, LLAMA_VIS_MOE_SCOPE_USER },
+    { "--moe-csv", "VIS_MOE_CSV", "FILE",
+      "vis-moe: write one CSV row per ubatch (a generated token is one decode ubatch): time, compute and read-wait\n"
+      "ms, hits, misses by tier, bytes read, reads ahead, lossy events (docs/telemetry.md; pyvis report FILE).\n"
+      "Never overwrites a model, an input or any file but an earlier --moe-csv",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.csv_path = parse_path(w, v); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-store", "VIS_MOE_STORE", "file|model",
       "vis-moe: where missed experts come from: file = read each expert from the GGUF on demand; managed\n"
       "experts are not loaded at start (tier 3); model = llama.cpp loads them and the cache copies (default: file)",

@@ -50,7 +50,7 @@ unsigned group_of(const flag_row & r) {
     // --moe-predict, --moe-predict-profile, --moe-lookahead, --moe-prefetch-*
     if (n.rfind("--moe-predict", 0) == 0 || n == "--moe-lookahead" || n.rfind("--moe-prefetch", 0) == 0) return G_PREDICT;
     if (n == "--moe-slots" || n == "--moe-cache-mib" || n == "--moe-pinned-layers" || n == "--moe-stats" ||
-        n == "--moe-trace") return G_PARAMS;
+        n == "--moe-trace" || n == "--moe-csv") return G_PARAMS;
     return G_TIER;
 }
 
@@ -111,6 +111,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     if (groups & G_PARAMS) {
         s.params     = o.params;
         s.trace_path = o.trace_path;
+        s.csv_path   = o.csv_path;
     }
     if (groups & G_TIER) {
         s.tier = o.tier;

@@ -85,6 +85,7 @@ struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
     std::string trace_path;                 // routing trace file, "" = off
+    std::string csv_path;                   // --moe-csv: per-ubatch telemetry rows (vis-moe-csv.h), "" = off
     std::string replay_path;                // VIS_MOE_REPLAY: a recorded routing trace replayed (benchmarks), "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
     int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead

@@ -1,5 +1,6 @@
 // vis-moe-trace.cpp - routing trace writer (vis-moe-trace.h).
 #include "vis-moe-trace.h"
+#include "vis-output-file.h"
 
 #include "ggml.h"
 
@@ -7,38 +8,15 @@
 #include <cstring>
 #include <stdexcept>
 
-#include <sys/stat.h>
 
 static const char     TRACE_MAGIC[8]  = { 'V', 'I', 'S', 'T', 'R', 'A', 'C', 'E' };
 static const uint32_t TRACE_VERSION   = 1;
 static const uint32_t TRACE_REC_TAG   = 0x31434552; // "REC1"
 static const uint32_t TRACE_SUB_TAG   = 0x31425553; // "SUB1": substitution, after the REC1 of its layer
 
-// what `path` holds now: "" (nothing, empty, or an earlier trace) or why it must not be overwritten
-static std::string refuse_reason(const std::string & path) {
-    struct stat st;
-    if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-        return "";  // nothing there yet, or a device / pipe (/dev/null): nothing to lose
-    }
-    FILE * in = std::fopen(path.c_str(), "rb");
-    if (!in) {
-        return "";
-    }
-    char head[8] = {};
-    const size_t n = std::fread(head, 1, sizeof(head), in);
-    std::fclose(in);
-    if (n == 0 || (n == sizeof(head) && std::memcmp(head, TRACE_MAGIC, sizeof(head)) == 0)) {
-        return "";
-    }
-    if (n >= 4 && std::memcmp(head, "GGUF", 4) == 0) {
-        return "it is a GGUF model file";
-    }
-    return "it exists and is not a routing trace";
-}
-
 vis_moe_trace::vis_moe_trace(const std::string & path, uint32_t n_layer, uint32_t n_expert, uint32_t n_expert_used)
     : file_path(path) {
-    const std::string why = refuse_reason(path);
+    const std::string why = vis_output_refusal(path, std::string(TRACE_MAGIC, sizeof(TRACE_MAGIC)), "a routing trace");
     if (!why.empty()) {
         throw std::runtime_error("--moe-trace: refusing to overwrite '" + path + "': " + why + "; give a new file name");
     }

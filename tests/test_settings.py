@@ -13,8 +13,8 @@ import pytest
 
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
-from pyvis.runtime.settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TierParams,
-                                    TopkParams, applied)
+from pyvis.runtime.settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TelemetryParams,
+                                    TierParams, TopkParams, applied)
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
@@ -55,7 +55,7 @@ def test_the_mirror_is_the_header():
 def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
     fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams, CapacityParams,
-                                 TopkParams)
+                                 TopkParams, TelemetryParams)
               for f in __import__("dataclasses").fields(cls)]
     env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib",
                 "--moe-policy"}

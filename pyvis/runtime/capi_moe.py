@@ -236,6 +236,18 @@ def llama_vis_moe_print_stats(ctx) -> None:
     """Print the stats table (as at exit with --moe-stats) to stderr."""
 
 
+# LLAMA_API const char * llama_vis_moe_metrics_text(void);
+@ctypes_function("llama_vis_moe_metrics_text", [], ctypes.c_char_p)
+def llama_vis_moe_metrics_text() -> bytes:
+    """Prometheus text of every expert cache of the process (llamacpp:vis_moe_*), "" when none was created."""
+
+
+# LLAMA_API const char * llama_vis_moe_props_json(void);
+@ctypes_function("llama_vis_moe_props_json", [], ctypes.c_char_p)
+def llama_vis_moe_props_json() -> bytes:
+    """JSON: the mode and memory plan of the context created last ("null" when none)."""
+
+
 # ---------------------------------------------------------------------------
 # Substitution on a miss (lossy, off by default; docs/substitution.md)
 # ---------------------------------------------------------------------------

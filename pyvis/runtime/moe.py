@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from . import native
 from .native import MoeStats, VisError, llama_cpp
-from .settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TierParams, TopkParams,
-                       applied)
+from .settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TelemetryParams, TierParams,
+                       TopkParams, applied)
 
 __all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "prec_stats", "cap_stats", "prefetch_stats", "reset_stats", "MoeParams",
-           "CapacityParams", "MoeStats", "PrecisionParams", "PredictParams", "SubParams", "TierParams", "TopkParams", "VisError"]
+           "CapacityParams", "MoeStats", "PrecisionParams", "PredictParams", "SubParams", "TelemetryParams", "TierParams", "TopkParams",
+           "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
@@ -29,7 +30,8 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
          predict_profile: str | None = None, shadow: str | None = None, precision: str = "off",
          prec_vision: float = 0.5, prec_gate: float = 0.1, prec_target: float = 0.25, prec_refetch: bool = True,
          shadow_slots: int | str = "auto", capacity: int | str = "off", cap_rho: float = 1.0, cap_delta: float = 1.0,
-         cap_drop: bool = True, cap_profile: str | None = None, topk: int = 0, **llama_kwargs) -> "llama_cpp.Llama":
+         cap_drop: bool = True, cap_profile: str | None = None, topk: int = 0, csv: str | None = None,
+         **llama_kwargs) -> "llama_cpp.Llama":
     """Load a model with the expert cache configured; other keywords go to llama_cpp.Llama.
 
     slots / cache_mib / pinned_layers: tier 1 (docs/residency.md).  store, host_mib, mem, io_threads,
@@ -42,7 +44,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     from them (lossy, off by default; docs/precision.md), as --moe-shadow / --moe-precision / --moe-prec-* /
     --moe-shadow-slots.  capacity and cap_*: entropy-weighted capacity for image tokens (lossy, off by default;
     docs/precision.md), as --moe-capacity / --moe-cap-*.  topk: fewer experts per token (lossy, 0 = off;
-    docs/topk.md), as --moe-topk.  A bad value raises VisError naming the option and its range; a bad
+    docs/topk.md), as --moe-topk.  csv: one row per ubatch of telemetry (docs/telemetry.md), as --moe-csv.  A bad value raises VisError naming the option and its range; a bad
     profile or sidecar, VisError naming the file and the fix.
     """
     _check_llama_kwargs(llama_kwargs)
@@ -54,7 +56,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     prec = PrecisionParams(None if shadow is None else str(shadow), precision, prec_vision, prec_gate, prec_target,
                            prec_refetch, shadow_slots)
     cap = CapacityParams(capacity, cap_rho, cap_delta, cap_drop, None if cap_profile is None else str(cap_profile))
-    with applied(params, tier, sub, pred, prec, cap, TopkParams(topk)):
+    with applied(params, tier, sub, pred, prec, cap, TopkParams(topk), TelemetryParams(None if csv is None else str(csv))):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         except ValueError as e:

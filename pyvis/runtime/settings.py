@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "TelemetryParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -230,6 +230,16 @@ class TopkParams(_Typed):
         return _table_flags(self)
 
 
+@dataclass(frozen=True)
+class TelemetryParams(_Typed):
+    """Telemetry (docs/telemetry.md): ``csv``, a file that gets one row per ubatch (time, compute and read-wait ms,
+    hits, misses by tier, bytes read, lossy events), as --moe-csv; never a model or another input."""
+    csv: str | None = None
+
+    def flags(self) -> list[tuple[str, str]]:
+        return _table_flags(self, optional=("csv",))
+
+
 def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """The fields of a settings class without a C struct as (flag, value) strings for llama_vis_moe_thread_apply;
     `optional` fields are left out when None."""
@@ -304,7 +314,8 @@ def _apply_table(params) -> None:
 @contextlib.contextmanager
 def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
             predict: PredictParams | None = None, precision: PrecisionParams | None = None,
-            capacity: CapacityParams | None = None, topk: TopkParams | None = None):
+            capacity: CapacityParams | None = None, topk: TopkParams | None = None,
+            telemetry: TelemetryParams | None = None):
     """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub``,
     ``predict``, ``precision`` and ``capacity`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
     before: its own override if it had one, else none (it follows the process-wide settings again, including
@@ -314,7 +325,7 @@ def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: S
     prev = getattr(_thread_table, "value", None) or {}
     now = dict(prev)
     for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity),
-                   (TopkParams, topk)):
+                   (TopkParams, topk), (TelemetryParams, telemetry)):
         if p is not None:
             now[cls] = p
     _set_thread(moe or get_params(), tier or get_tier_params())

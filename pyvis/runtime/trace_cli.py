@@ -19,6 +19,7 @@ import numpy as np
 
 from . import policies
 from .cachesim_replay import replay
+from .plot import pyplot
 from .trace import Trace, TraceError
 from .trace_csv import load_any
 
@@ -163,13 +164,7 @@ def _print(s: dict) -> None:
 
 def _plot(args: argparse.Namespace, t: Trace, slots: int) -> None:
     out = Path(args.plot)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("error: --plot needs matplotlib, which this Python does not have "
-                         "(pip install matplotlib, or run scripts/setup.sh to install the project's dependencies)") from None
+    plt = pyplot("--plot")
     grid = args.plot_slots or sorted({max(1, t.k * f // 2) for f in (1, 2, 3, 4, 6, 8, 12)} | {slots})
     grid = [c for c in grid if c <= t.n_expert]
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -309,6 +309,12 @@ def _progress(msg: str) -> None:
 
 
 def _cmd_report(args) -> int:
+    if args.csv:  # a --moe-csv file of a run (pyvis.runtime.telemetry)
+        from ..runtime import telemetry
+        if args.model or args.trace:
+            raise SystemExit("error: pyvis report RUN.csv summarises a --moe-csv file; -m and --trace are for the "
+                             "routing report: give one or the other")
+        return telemetry.report(args.csv, args.out_dir)
     from . import corpus
     try:
         if args.trace:
@@ -347,6 +353,9 @@ def register(sub) -> None:
                        "concentration, reuse between consecutive tokens, cross-layer recall@B, working-set "
                        "size, and LRU vs Belady miss curves per cache size. Definitions: "
                        "pyvis/testbed/routing_report.py.")
+    s.add_argument("csv", nargs="?", metavar="RUN.csv",
+                   help="instead: summarise a --moe-csv file of a run (tok/s, hit rate, MiB read per token, stall "
+                   "share, lossy events; docs/telemetry.md); with -o PLOT.png|svg also plot it per generated token")
     s.add_argument("-m", "--model", help="MoE GGUF to trace")
     s.add_argument("--trace", help="read this routing trace (.npz, or a --moe-trace file) instead of running a model")
     s.add_argument("-f", "--file", default="heldout", help="text: heldout (Vim user manual, default), vim-all, "
@@ -357,7 +366,7 @@ def register(sub) -> None:
                    "(as --override-kv ARCH.expert_used_count=int:K)")
     s.add_argument("-t", "--threads", type=int, help="CPU threads")
     s.add_argument("--trace-out", help="save the collected trace here (.npz)")
-    s.add_argument("-o", "--out-dir", help="write NAME.json and PNG heatmaps here")
+    s.add_argument("-o", "--out-dir", help="write NAME.json and PNG heatmaps here (with RUN.csv: the plot file)")
     s.add_argument("--name", help="file stem for --out-dir outputs (default: model stem + -kK)")
     s.add_argument("--budgets", type=int, nargs="+",
                    help="B values for cross-layer recall@B (default: k, k+(E-k)/4, k+(E-k)/2)")
