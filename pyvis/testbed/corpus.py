@@ -95,6 +95,28 @@ def heldout(name: str = "vim") -> Text:
                 note="Vim user manual (Debian vim-runtime)")
 
 
+def vim_training() -> Text:
+    """The rest of the Vim user manual (every ``usr_*.txt`` but usr_01..usr_08), for training
+    (``pyvis testbed train``): same domain as the held-out text, other files.  Lines whose normalised form
+    (24 characters or more) occurs in the held-out text are dropped, as for the calibration text."""
+    d = vim_doc_dir()
+    held = set(VIM_GETTING_STARTED)
+    files = [f for f in sorted(d.glob("usr_*.txt")) if f.name not in held]
+    if not files:
+        raise CorpusError(f"no usr_*.txt beyond usr_01..usr_08 under {d} (reinstall vim-runtime)")
+    banned = {n for n in (_norm_line(x) for x in heldout("vim").text.splitlines()) if len(n) >= 24}
+    kept, dropped = [], 0
+    for f in files:
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+            if _norm_line(line) in banned:
+                dropped += 1
+                continue
+            kept.append(line)
+    return Text(name="train:vim-usr-09-up", text="".join(kept), files=[str(f) for f in files],
+                note=f"Vim user manual usr_09.. (Debian vim-runtime); {dropped} lines dropped because they "
+                     "also occur in the held-out usr_01..usr_08")
+
+
 # --------------------------------------------------------------------------
 # calibration: Python standard-library docstrings
 # --------------------------------------------------------------------------

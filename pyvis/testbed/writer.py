@@ -72,7 +72,15 @@ class _Out:
         self.plan.append((t.name, lambda t=t: np.asarray(t.data)))
 
     def add(self, name: str, shape: tuple[int, ...], dtype: str, fn: Callable[[], np.ndarray]) -> None:
-        """shape in numpy order (slowest first)."""
+        """shape in numpy order (slowest first); dtype F32, F16 or a quantised type (e.g. Q8_0)."""
+        if dtype not in ("F32", "F16"):
+            qt = Q[dtype]
+            bs, ts = gguf.GGML_QUANT_SIZES[qt]
+            nbytes = int(np.prod(shape[:-1])) * shape[-1] // bs * ts
+            self.w.add_tensor_info(name, tuple(shape[:-1]) + (shape[-1] // bs * ts,), np.dtype(np.uint8), nbytes,
+                                   raw_dtype=qt)
+            self.plan.append((name, lambda: gguf.quants.quantize(fn().astype(np.float32, copy=False), qt)))
+            return
         npdt = np.dtype(np.float32 if dtype == "F32" else np.float16)
         self.w.add_tensor_info(name, shape, npdt, int(np.prod(shape)) * npdt.itemsize)
         self.plan.append((name, lambda: fn().astype(npdt, copy=False)))
