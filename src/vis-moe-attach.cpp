@@ -87,10 +87,12 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     llama_vis_mem_info mi;
     llama_vis_mem_probe(&mi);
     if (s.tier.mem_mib > 0 && plan.budget < (s.tier.mem_mib << 20)) {
-        vm.note("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds what this process may hold (" +
-                (mi.cgroup_limit > 0 && mi.cgroup_limit <= mi.mem_total
-                     ? "cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("MemTotal")) +
-                "): planned for " + std::to_string(plan.budget >> 20) + " MiB instead");
+        // seen without -v and under llama-bench (issue #25: "clamped, with a line"); repeated in the stats footer
+        vm.notes.push_back("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds what this process may hold (" +
+                           (mi.cgroup_limit > 0 && mi.cgroup_limit <= mi.mem_total
+                                ? "cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("MemTotal")) +
+                           "): planned for " + std::to_string(plan.budget >> 20) + " MiB instead");
+        vis_tell_user(vm.notes.back());
     }
     if (s.tier.mem_mib < 0) {
         vm.plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget

@@ -109,6 +109,22 @@ def test_the_context_a_refusal_names_runs_inside_the_budget(bindir, medium_model
         assert more.returncode == 1 and REFUSAL.search(more.stdout + more.stderr), (more.stdout + more.stderr)[-2500:]
 
 
+def test_bench_above_the_cgroup_is_clamped_with_a_line_and_fits(bindir, medium_model):
+    """VIS_MOE_MEM=2000 llama-bench in a 300 MiB cgroup: planned for 300 MiB, with the line in the bench's output
+    (before: the line was a llama log warning, which llama-bench silences), and the run stays inside the limit;
+    pyvis plan --budget 2000 in the same cgroup says it fits, clamped the same way."""
+    limit = 300 * MIB
+    with memory_cgroup(limit) as (wrap, peak):
+        r = run(wrap(_tool(bindir, medium_model, "llama-bench", [])), timeout=300, extra_env={"VIS_MOE_MEM": "2000"})
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and "tg4" in r.stdout, out[-2500:]
+        assert re.search(r"vis-moe: --moe-mem 2000 exceeds what this process may hold \(cgroup v\d limit\): planned "
+                         r"for 300 MiB instead", out), out[-2500:]
+        assert 0 < peak() <= limit
+        p, pout = _plan(wrap, medium_model, "2000", 16 + 4)
+    assert p.returncode == 0 and "planned for 300 MiB instead" in pout and "fits: run with --moe-mem 2000" in pout
+
+
 TESTBED = ROOT / "models" / "testbed" / "shared+16.gguf"
 
 
