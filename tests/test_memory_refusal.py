@@ -2,8 +2,10 @@
 memory cgroup: the context's whole plan (resident weights, KV cache, compute, minimal slots) is checked before
 upstream allocates its KV cache; the refusal names the smallest budget for the context and the largest context for
 the budget; `pyvis plan` in the same cgroup says the same; the context it names runs.  The issue's cases, on the
-medium fixture (a 438 MiB qwen3moe with the 151936-token vocabulary of `pyvis fixtures --large`), at budgets scaled
-to it; the real-weights testbed where `make run` built it.  Each test here failed on the code before its fix."""
+medium fixture (qwen3moe like `pyvis fixtures --large`, 438 MiB: 4 layers x 128 experts, 49152-token vocabulary),
+with contexts and cgroups scaled to it so that each case falls in the gap the earlier lower-bound check left (the
+KV cache alone fits the budget, the whole plan does not; a KV cache larger than the budget is test_hardening2's
+case); the real-weights testbed where `make run` built it.  Each test here failed on the code before its fix."""
 from __future__ import annotations
 
 import re
