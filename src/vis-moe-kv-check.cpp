@@ -114,5 +114,6 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
                              mib_up(plan.min_budget) + " (KV cache " + mib_up(rq.kv_bytes) + "); largest context for " +
                              mib_up(plan.budget) + ": " + largest;
     vis_tell_user(msg);  // llama-bench silences the llama log
+    vis_set_last_error("vis-moe: " + msg);  // pyvis.moe.load raises it as VisError
     throw std::runtime_error("vis-moe: " + msg);
 }

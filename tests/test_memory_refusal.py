@@ -162,3 +162,12 @@ def test_an_option_that_cannot_take_effect_says_why_without_v(bindir, fixture_di
     assert out.count("--moe-host-mib 64 ignored") == 1                  # once, though two contexts were made
     text = lambda o: o.split("> hi", 1)[-1].split("[ Prompt:")[0]  # noqa: E731
     assert text(r.stdout) == text(ref.stdout)
+
+
+def test_pyvis_load_raises_the_refusal(medium_model):
+    """pyvis.moe.load: the refusal before the KV cache is a VisError with its text (before: llama_cpp's bare
+    "Failed to create llama_context")."""
+    from pyvis.runtime import moe
+    from pyvis.runtime.native import VisError
+    with pytest.raises(VisError, match=r"--moe-mem 250: .*smallest budget for this 65536-token context: \d+ MiB"):
+        moe.load(medium_model, mem=250, n_ctx=65536, n_threads=2, verbose=False)
