@@ -2,6 +2,10 @@
 #include "vis-error.h"
 #include "llama-vis.h"
 
+#include <cstdio>
+#include <mutex>
+#include <set>
+
 static thread_local std::string g_last_error;
 
 void vis_set_last_error(const std::string & msg) {
@@ -14,4 +18,14 @@ void vis_clear_last_error() {
 
 const char * llama_vis_last_error(void) {
     return g_last_error.c_str();
+}
+
+void vis_tell_user(const std::string & msg) {
+    static std::mutex m;
+    static std::set<std::string> said;
+    std::lock_guard<std::mutex> lock(m);
+    if (said.insert(msg).second) {
+        std::fprintf(stderr, "vis-moe: %s\n", msg.c_str());
+        std::fflush(stderr);
+    }
 }

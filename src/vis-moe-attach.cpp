@@ -2,6 +2,7 @@
 // how many slots they get (--moe-slots, --moe-cache-mib or the --moe-mem plan),
 // the slabs, the paging tiers and what gets locked in memory.
 #include "vis-moe.h"
+#include "vis-moe-attach-plan.h"
 #include "vis-moe-context.h"
 #include "vis-moe-lend.h"
 #include "vis-moe-stage.h"
@@ -41,93 +42,7 @@ namespace {
 
 const char * const VIS_T_NAME[VIS_T_COUNT] = { "gate", "up", "down", "gate_up" };
 
-int64_t layer_expert_bytes(const llama_layer & l) {
-    int64_t b = 0;
-    for (const ggml_tensor * t : vis_moe_expert_tensors(l)) {
-        b += t ? (int64_t) t->nb[2] : 0;
-    }
-    return b;
-}
-
-// The token embeddings of a model with its own output matrix: a token reads one row of them, so they are
-// neither counted as resident weights nor locked (a few touched pages stay in the page cache).
-bool row_gathered(const llama_model & model, const ggml_tensor * t) {
-    return t == model.tok_embd && model.output != nullptr &&
-           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;  // tied: same name
-}
-
-// what attach decides, step by step
-struct attach_plan {
-    std::vector<int>  moe_layers;   // layers with routed experts
-    std::vector<bool> deferred;     // per layer: experts deferred to the file at load (patch 0004)
-    bool any_deferred = false;
-    std::vector<int>  managed;      // MoE layers after the pinned prefix
-    int  pinned = 0;
-    int64_t per_slot = 0;           // bytes of one slot in every managed layer
-    int64_t exp_max  = 0;           // largest expert of a managed layer
-    bool all_host_devices = true;   // every managed layer's device is CPU-writable memory
-    bool cpu_only = false;          // no GPU at all: no staging slot
-    int  staging  = 0;
-    int  n_slots  = 0;
-    int64_t host_bytes = 0;
-    bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
-    int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
-    int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
-    int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
-    int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
-};
-
-// step 1: MoE layers, and which of them the loader deferred to the file
-void find_moe_layers(const llama_model & model, attach_plan & ap) {
-    const int n_layer = (int) model.hparams.n_layer();
-    ap.deferred.assign(n_layer, false);
-    for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
-        bool moe = false;
-        for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
-            moe = moe || t != nullptr;
-            if (t && vis_moe_deferred(t)) {
-                ap.deferred[il] = ap.any_deferred = true;
-            }
-        }
-        if (moe) {
-            ap.moe_layers.push_back(il);
-        }
-    }
-}
-
-// step 2: the managed layers (after the pinned prefix) and the devices their slabs live on
-void choose_managed(const llama_model & model, const vis_moe_settings & s, attach_plan & ap) {
-    const int n_moe = (int) ap.moe_layers.size();
-    ap.pinned = s.params.n_pinned < 0 ? n_moe : s.params.n_pinned;
-    if (ap.pinned > n_moe) {
-        throw std::runtime_error("--moe-pinned-layers " + std::to_string(s.params.n_pinned) + " exceeds the model's " +
-                                 std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
-    }
-    ap.managed.assign(ap.moe_layers.begin() + ap.pinned, ap.moe_layers.end());
-    for (int il : ap.moe_layers) {
-        if (ap.deferred[il] && std::find(ap.managed.begin(), ap.managed.end(), il) == ap.managed.end()) {
-            throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " was deferred to the file at load but is pinned "
-                                     "now; create contexts with the --moe-pinned-layers the model was loaded with");
-        }
-    }
-    for (int il : ap.managed) {
-        const int64_t b = layer_expert_bytes(model.layers[il]);
-        ap.per_slot += b;
-        ap.exp_max   = std::max(ap.exp_max, b);
-        ggml_backend_dev_t dev = model.dev_layer(il);
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            ap.all_host_devices = ap.all_host_devices && vis_igpu_unified(dev);
-        }
-    }
-    if (s.tier.unified == 1 && !ap.all_host_devices) {
-        throw std::runtime_error("--moe-unified on: the slabs' device is not CPU-writable memory; it needs the CPU backend or "
-                                 "an integrated GPU (Jetson) with GGML_CUDA_ENABLE_UNIFIED_MEMORY=1 (use auto or off)");
-    }
-    // CPU-only run: passes skip other passes' pairs (patch 0006), so no staging slot; with a GPU present the
-    // scheduler may offload a host-weight mul_mat_id, and other passes' pairs go to one staging slot per layer
-    ap.cpu_only = model.devices.empty();
-    ap.staging  = ap.cpu_only ? 0 : 1;
-}
+using attach_plan = vis_moe_attach_plan;
 
 // step 3a: --moe-cache-mib: slots from a slab budget
 void size_from_cache_mib(const vis_moe_settings & s, int n_exp, attach_plan & ap) {
@@ -150,43 +65,9 @@ void size_from_cache_mib(const vis_moe_settings & s, int n_exp, attach_plan & ap
 // step 3b: --moe-mem: split one budget over resident weights, KV cache, compute, slabs and the host cache
 void size_from_memory_plan(const llama_context * lctx, const llama_model & model, const vis_moe_settings & s,
                            attach_plan & ap, vis_moe_context & vm) {
-    const int n_exp = (int) model.hparams.n_expert;
-    int64_t model_bytes = 0, kv_bytes = 0, deferred_bytes = 0;
-    // weights that stay resident: every tensor but the deferred experts (mapped buffers span file ranges, so
-    // buffer sizes would overcount); the context's own memory_breakdown() needs the scheduler, not there yet
-    for (const auto & [name, t] : model.tensors_by_name) {
-        if (!row_gathered(model, t)) {
-            model_bytes += (int64_t) ggml_nbytes(t);
-        }
-    }
-    kv_bytes = vis_moe_kv_bytes(lctx);
-    for (int il : ap.managed) {
-        if (ap.deferred[il]) {
-            deferred_bytes += (int64_t) n_exp * layer_expert_bytes(model.layers[il]);
-        }
-    }
-    const auto & hp = model.hparams;
-    llama_vis_moe_plan_request rq = {};
-    rq.budget           = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
-    rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes) +
-                          (ap.shadow_slots > 0 ? (int64_t) ap.shadow_slots * ap.shadow_per_slot : 0);
-    rq.kv_bytes         = kv_bytes;
-    rq.reserve_bytes    = llama_vis_moe_estimate_reserve(lctx ? (int64_t) lctx->n_ubatch() : 512, model.vocab.n_tokens(),
-                                                         hp.n_embd, hp.n_expert_used_max(), hp.n_ff_exp());
-    rq.expert_bytes     = ap.managed.empty() ? 0 : (ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot)) /
-                                                (int64_t) ap.managed.size();
-    rq.n_managed_layers = (int32_t) ap.managed.size();
-    rq.n_expert         = n_exp;
-    rq.n_expert_used    = (int32_t) hp.n_expert_used_max();
-    rq.unified          = ap.all_host_devices ? 1 : 0;
-    rq.host_mib         = s.tier.host_mib;
-    rq.n_slots          = s.params.n_slots;
-    rq.no_staging       = ap.cpu_only ? 1 : 0;
-    if (!ap.all_host_devices && !ap.managed.empty()) {
-        size_t free = 0, total = 0;
-        ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);
-        rq.device_bytes = (int64_t) (free * 9 / 10);
-    }
+    // the request the check before the KV cache asked (vis_moe_check_kv), now with the KV cache allocated
+    const llama_vis_moe_plan_request rq = vis_moe_plan_request(model, s, ap, lctx ? (int64_t) lctx->n_ubatch() : 512,
+                                                               vis_moe_kv_bytes(lctx));
     struct llama_vis_moe_plan plan;  // "struct": the function has the same name
     if (llama_vis_moe_plan(&rq, &plan) != 0 || !plan.ok) {
         throw std::runtime_error(std::string("--moe-mem ") + (s.tier.mem_mib < 0 ? "auto" : std::to_string(s.tier.mem_mib)) +
@@ -202,10 +83,12 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     llama_vis_mem_info mi;
     llama_vis_mem_probe(&mi);
     if (s.tier.mem_mib > 0 && plan.budget < (s.tier.mem_mib << 20)) {
-        vm.note("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds what this process may hold (" +
-                (mi.cgroup_limit > 0 && mi.cgroup_limit <= mi.mem_total
-                     ? "cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("MemTotal")) +
-                "): planned for " + std::to_string(plan.budget >> 20) + " MiB instead");
+        // seen without -v and under llama-bench (issue #25: "clamped, with a line"); repeated in the stats footer
+        vm.notes.push_back("--moe-mem " + std::to_string(s.tier.mem_mib) + " exceeds what this process may hold (" +
+                           (mi.cgroup_limit > 0 && mi.cgroup_limit <= mi.mem_total
+                                ? "cgroup v" + std::to_string(mi.cgroup_version) + " limit" : std::string("MemTotal")) +
+                           "): planned for " + std::to_string(plan.budget >> 20) + " MiB instead");
+        vis_tell_user(vm.notes.back());
     }
     if (s.tier.mem_mib < 0) {
         vm.plan_source = mi.cgroup_limit > 0 && mi.cgroup_limit <= plan.budget
@@ -230,13 +113,11 @@ void size_slots(const llama_context * lctx, const llama_model & model, const vis
         size_from_cache_mib(s, n_exp, ap);
     } else if (s.tier.mem_mib != 0 && !ap.managed.empty() && model.hparams.no_alloc) {
         ap.n_slots = s.params.n_slots > 0 ? s.params.n_slots : k;  // a memory-fit probe (--fit): nothing loaded, nothing to plan
-    } else if (s.tier.mem_mib != 0 && !ap.managed.empty()) {
+    } else if (vis_moe_uses_memory_plan(model, s, ap)) {
+        // with no managed layer (--moe-pinned-layers -1, --moe-slots >= experts) the plan has nothing to page and
+        // checks that all of it fits (pyvis plan asks the same question)
         size_from_memory_plan(lctx, model, s, ap, vm);
-    } else if (s.tier.mem_mib != 0 && !model.hparams.no_alloc) {
-        // every expert resident by the flags (--moe-pinned-layers -1, --moe-slots >= experts): the same plan, with
-        // nothing to page, checks that all of it fits (pyvis plan asks the same question)
-        size_from_memory_plan(lctx, model, s, ap, vm);
-        ap.n_slots = std::max(ap.n_slots, s.params.n_slots);
+        ap.n_slots = std::max(ap.n_slots, s.params.n_slots);  // a plan with nothing to page gives n_expert
     } else if (ap.n_slots <= 0) {
         ap.n_slots = n_exp;  // deferred layers with the cache off: every expert gets a slot
     }
@@ -295,7 +176,7 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     L.managed      = true;
     L.n_slots      = ns;
     L.n_expert     = n_exp;
-    L.expert_bytes = layer_expert_bytes(l);
+    L.expert_bytes = vis_moe_layer_expert_bytes(l);
     L.pass_of.assign(n_exp, -1);
     L.slots.init(n_exp, ns, vis_moe_policy_make(ap.policy, ns, n_exp));
     L.stats.n_slots = ns;
@@ -378,7 +259,7 @@ void lock_resident_weights(const llama_model & model, const attach_plan & ap, vi
     size_t n_locked = 0, n_skipped = 0;
     bool ok = true;
     for (const auto & [name, t] : model.tensors_by_name) {
-        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t) || row_gathered(model, t)) {
+        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data || vis_moe_deferred(t) || vis_moe_row_gathered(model, t)) {
             continue;
         }
         const uintptr_t a = (uintptr_t) t->data & ~(uintptr_t) (page - 1);
@@ -426,9 +307,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vis_moe_settings s = vis_moe_settings_current();
     const auto & hp = model.hparams;
     attach_plan ap;
-    find_moe_layers(model, ap);
+    vis_moe_find_moe_layers(model, ap);
     bool whole_fits = false;  // --moe-mem and the whole model fits: no cache
-    if (vis_moe_settings_mem_only(s) && !ap.any_deferred && hp.n_expert > 0) {
+    if (vis_moe_runs_whole(s, ap, model)) {
         whole_fits = true;
         // the loader found that the whole model fits the budget (vis_moe_settings_model_fits), or the model was
         // loaded without the cache: every expert is in memory already, so upstream's path is the fastest exact one
@@ -441,19 +322,19 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     // the fit probe (--fit) creates contexts on a model without data: it never writes a trace
     const bool tracing = !s.trace_path.empty() && !hp.no_alloc;
     if (!s.cache_on() && !ap.any_deferred && s.tier.host_mib > 0) {
-        LLAMA_LOG_WARN("vis-moe: --moe-host-mib %lld ignored: the host cache sits below the expert slots, which are off; "
-                       "add --moe-mem, --moe-slots or --moe-cache-mib\n", (long long) s.tier.host_mib);
+        vis_tell_user("--moe-host-mib " + std::to_string(s.tier.host_mib) + " ignored: the host cache sits below the "
+                      "expert slots, which are off; add --moe-mem, --moe-slots or --moe-cache-mib");
     }
     if (!s.cache_on() && !ap.any_deferred && s.sub.on() && !hp.no_alloc) {
-        LLAMA_LOG_WARN("vis-moe: --moe-substitute ignored: it serves misses of the expert cache, which is off; add "
-                       "--moe-mem, --moe-slots or --moe-cache-mib\n");
+        vis_tell_user("--moe-substitute ignored: it serves misses of the expert cache, which is off; add --moe-mem, "
+                      "--moe-slots or --moe-cache-mib");
     }
     if (!s.cache_on() && !ap.any_deferred && (!s.prec.shadow.empty() || s.prec.on()) && !hp.no_alloc) {
         const std::string what = (s.prec.shadow.empty() ? std::string() : "--moe-shadow " + s.prec.shadow) +
                                  (s.prec.on() ? (s.prec.shadow.empty() ? "--moe-precision" : " and --moe-precision") : "");
-        LLAMA_LOG_WARN("vis-moe: %s ignored: shadows are for the managed layers of the expert cache, which is %s\n",
-                       what.c_str(), whole_fits
-                       ? "not used: the whole model fits the memory budget" : "off; add --moe-mem, --moe-slots or --moe-cache-mib");
+        vis_tell_user(what + " ignored: shadows are for the managed layers of the expert cache, which is " +
+                      (whole_fits ? "not used: the whole model fits the memory budget"
+                                  : "off; add --moe-mem, --moe-slots or --moe-cache-mib"));
     }
     const int n_used = vis_moe_topk_attach(s, model);  // throws on N above the model's k
     const bool topk  = n_used < (int) hp.n_expert_used_max();
@@ -469,7 +350,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         return nullptr;  // feature off: no object, no graph change
     }
     if (hp.n_expert == 0) {
-        LLAMA_LOG_WARN("vis-moe: the model has no routed experts; --moe-* options ignored\n");
+        vis_tell_user("the model has no routed experts; --moe-* options ignored");
         return nullptr;
     }
     vis_owned<vis_moe_context> vm(new vis_moe_context());
@@ -489,17 +370,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
 
     ap.policy = s.policy;
-    choose_managed(model, s, ap);
-    if (!s.prec.shadow.empty() && !hp.no_alloc && !ap.managed.empty()) {
-        // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget
-        vm->shadow = vis_moe_shadow_load(s.prec.shadow, model, ap.managed);  // throws on a bad sidecar
-        if (s.prec.on()) {
-            for (int il : ap.managed) {
-                ap.shadow_per_slot += (int64_t) vm->shadow->expert_bytes(il);
-            }
-            ap.shadow_slots = s.prec.shadow_slots;
-        }
-    }
+    vis_moe_choose_managed(model, s, ap);
+    // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget
+    vm->shadow = vis_moe_plan_shadow(model, s, ap);
     vm->unified = s.tier.unified != 0 && ap.all_host_devices;
     size_slots(lctx, model, s, ap, *vm);
     bool locked = create_slabs(model, s, ap, *vm);

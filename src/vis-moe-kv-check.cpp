@@ -1,54 +1,119 @@
-// vis-moe-kv-check.cpp - under --moe-mem, a context whose KV cache alone cannot fit the budget is refused before
-// upstream allocates and clears it (vis-moe.h; issue #25: -c 32768 in a 357 MiB cgroup was killed while the
-// 512 MiB KV cache was cleared, before the context's plan could refuse it).
+// vis-moe-kv-check.cpp - under --moe-mem, the context's whole memory plan is checked before upstream allocates and
+// clears its KV cache (vis-moe.h; issue #25: -c 32768 in a 357 MiB cgroup was killed while the 512 MiB KV cache
+// was cleared, before the context's plan could refuse it).  The plan is the one the attach runs afterwards
+// (vis_moe_plan_request + llama_vis_moe_plan, as `pyvis plan` asks it), with the KV cache upstream is about to
+// create, measured by upstream's own code on a no-alloc dry run.
 #include "vis-moe.h"
+#include "vis-moe-attach-plan.h"
 #include "vis-moe-settings.h"
+#include "vis-moe-shadow.h"
+#include "vis-error.h"
 
+#include "llama-cparams.h"
+#include "llama-impl.h"
+#include "llama-memory.h"
 #include "llama-model.h"
 
-#include <algorithm>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
-void vis_moe_check_kv(const llama_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v) {
+namespace {
+
+// The bytes of the KV cache (every memory module: KV, SWA, recurrent states) that upstream creates for a context
+// of n_ctx_seq tokens per sequence: the memory is created on the model's no-alloc path (tensors without data, as
+// upstream's --fit probe does) and its breakdown summed.  Its log lines are held back: the real one follows.
+int64_t kv_bytes_at(const llama_model & model, const llama_memory_params & pm, llama_cparams cp, uint32_t n_ctx_seq) {
+    // llama_context's constructor: one sequence's cells, n_seq_max of them unless the cache is unified
+    cp.n_ctx_seq = n_ctx_seq;
+    cp.n_ctx     = cp.kv_unified ? n_ctx_seq : n_ctx_seq * cp.n_seq_max;
+    struct quiet_no_alloc {
+        llama_hparams & hp;
+        ggml_log_callback cb = nullptr;
+        void * ud = nullptr;
+        explicit quiet_no_alloc(llama_hparams & h) : hp(h) {
+            llama_log_get(&cb, &ud);
+            llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
+            hp.no_alloc = true;
+        }
+        ~quiet_no_alloc() {
+            hp.no_alloc = false;
+            llama_log_set(cb, ud);
+        }
+    } guard(const_cast<llama_hparams &>(model.hparams));  // the loaded model's flag, set for this call only
+    std::unique_ptr<llama_memory_i> mem(model.create_memory(pm, cp));
+    int64_t bytes = 0;
+    if (mem) {
+        for (const auto & [buft, size] : mem->memory_breakdown()) {
+            bytes += (int64_t) size;
+        }
+    }
+    return bytes;
+}
+
+std::string mib_up(int64_t b) {
+    return std::to_string((b + (1 << 20) - 1) >> 20) + " MiB";
+}
+
+} // namespace
+
+void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, const llama_cparams & cp) {
     const auto & hp = model.hparams;
-    if (hp.no_alloc || hp.vocab_only) {
-        return;
+    if (hp.no_alloc || hp.vocab_only || hp.n_expert == 0) {
+        return;  // the --fit probe; no model; a model without routed experts (the --moe-* options are ignored)
     }
     const vis_moe_settings s = vis_moe_settings_current();
     if (s.tier.mem_mib == 0 || s.tier.store != 0) {
         return;  // only under --moe-mem with the file store
     }
-    // a lower bound of the KV cache: n_ctx rows of K and V in each attention layer with its own cache that is not
-    // sliding-window (SWA and recurrent layers hold less: counted as nothing), so no context that fits is refused
-    int64_t per_token = 0;
-    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-        if (!hp.has_kv(il) || hp.is_swa(il) || hp.is_recr(il)) {
-            continue;
+    // what the attach will plan: with the whole model loaded (it fits the budget alone) nothing is managed
+    vis_moe_attach_plan ap;
+    vis_moe_find_moe_layers(model, ap);
+    if (!vis_moe_runs_whole(s, ap, model)) {
+        vis_moe_choose_managed(model, s, ap);
+        vis_moe_plan_shadow(model, s, ap);  // the shadow slots' bytes (the sidecar is loaded again at attach)
+        if (!vis_moe_uses_memory_plan(model, s, ap)) {
+            return;  // --moe-cache-mib sizes the slots
         }
-        per_token += (int64_t) (ggml_row_size(type_k, hp.n_embd_k_gqa(il)) + ggml_row_size(type_v, hp.n_embd_v_gqa(il)));
     }
-    if (per_token <= 0) {
-        return;
-    }
-    // the plan with nothing else in it (llama_vis_moe_plan: the budget as the context's plan will see it, clamped)
-    llama_vis_moe_plan_request rq = {};
-    rq.budget        = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
-    rq.kv_bytes      = per_token * (int64_t) n_ctx;
-    rq.reserve_bytes = llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);  // the runtime floor
-    rq.host_mib      = -1;
+    auto plan_at = [&](uint32_t n_ctx_seq, struct llama_vis_moe_plan & plan) {
+        const llama_vis_moe_plan_request rq =
+            vis_moe_plan_request(model, s, ap, cp.n_ubatch, kv_bytes_at(model, pm, cp, n_ctx_seq));
+        if (llama_vis_moe_plan(&rq, &plan) != 0) {
+            throw std::runtime_error(std::string("vis-moe: ") + llama_vis_last_error());
+        }
+        return rq;
+    };
     struct llama_vis_moe_plan plan;
-    if (llama_vis_moe_plan(&rq, &plan) == 0 && plan.ok) {
+    const llama_vis_moe_plan_request rq = plan_at(cp.n_ctx_seq, plan);
+    if (plan.ok) {
         return;
     }
-    const int64_t fit = (plan.budget - rq.reserve_bytes) / per_token;
+    const std::string why = llama_vis_last_error();
+    // the largest context this budget holds: a multiple of 256 tokens per sequence (upstream pads to it)
+    const uint32_t pad = 256, n_seq = cp.kv_unified ? 1 : cp.n_seq_max;
+    uint32_t lo = 0, hi = cp.n_ctx_seq / pad;  // lo fits (0: none known), hi does not
+    while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        struct llama_vis_moe_plan p;
+        plan_at(mid * pad, p);
+        (p.ok ? lo : hi) = mid;
+    }
+    std::string largest;
+    if (lo > 0) {
+        largest = "-c " + std::to_string(lo * pad * n_seq);
+    } else {
+        struct llama_vis_moe_plan p;
+        plan_at(pad, p);
+        largest = "none (" + std::to_string(pad * n_seq) + " tokens need " + mib_up(p.min_budget) + ")";
+    }
     const std::string mem = s.tier.mem_mib < 0 ? std::string("auto") : std::to_string(s.tier.mem_mib);
-    throw std::runtime_error("vis-moe: --moe-mem " + mem + ": the memory budget of " + std::to_string(plan.budget >> 20) +
-                             " MiB is too small: the KV cache of a " + std::to_string(n_ctx) +
-                             "-token context needs at least " + std::to_string((rq.kv_bytes + (1 << 20) - 1) >> 20) +
-                             " MiB next to the runtime (" + std::to_string(rq.reserve_bytes >> 20) +
-                             " MiB), before any weight; " +
-                             (fit > 0 ? "use -c " + std::to_string(fit) + " or less (the weights need room too: pyvis "
-                                        "plan MODEL -c N says how much), or raise --moe-mem"
-                                      : std::string("raise --moe-mem")));
+    const std::string msg = "--moe-mem " + mem + ": " + why + (vis_moe_runs_whole(s, ap, model)
+                             ? " (the whole model fits the budget alone, so it was loaded whole)" : std::string()) +
+                             "; smallest budget for this " + std::to_string(cp.n_ctx_seq * n_seq) + "-token context: " +
+                             mib_up(plan.min_budget) + " (KV cache " + mib_up(rq.kv_bytes) + "); largest context for " +
+                             mib_up(plan.budget) + ": " + largest;
+    vis_tell_user(msg);  // llama-bench silences the llama log
+    vis_set_last_error("vis-moe: " + msg);  // pyvis.moe.load raises it as VisError
+    throw std::runtime_error("vis-moe: " + msg);
 }

@@ -9,7 +9,7 @@
 #include "vis-moe-shadow.h"
 #include "vis-moe-substitute.h"
 
-#include "llama-impl.h"
+#include "vis-error.h"
 
 #include <stdexcept>
 #include <string>
@@ -28,17 +28,17 @@ void vis_moe_check_named_files(const vis_moe_settings & s, const llama_model & m
     }
     if (!s.sub.profile.empty() && !(vm && vm->sub)) {  // the substitution state loads a named profile
         vis_buddy_profile_load(s.sub.profile, model);
-        LLAMA_LOG_WARN("vis-moe: --moe-sub-profile %s: validated, not used: %s\n", s.sub.profile.c_str(),
-                       !s.sub.on() ? "--moe-substitute is off" : off);
+        vis_tell_user("--moe-sub-profile " + s.sub.profile + ": validated, not used: " +
+                      (!s.sub.on() ? "--moe-substitute is off" : off));
     }
     if (!s.predict.profile.empty() && !(vm && vm->prefetch)) {
         vis_predict_profile_load(s.predict.profile, model);
-        LLAMA_LOG_WARN("vis-moe: --moe-predict-profile %s: validated, not used: %s\n", s.predict.profile.c_str(),
-                       !s.predict.on() ? "--moe-predict is off" : cache ? "no prediction runs" : off);
+        vis_tell_user("--moe-predict-profile " + s.predict.profile + ": validated, not used: " +
+                      (!s.predict.on() ? "--moe-predict is off" : cache ? "no prediction runs" : off));
     }
     if (!s.cap.profile.empty() && !(vm && vm->modality_profile)) {
         vis_modality_profile_load(s.cap.profile, model);
-        LLAMA_LOG_WARN("vis-moe: --moe-cap-profile %s: validated, not used: %s\n", s.cap.profile.c_str(),
-                       !s.cap.on() ? "--moe-capacity is off" : off);
+        vis_tell_user("--moe-cap-profile " + s.cap.profile + ": validated, not used: " +
+                      (!s.cap.on() ? "--moe-capacity is off" : off));
     }
 }

@@ -282,8 +282,11 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     // slots; a tight budget gets fewer than top-k slots per layer (exact: decode runs in passes), and below one
     // slot per layer the resident weights that do not fit stay pageable.  What must fit is the anonymous
     // memory: KV cache, compute, host cache and one slot (+ staging) per layer.
-    p.min_budget   = r.unified ? r.kv_bytes + reserve + host_fixed + (int64_t) (1 + staging) * row
-                               : p.fixed_bytes + host_fixed;
+    // the least it runs with: one slot per layer (or the --moe-slots asked for), resident weights pageable
+    const int64_t min_slots = r.n_slots > 0 ? std::min(r.n_slots, r.n_expert) : 1;
+    const int64_t floor_1  = r.unified ? r.kv_bytes + reserve + host_fixed + (int64_t) (1 + staging) * row
+                                       : p.fixed_bytes + host_fixed;
+    p.min_budget   = r.unified ? r.kv_bytes + reserve + host_fixed + (min_slots + staging) * row : floor_1;
     p.tight_budget = r.unified ? p.fixed_bytes + host_fixed + (int64_t) (k + staging) * row : p.fixed_bytes + host_fixed;
     const int64_t all_experts = (int64_t) r.n_expert * row;
 
@@ -296,13 +299,13 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
             slots = std::max(slots, 1);  // below one slot per layer: page resident weights instead (checked below)
         }
     }
-    if (slots < 1 || (r.unified && budget < p.min_budget)) {
+    if (slots < 1 || (r.unified && budget < floor_1)) {
         const std::string where = r.unified ? "memory budget" : "device memory";
         vis_set_last_error("the " + where + " of " + mib(r.unified ? budget : r.device_bytes) + " is too small: " +
                                std::to_string(r.n_managed_layers) + " managed layers need at least one expert slot" +
                                (staging ? " + 1 staging slot" : "") + " each (" + mib((int64_t) (1 + staging) * row) + ")" +
                                (r.unified ? " on top of " + mib(r.kv_bytes + reserve + host_fixed) +
-                                            " for KV cache, compute and host cache = " + mib(p.min_budget)
+                                            " for KV cache, compute and host cache = " + mib(floor_1)
                                           : std::string()) +
                                "; raise the budget, shorten the context (-c) or pin fewer layers (--moe-pinned-layers)");
         p.ok = 0;

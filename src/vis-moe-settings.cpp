@@ -207,17 +207,9 @@ vis_moe_settings vis_moe_settings_current() {
     std::string error;
     vis_moe_settings s = process_settings(&error);
     if (!error.empty()) {
-        // also straight to stderr, once per message: tools that silence the llama log (llama-bench) would
-        // otherwise report only "failed to load model"
-        static std::mutex m;
-        static std::string said;
-        {
-            std::lock_guard<std::mutex> lock(m);
-            if (said != error) {
-                said = error;
-                std::fprintf(stderr, "vis-moe: %s\n", error.c_str());
-            }
-        }
+        // also straight to stderr: tools that silence the llama log (llama-bench) would otherwise report only
+        // "failed to load model"
+        vis_tell_user(error);
         throw std::runtime_error("vis-moe: " + error);
     }
     return s;

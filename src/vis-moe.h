@@ -12,6 +12,8 @@
 #include <vector>
 
 struct llama_context;
+struct llama_cparams;
+struct llama_memory_params;
 struct llama_model;
 struct llama_ubatch;
 struct vis_moe_context;
@@ -25,10 +27,11 @@ vis_owned<vis_moe_context> vis_moe_context_attach(const llama_context * lctx, co
 // Print the stats if asked (--moe-stats) and free the cache.
 void vis_moe_context_detach(vis_owned<vis_moe_context> & vm);
 
-// Before upstream creates (and clears) the KV cache of a context (patch 0002): under --moe-mem, throws
-// std::runtime_error when a lower bound of the KV cache of n_ctx tokens alone does not fit the budget, naming
-// the largest context that could.
-void vis_moe_check_kv(const llama_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+// Before upstream creates (and clears) the KV cache of a context (patch 0002): under --moe-mem, runs the memory
+// plan the attach will run (llama_vis_moe_plan, as `pyvis plan` asks it) with the KV cache these parameters create,
+// and throws std::runtime_error when it does not fit, naming the smallest budget for this context and the largest
+// context for this budget.
+void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, const llama_cparams & cp);
 
 // Record the ubatch about to be computed (positions, sequences, modality for the trace).
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);

@@ -168,11 +168,13 @@ def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
               pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None,
-              gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1) -> dict:
+              gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1, search: bool = True) -> dict:
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
     None = whether this build has one.  shadow_expert: bytes of one shadow expert (--moe-shadow with
     --moe-precision on, :func:`shadow_expert_bytes`); its slots share the budget as the runtime shares it: one per
-    full slot (shadow_slots -1, auto), or shadow_slots per layer taken off the top."""
+    full slot (shadow_slots -1, auto), or shadow_slots per layer taken off the top.  search: when it does not fit,
+    also find what the runtime's refusal names: largest_ctx (tokens, 0: none) and, with none,
+    min_budget_smallest_ctx (the budget a 256-token context needs)."""
     from . import native as _native
     check_args(budget_mib=budget_mib, n_ctx=n_ctx, n_ubatch=n_ubatch, pinned=pinned, slots=slots, host_mib=host_mib,
                device_mib=device_mib)
@@ -185,7 +187,9 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         pinned = len(moe)
     if pinned > len(moe):
         raise ValueError(f"--pinned {pinned} exceeds the model's {len(moe)} MoE layers (valid: 0..{len(moe)}, -1 = all)")
-    managed = moe[pinned:]
+    # --moe-slots >= experts: every expert has a slot and none pages (the loader loads them all, upstream's graph
+    # runs): the plan with nothing to page, as with every layer pinned (src/vis-moe-attach-plan.cpp)
+    managed = moe[pinned:] if not (slots and slots >= shape.n_expert) else []
     expert = max((shape.expert_bytes[il] for il in managed), default=0)
     managed_bytes = sum(shape.expert_bytes[il] * shape.n_expert for il in managed)
     unified = device_mib is None
@@ -194,7 +198,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         expert += shadow_expert                                   # each slot paired with a shadow slot
     req = dict(budget=(budget_mib or 0) * MIB,
                resident_bytes=shape.total_bytes - managed_bytes - shape.row_gathered_bytes + fixed_shadow,
-               kv_bytes=shape.kv_bytes_per_token * n_ctx, reserve_bytes=reserve_bytes(shape, n_ubatch),
+               kv_bytes=kv_bytes(shape, n_ctx), reserve_bytes=reserve_bytes(shape, n_ubatch),
                expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
                n_expert_used=shape.n_expert_used, unified=int(unified),
                device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots, no_staging=int(not gpu))
@@ -212,7 +216,52 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     # with --moe-mem alone (no --slots) and store = file, a model that fits whole runs upstream's path
     p["whole_model_fits"] = (not slots and not all_pinned and device_mib is None
                              and _native.whole_model_fits(shape.total_bytes, p["budget"]))
+    if p["whole_model_fits"]:
+        # loaded whole, every expert resident: the runtime's plan has nothing to page, and all of it must fit
+        whole = _native.plan(**(req | dict(resident_bytes=shape.total_bytes - shape.row_gathered_bytes,
+                                           expert_bytes=0, n_managed_layers=0)))
+        if not whole["ok"]:
+            p.update(ok=0, min_budget=whole["min_budget"],
+                     error=whole["error"] + " (the whole model fits the budget alone, so it was loaded whole)")
+    if not p["ok"] and search:
+        # the largest context this budget holds, in upstream's steps of 256 cells (what the runtime's refusal names)
+        kw = dict(budget_mib=budget_mib, n_ubatch=n_ubatch, pinned=-1 if all_pinned else pinned, slots=slots,
+                  host_mib=host_mib, device_mib=device_mib, gpu=gpu, shadow_expert=shadow_expert,
+                  shadow_slots=shadow_slots, search=False)
+        lo, hi = 0, _ctx_cells(n_ctx) // CTX_PAD               # lo fits (0: none known), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if make_plan(shape, n_ctx=mid * CTX_PAD, **kw)["ok"] else (lo, mid)
+        p["largest_ctx"] = lo * CTX_PAD
+        if not lo:   # none: what the smallest context would need
+            p["min_budget_smallest_ctx"] = (p["min_budget"] if _ctx_cells(n_ctx) <= CTX_PAD else
+                                            make_plan(shape, n_ctx=CTX_PAD, **kw)["min_budget"])
     return p
+
+
+CTX_PAD = 256   # upstream pads a context to a multiple of 256 cells (llama_context's constructor)
+
+
+def _ctx_cells(n_ctx: int) -> int:
+    return -(-n_ctx // CTX_PAD) * CTX_PAD
+
+
+def kv_bytes(shape: ModelShape, n_ctx: int) -> int:
+    """Bytes of the F16 KV cache of an n_ctx-token context, padded as upstream pads it."""
+    return shape.kv_bytes_per_token * _ctx_cells(n_ctx)
+
+
+def _mib_up(b: int) -> str:
+    return f"{-(-b // MIB)} MiB"
+
+
+def refusal_hint(p: dict, n_ctx: int) -> str:
+    """What the runtime's --moe-mem refusal names after the plan's error (src/vis-moe-kv-check.cpp), for a plan
+    that does not fit: the smallest budget for this context and the largest context for this budget."""
+    largest = (f"-c {p['largest_ctx']}" if p["largest_ctx"] else
+               f"none ({CTX_PAD} tokens need {_mib_up(p['min_budget_smallest_ctx'])})")
+    return (f"smallest budget for this {_ctx_cells(n_ctx)}-token context: {_mib_up(p['min_budget'])} (KV cache "
+            f"{_mib_up(p['request']['kv_bytes'])}); largest context for {_mib_up(p['budget'])}: {largest}")
 
 
 def shadow_expert_bytes(shadow_path, model_path) -> int:
@@ -293,6 +342,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print()
     if not p["ok"]:
         print(f"does not fit: {p['error']}", file=sys.stderr)
+        print(refusal_hint(p, args.ctx_size), file=sys.stderr)
         return 2
     if shape.row_gathered_bytes:
         print(f"  (token embeddings, {shape.row_gathered_bytes / MIB:.1f} MiB, are read one row per token and not counted)")

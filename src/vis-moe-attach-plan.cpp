@@ -1,0 +1,146 @@
+// vis-moe-attach-plan.cpp - what a context's expert cache will be, from the loaded model and the settings
+// (vis-moe-attach-plan.h): the attach and the check before the KV cache ask the --moe-mem plan the same question.
+#include "vis-moe-attach-plan.h"
+#include "vis-moe.h"
+#include "vis-moe-context.h"
+#include "vis-moe-deferred.h"
+#include "vis-moe-shadow.h"
+#include "vis-moe-upload.h"
+
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+int64_t vis_moe_layer_expert_bytes(const llama_layer & l) {
+    int64_t b = 0;
+    for (const ggml_tensor * t : vis_moe_expert_tensors(l)) {
+        b += t ? (int64_t) t->nb[2] : 0;
+    }
+    return b;
+}
+
+bool vis_moe_row_gathered(const llama_model & model, const ggml_tensor * t) {
+    return t == model.tok_embd && model.output != nullptr &&
+           std::strcmp(ggml_get_name(model.output), ggml_get_name(model.tok_embd)) != 0;  // tied: same name
+}
+
+void vis_moe_find_moe_layers(const llama_model & model, vis_moe_attach_plan & ap) {
+    const int n_layer = (int) model.hparams.n_layer();
+    ap.deferred.assign(n_layer, false);
+    for (int il = 0; il < n_layer && il < (int) model.layers.size(); ++il) {
+        bool moe = false;
+        for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
+            moe = moe || t != nullptr;
+            if (t && vis_moe_deferred(t)) {
+                ap.deferred[il] = ap.any_deferred = true;
+            }
+        }
+        if (moe) {
+            ap.moe_layers.push_back(il);
+        }
+    }
+}
+
+bool vis_moe_runs_whole(const vis_moe_settings & s, const vis_moe_attach_plan & ap, const llama_model & model) {
+    return vis_moe_settings_mem_only(s) && !ap.any_deferred && model.hparams.n_expert > 0;
+}
+
+void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap) {
+    const int n_moe = (int) ap.moe_layers.size();
+    ap.pinned = s.params.n_pinned < 0 ? n_moe : s.params.n_pinned;
+    if (ap.pinned > n_moe) {
+        throw std::runtime_error("--moe-pinned-layers " + std::to_string(s.params.n_pinned) + " exceeds the model's " +
+                                 std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
+    }
+    ap.managed.assign(ap.moe_layers.begin() + ap.pinned, ap.moe_layers.end());
+    for (int il : ap.moe_layers) {
+        if (ap.deferred[il] && std::find(ap.managed.begin(), ap.managed.end(), il) == ap.managed.end()) {
+            throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " was deferred to the file at load but is pinned "
+                                     "now; create contexts with the --moe-pinned-layers the model was loaded with");
+        }
+    }
+    for (int il : ap.managed) {
+        const int64_t b = vis_moe_layer_expert_bytes(model.layers[il]);
+        ap.per_slot += b;
+        ap.exp_max   = std::max(ap.exp_max, b);
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            ap.all_host_devices = ap.all_host_devices && vis_igpu_unified(dev);
+        }
+    }
+    if (s.tier.unified == 1 && !ap.all_host_devices) {
+        throw std::runtime_error("--moe-unified on: the slabs' device is not CPU-writable memory; it needs the CPU backend or "
+                                 "an integrated GPU (Jetson) with GGML_CUDA_ENABLE_UNIFIED_MEMORY=1 (use auto or off)");
+    }
+    // CPU-only run: passes skip other passes' pairs (patch 0006), so no staging slot; with a GPU present the
+    // scheduler may offload a host-weight mul_mat_id, and other passes' pairs go to one staging slot per layer
+    ap.cpu_only = model.devices.empty();
+    ap.staging  = ap.cpu_only ? 0 : 1;
+}
+
+std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, const vis_moe_settings & s,
+                                                    vis_moe_attach_plan & ap) {
+    if (s.prec.shadow.empty() || model.hparams.no_alloc || ap.managed.empty()) {
+        return nullptr;
+    }
+    auto shadow = vis_moe_shadow_load(s.prec.shadow, model, ap.managed);  // throws on a bad sidecar
+    if (s.prec.on()) {
+        ap.shadow_per_slot = 0;
+        for (int il : ap.managed) {
+            ap.shadow_per_slot += (int64_t) shadow->expert_bytes(il);
+        }
+        ap.shadow_slots = s.prec.shadow_slots;
+    }
+    return shadow;
+}
+
+bool vis_moe_uses_memory_plan(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
+    return s.tier.mem_mib != 0 && !model.hparams.no_alloc && !(s.params.cache_mib > 0 && !ap.managed.empty());
+}
+
+llama_vis_moe_plan_request vis_moe_plan_request(const llama_model & model, const vis_moe_settings & s,
+                                                const vis_moe_attach_plan & ap, int64_t n_ubatch, int64_t kv_bytes) {
+    const int n_exp = (int) model.hparams.n_expert;
+    int64_t model_bytes = 0, deferred_bytes = 0;
+    // weights that stay resident: every tensor but the deferred experts (mapped buffers span file ranges, so
+    // buffer sizes would overcount)
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (!vis_moe_row_gathered(model, t)) {
+            model_bytes += (int64_t) ggml_nbytes(t);
+        }
+    }
+    for (int il : ap.managed) {
+        if (ap.deferred[il]) {
+            deferred_bytes += (int64_t) n_exp * vis_moe_layer_expert_bytes(model.layers[il]);
+        }
+    }
+    // --moe-slots >= experts on layers loaded whole: every expert has a slot, none pages (upstream's graph runs,
+    // no slab is made): the plan with nothing to page, as with every layer pinned
+    const bool none_pages = ap.managed.empty() || (s.params.n_slots >= n_exp && !ap.any_deferred);
+    const auto & hp = model.hparams;
+    llama_vis_moe_plan_request rq = {};
+    rq.budget           = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
+    rq.resident_bytes   = std::max<int64_t>(0, model_bytes - deferred_bytes) +
+                          (ap.shadow_slots > 0 ? (int64_t) ap.shadow_slots * ap.shadow_per_slot : 0);
+    rq.kv_bytes         = kv_bytes;
+    rq.reserve_bytes    = llama_vis_moe_estimate_reserve(n_ubatch, model.vocab.n_tokens(), hp.n_embd,
+                                                         hp.n_expert_used_max(), hp.n_ff_exp());
+    rq.expert_bytes     = none_pages ? 0 : (ap.per_slot + (ap.shadow_slots > 0 ? 0 : ap.shadow_per_slot)) /
+                                           (int64_t) ap.managed.size();
+    rq.n_managed_layers = none_pages ? 0 : (int32_t) ap.managed.size();
+    rq.n_expert         = n_exp;
+    rq.n_expert_used    = (int32_t) hp.n_expert_used_max();
+    rq.unified          = ap.all_host_devices ? 1 : 0;
+    rq.host_mib         = s.tier.host_mib;
+    rq.n_slots          = s.params.n_slots;
+    rq.no_staging       = ap.cpu_only ? 1 : 0;
+    if (!ap.all_host_devices && !none_pages) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);
+        rq.device_bytes = (int64_t) (free * 9 / 10);
+    }
+    return rq;
+}

@@ -1,0 +1,71 @@
+// vis-moe-attach-plan.h - what a context's expert cache will be, decided from the loaded model and the settings
+// alone: the MoE layers, the managed ones, the shadow slots' bytes and the --moe-mem plan request.  Two callers:
+// the attach (vis-moe-attach.cpp), and the check before upstream allocates the KV cache (vis-moe-kv-check.cpp),
+// so that both ask llama_vis_moe_plan the same question.
+#pragma once
+
+#include "llama-vis.h"
+#include "vis-moe-policy.h"
+#include "vis-moe-settings.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct ggml_tensor;
+struct llama_layer;
+struct llama_model;
+struct vis_moe_shadow;
+
+// what attach decides, step by step
+struct vis_moe_attach_plan {
+    std::vector<int>  moe_layers;   // layers with routed experts
+    std::vector<bool> deferred;     // per layer: experts deferred to the file at load (patch 0004)
+    bool any_deferred = false;
+    std::vector<int>  managed;      // MoE layers after the pinned prefix
+    int  pinned = 0;
+    int64_t per_slot = 0;           // bytes of one slot in every managed layer
+    int64_t exp_max  = 0;           // largest expert of a managed layer
+    bool all_host_devices = true;   // every managed layer's device is CPU-writable memory
+    bool cpu_only = false;          // no GPU at all: no staging slot
+    int  staging  = 0;
+    int  n_slots  = 0;
+    int64_t host_bytes = 0;
+    bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
+    int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
+    int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
+    int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
+    int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
+};
+
+// bytes of one expert of a layer (all its expert tensors)
+int64_t vis_moe_layer_expert_bytes(const llama_layer & l);
+
+// The token embeddings of a model with its own output matrix: a token reads one row of them, so they are
+// neither counted as resident weights nor locked (a few touched pages stay in the page cache).
+bool vis_moe_row_gathered(const llama_model & model, const ggml_tensor * t);
+
+// step 1: MoE layers, and which of them the loader deferred to the file
+void vis_moe_find_moe_layers(const llama_model & model, vis_moe_attach_plan & ap);
+
+// --moe-mem alone and nothing deferred: the loader found that the whole model fits the budget, so the context runs
+// upstream's path with every expert resident (no expert cache)
+bool vis_moe_runs_whole(const vis_moe_settings & s, const vis_moe_attach_plan & ap, const llama_model & model);
+
+// step 2: the managed layers (after the pinned prefix) and the devices their slabs live on
+void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap);
+
+// --moe-shadow of the managed layers (header and tensor table only; throws on a bad sidecar); with
+// --moe-precision on, its slots' bytes go into `ap` (they share the budget).  Null when nothing is managed.
+std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, const vis_moe_settings & s,
+                                                    vis_moe_attach_plan & ap);
+
+// step 3 decides the slots with the --moe-mem plan (not --moe-slots or --moe-cache-mib)
+bool vis_moe_uses_memory_plan(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap);
+
+// The --moe-mem plan request of a context with n_ubatch and a KV cache of kv_bytes: resident weights (every tensor
+// but the deferred experts and row-gathered embeddings, + fixed shadow slots), KV, compute estimate, managed layers.
+// No managed layer, or --moe-slots >= experts on layers loaded whole: a plan with nothing to page (every expert
+// resident).
+llama_vis_moe_plan_request vis_moe_plan_request(const llama_model & model, const vis_moe_settings & s,
+                                                const vis_moe_attach_plan & ap, int64_t n_ubatch, int64_t kv_bytes);
