@@ -108,3 +108,39 @@ def medium_model(fixture_dir) -> Path:
     if not path.exists():
         fx.write_model(MEDIUM, path, fast_quant=True)
     return path
+
+
+def paging_configs(spec) -> list[dict]:
+    """The cache paths every model file must run byte-identically on (tests/test_paging.py, tests/test_model_files.py):
+    the file tier with and without a host tier, buffered and direct reads, the staging path, passes below top-k."""
+    k = spec.n_expert_used
+    return [
+        dict(slots=k, pinned_layers=1),                        # only the pinned prefix and top-k slots fit
+        dict(slots=k, host_mib=1),                             # tier 2 between slabs and file
+        dict(slots=min(2 * k, spec.n_expert - 1), direct_io="off", io_threads=1),  # buffered reads, one thread
+        dict(slots=k, unified="off", host_mib=1),              # staging path + inclusive host cache
+        dict(slots=spec.n_expert - 1, io_threads=8),
+        dict(slots=1, pinned_layers=1),                        # the pinned prefix and one slot per layer: k passes a step
+        dict(slots=k - 1, host_mib=1),                         # below top-k, with a host tier
+    ]
+
+
+def write_split(src: Path, out_dir: Path, max_tensors: int) -> list[Path]:
+    """`src` as llama-gguf-split --split-max-tensors N writes it (gguf-py's writer: the first shard holds every key,
+    each shard split.no / split.count / split.tensors.count); returns the shards in order."""
+    import gguf
+    import numpy as np
+    out_dir.mkdir(parents=True, exist_ok=True)
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out_dir / "m.gguf"), r.fields["general.architecture"].contents(), split_max_tensors=max_tensors)
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY
+                            else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=gguf.GGMLQuantizationType(int(t.tensor_type)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sorted(out_dir.glob("m-*-of-*.gguf"))

@@ -19,7 +19,7 @@ from pyvis.runtime import predict_profile as pp
 from pyvis.runtime import profile as prof
 from pyvis.runtime import shadow as sh
 from pyvis.runtime import trace as vtrace
-from conftest import llama_server, run
+from conftest import llama_server, run, write_split
 from test_hardening import _cli, _sha
 
 
@@ -67,21 +67,7 @@ def test_server_serves_on_after_the_model_is_replaced(bindir, fixture_dir, tmp_p
 def split_model(fixture_dir, tmp_path_factory):
     """The qwen3moe fixture as llama-gguf-split --split-max-tensors 12 writes it (gguf-py's writer: the first shard
     holds every key, each shard split.no / split.count / split.tensors.count)."""
-    import gguf
-    d = tmp_path_factory.mktemp("split")
-    r = gguf.GGUFReader(str(fixture_dir / "qwen3moe.gguf"))
-    w = gguf.GGUFWriter(str(d / "m.gguf"), r.fields["general.architecture"].contents(), split_max_tensors=12)
-    for name, f in r.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY
-                            else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=gguf.GGMLQuantizationType(int(t.tensor_type)))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    shards = sorted(d.glob("m-*-of-*.gguf"))
+    shards = write_split(fixture_dir / "qwen3moe.gguf", tmp_path_factory.mktemp("split"), 12)
     assert len(shards) >= 3, shards
     return shards
 

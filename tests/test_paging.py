@@ -22,7 +22,7 @@ from pyvis.runtime import moe
 from pyvis.runtime import native as _native
 from pyvis.runtime.settings import MoeParams, applied
 from pyvis import fixtures as fx
-from conftest import LOGITS_KW, MEDIUM, greedy_logits, run
+from conftest import LOGITS_KW, MEDIUM, greedy_logits, paging_configs, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"]
 PROMPT = "Paging experts from the file must not change a single bit of the output."
@@ -45,24 +45,11 @@ def reference(fixture_dir):
     return get
 
 
-def _configs(spec):
-    k = spec.n_expert_used
-    return [
-        dict(slots=k, pinned_layers=1),                        # only the pinned prefix and top-k slots fit
-        dict(slots=k, host_mib=1),                             # tier 2 between slabs and file
-        dict(slots=min(2 * k, spec.n_expert - 1), direct_io="off", io_threads=1),  # buffered reads, one thread
-        dict(slots=k, unified="off", host_mib=1),              # staging path + inclusive host cache
-        dict(slots=spec.n_expert - 1, io_threads=8),
-        dict(slots=1, pinned_layers=1),                        # the pinned prefix and one slot per layer: k passes a step
-        dict(slots=k - 1, host_mib=1),                         # below top-k, with a host tier
-    ]
-
-
 @pytest.mark.parametrize("name", ARCHS)
 def test_file_tier_is_byte_identical(fixture_dir, reference, name):
     spec = fx.FIXTURES[name]()
     ref = reference(name)
-    for cfg in _configs(spec):
+    for cfg in paging_configs(spec):
         logits, llm = _run(fixture_dir / f"{name}.gguf", **cfg)
         where = f"{name} {cfg}"
         assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), where
