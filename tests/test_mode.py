@@ -215,3 +215,31 @@ def test_a_knob_given_with_fast_wins(bindir, fixture_dir, tmp_path):
         counts.append(int((vtrace.read(tr).outcome == DROPPED).sum()))
     assert counts[0] > 0 and counts[1] == 0, counts
     assert "share is < 0 x 1/k" in out
+
+
+def test_drop_under_replay_uses_the_traces_weights(fixture_dir, tmp_path, monkeypatch):
+    """VIS_MOE_REPLAY (the benchmark's routing): the model's own experts replayed with flat decode weights drop
+    nothing; the same with one tiny weight per decode (position, layer) drops only those pairs, some of them"""
+    from test_replay import greedy as replay_greedy, routing_of, write_csv
+    model = fixture_dir / "qwen3moe.gguf"
+    own = tmp_path / "own.trace"
+    _, llm = replay_greedy(model, trace=str(own))
+    n_prompt = len(llm.tokenize(b"replay the routing of a real model", add_bos=True))
+    del llm
+    ids, w = routing_of(own, 3)
+    flat = np.full_like(w, 1 / 8)
+    tiny = flat.copy()
+    tiny[n_prompt:, :, 3] = 0.01                              # rank 3 of every decode row: share 0.011 < 0.5 / 8
+    drops = []
+    for name, weights in (("flat", flat), ("tiny", tiny)):
+        monkeypatch.setenv("VIS_MOE_REPLAY", str(write_csv(tmp_path / f"{name}.csv", ids, weights, n_prompt, 32)))
+        tr = tmp_path / f"{name}.trace"
+        _, llm = replay_greedy(model, slots=12, substitute="drop", trace=str(tr))
+        del llm
+        t = vtrace.read(tr)
+        drops.append(t.outcome == DROPPED)
+        if name == "tiny":
+            dec = t.pos >= n_prompt
+            assert drops[-1].any() and not drops[-1][~dec].any()
+            assert (np.nonzero(drops[-1])[1] == 3).all()     # only the tiny-weight rank
+    assert not drops[0].any()

@@ -234,7 +234,7 @@ def test_background_reads_make_later_tokens_hit(bindir, tmp_path, fixture_dir):
 
 
 @pytest.mark.parametrize("flag, value, needle", [
-    ("--moe-substitute", "maybe", "--moe-substitute: expected off, router, buddy or auto, got 'maybe'"),
+    ("--moe-substitute", "maybe", "--moe-substitute: expected off, router, buddy, drop or auto, got 'maybe'"),
     ("--moe-sub-tae", "1.5", "--moe-sub-tae: expected a number in 0..1 (or off, or pN with N in 0..100), got '1.5'"),
     ("--moe-sub-tae", "p120", "--moe-sub-tae: expected a number in 0..100 after 'p'"),
     ("--moe-sub-beta", "2", "--moe-sub-beta: expected a number in 0..1, got '2'"),
