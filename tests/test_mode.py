@@ -16,25 +16,12 @@ import pytest
 from pyvis import fixtures as fx
 from pyvis.runtime import moe, settings
 from pyvis.runtime import trace as vtrace
-from conftest import greedy_logits, run
+from conftest import greedy_logits, later_hits
+from test_substitution import PROMPT, _cli, _generated
 
-PROMPT = "Mixture-of-experts layers route every token to a few experts; a cache keeps the hot ones resident."
 DROPPED = vtrace.SUB_OUTCOMES.index("dropped")
 SUB = vtrace.SUB_OUTCOMES.index("substituted")
 FAST_LINE = "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on --moe-substitute drop"
-
-
-def _cli(bindir, model, *extra, n=12, timeout=180, env=None):
-    r = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", str(n), "-st", "--temp", "0", "-c", "256",
-             "-t", "2", "--no-warmup", *extra], timeout=timeout, extra_env=env)
-    return r, r.stdout + r.stderr
-
-
-def _generated(out: str) -> str:
-    i = out.find("> " + PROMPT[:20])
-    j = out.find("[ Prompt:", i)
-    assert i >= 0 and j > i, out[-2000:]
-    return out[i:j]
 
 
 def _shares(t: vtrace.Trace) -> np.ndarray:
@@ -125,21 +112,7 @@ def test_a_dropped_expert_is_read_in_the_background(bindir, fixture_dir, tmp_pat
     assert r.returncode == 0, out[-3000:]
     total = [ln for ln in out.splitlines() if ln.startswith("vis-moe: total") and len(ln.split()) > 12][-1].split()
     assert int(total[5]) > 0 and int(total[-2]) > 0          # dropped, background reads
-    t = vtrace.read(tr)
-    hits = misses = 0
-    for il in np.unique(t.layer):
-        lt = t.for_layer(int(il))
-        ubs = np.unique(lt.ubatch)
-        for i, u in enumerate(ubs):
-            rows = lt.ubatch == u
-            for e in np.unique(lt.ids[rows][lt.outcome[rows] == DROPPED]):
-                later = next((v for v in ubs[i + 1:] if (lt.ids[lt.ubatch == v] == e).any()), None)
-                if later is None:
-                    continue
-                vr = lt.ubatch == later
-                o = lt.outcome[vr][lt.ids[vr] == e]
-                hits += int((o == 0).all())
-                misses += int((o != 0).any())
+    hits, misses = later_hits(vtrace.read(tr), DROPPED)
     assert hits > 0 and hits >= misses, (hits, misses)
 
 
