@@ -20,7 +20,8 @@ std::string vis_moe_mode_resolve(vis_moe_settings & s, bool cache) {
     char line[400];
     std::snprintf(line, sizeof(line), "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on "
                   "--moe-substitute drop (a decode token skips a missing expert whose gate-weight share is < %g x 1/k, "
-                  "renorm %s%s; the expert is read in the background)", u.drop_share, u.renorm ? "on" : "off",
-                  u.prefill ? ", prefill too" : ", decode only");
+                  "renorm %s%s; the expert is %s)", u.drop_share, u.renorm ? "on" : "off",
+                  u.prefill ? ", prefill too" : ", decode only",
+                  u.drop_read ? "read in the background" : "not read: its bytes are saved");
     return line;
 }

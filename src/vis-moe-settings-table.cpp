@@ -236,6 +236,11 @@ const flag_row ROWS[] = {
       "the drop (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.renorm = parse_switch(w, v, false); } },
+    { "--moe-sub-drop-read", "VIS_MOE_SUB_DROP_READ", "on|off",
+      "vis-moe: --moe-substitute drop: read a dropped expert in the background so that later tokens may hit it;\n"
+      "off = the drop saves its bytes (default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.drop_read = parse_switch(w, v, false); } },
     { "--moe-sub-prefill", "VIS_MOE_SUB_PREFILL", "on|off",
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -423,6 +428,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     const auto & u = s.sub;
     range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_DROP, " (0 = off, 1 = router, 2 = buddy, 3 = auto, 4 = drop)");
     range("--moe-sub-renorm",    u.renorm, 0, 1, "");
+    range("--moe-sub-drop-read", u.drop_read, 0, 1, "");
     range("--moe-mode",          s.mode, VIS_MODE_EXACT, VIS_MODE_FAST, " (0 = exact, 1 = fast)");
     range("--moe-sub-budget",    u.budget, 1, MAX_SUB_BUDGET, "");
     range("--moe-sub-rank",      u.rank, 0, MAX_SUB_BUDGET, " (0 = any)");

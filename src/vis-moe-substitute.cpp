@@ -350,8 +350,9 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
             gpu = gpu || !vm.layers[il].cpu_passes;
         }
         LLAMA_LOG_INFO("vis-moe: cache-aware dropping (lossy): --moe-substitute drop: a decode token skips a missing "
-                       "expert whose share of its gate weight is < %g x 1/k, renorm %s, prefill %s; the expert is read "
-                       "in the background%s\n", u.drop_share, u.renorm ? "on" : "off", u.prefill ? "on" : "off",
+                       "expert whose share of its gate weight is < %g x 1/k, renorm %s, prefill %s; the expert is %s%s\n",
+                       u.drop_share, u.renorm ? "on" : "off", u.prefill ? "on" : "off",
+                       u.drop_read ? "read in the background" : "not read (--moe-sub-drop-read off)",
                        gpu ? " (managed layers computed off the CPU never drop: their gate weights are not ours to zero)"
                            : "");
         return;
@@ -413,6 +414,9 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
 void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts) {
     if (experts.empty() || !vm.fetch || L.passes.size() > 1) {
         return;  // several passes: every slot may serve a later pass of this ubatch
+    }
+    if (vm.sub->rule_mode() == VIS_SUB_DROP && !vm.sub->settings().drop_read) {
+        return;  // --moe-sub-drop-read off: a dropped expert's bytes are saved, not read later
     }
     for (int e : experts) {
         const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);

@@ -114,6 +114,12 @@ def test_a_dropped_expert_is_read_in_the_background(bindir, fixture_dir, tmp_pat
     assert int(total[5]) > 0 and int(total[-2]) > 0          # dropped, background reads
     hits, misses = later_hits(vtrace.read(tr), DROPPED)
     assert hits > 0 and hits >= misses, (hits, misses)
+    # --moe-sub-drop-read off: the same drops, nothing read behind them
+    r, out = _cli(bindir, model, "--moe-slots", "16", "--moe-substitute", "drop", "--moe-sub-drop-share", "1",
+                  "--moe-stats", n=24, env={"VIS_MOE_SUB_DROP_READ": "off"})
+    assert r.returncode == 0, out[-3000:]
+    total = [ln for ln in out.splitlines() if ln.startswith("vis-moe: total") and len(ln.split()) > 12][-1].split()
+    assert int(total[5]) > 0 and int(total[-2]) == 0
 
 
 def test_mode_exact_is_byte_identical_and_fast_is_lossy(bindir, fixture_dir):

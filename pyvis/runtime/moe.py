@@ -25,7 +25,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
          direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str | None = None,
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
          sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False,
-         sub_drop_share: float = 0.5, sub_renorm: bool = False, mode: str = "exact",
+         sub_drop_share: float = 0.5, sub_renorm: bool = False, sub_drop_read: bool = True, mode: str = "exact",
          predict: str = "off", lookahead: int = 1, prefetch_budget: int | str = "auto", prefetch_tune: bool = True,
          predict_profile: str | None = None, shadow: str | None = None, precision: str = "off",
          prec_vision: float = 0.5, prec_gate: float = 0.1, prec_target: float = 0.25, prec_refetch: bool = True,
@@ -51,7 +51,7 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
     sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill,
-                    sub_drop_share, sub_renorm)
+                    sub_drop_share, sub_renorm, sub_drop_read)
     pred = PredictParams(predict, lookahead, prefetch_budget, prefetch_tune,
                          None if predict_profile is None else str(predict_profile))
     prec = PrecisionParams(None if shadow is None else str(shadow), precision, prec_vision, prec_gate, prec_target,

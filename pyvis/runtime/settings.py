@@ -169,6 +169,7 @@ class SubParams(_Typed):
     sub_prefill: bool = False
     sub_drop_share: float = 0.5      # drop: only experts whose share is < this x 1/k
     sub_renorm: bool = False         # drop: scale the remaining weights back to their sum
+    sub_drop_read: bool = True       # drop: read the dropped expert in the background
 
     def flags(self) -> list[tuple[str, str]]:
         """(flag, value) pairs for the C table; every field (substitute and the profile only when given), so a
