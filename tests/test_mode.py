@@ -222,3 +222,33 @@ def test_drop_under_replay_uses_the_traces_weights(fixture_dir, tmp_path, monkey
             assert drops[-1].any() and not drops[-1][~dec].any()
             assert (np.nonzero(drops[-1])[1] == 3).all()     # only the tiny-weight rank
     assert not drops[0].any()
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_a_drop_is_the_model_with_that_gate_weight_zeroed(fixture_dir, tmp_path, monkeypatch, renorm):
+    """Bit for bit: the logits of a run with drop equal those of the same routing replayed (VIS_MOE_REPLAY, cache
+    off: upstream's graph) with the dropped pairs' gate weights set to 0 (and, with renorm, the token's other weights
+    scaled back to their sum), i.e. the dropped experts contribute nothing and nothing else changes."""
+    from test_replay import greedy as replay_greedy, routing_of, write_csv
+    model = fixture_dir / "qwen3moe.gguf"
+    tr = tmp_path / "drop.trace"
+    got, llm = replay_greedy(model, n_decode=10, slots=8, substitute="drop", sub_drop_share=1.0, sub_renorm=renorm,
+                             trace=str(tr))
+    n_prompt = len(llm.tokenize(b"replay the routing of a real model", add_bos=True))
+    del llm
+    t = vtrace.read(tr)
+    ids, w = routing_of(tr, 3)                               # the routed ids and weights, before the drop
+    drop = np.zeros(w.shape, bool)
+    drop[t.pos, t.layer] = t.outcome == DROPPED
+    assert drop.any() and not drop[:n_prompt].any()
+    w2 = w.copy()
+    for p, il in zip(*np.nonzero(drop.any(axis=2))):
+        row = [float(x) for x in w[p, il]]                   # the runtime's arithmetic: doubles, summed in order
+        before = sum(row)
+        kept = [0.0 if drop[p, il, r] else x for r, x in enumerate(row)]
+        f = before / sum(kept) if renorm else 1.0
+        w2[p, il] = np.array([x * f for x in kept], np.float64).astype(np.float32)
+    monkeypatch.setenv("VIS_MOE_REPLAY", str(write_csv(tmp_path / "zeroed.csv", ids, w2, n_prompt, 32)))
+    ref, llm = replay_greedy(model, n_decode=10)
+    del llm
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
