@@ -177,11 +177,12 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         r.update(pf_recall=float(mm[-1][1]), pf_prec=float(mm[-1][2]), pf_issued=int(c[0]), pf_used=int(c[1]),
                  pf_wasted=int(c[2]), pf_late=int(c[3]), pf_cancel=int(c[4]), pf_mib_read=float(c[5]),
                  pf_wait_ms=float(c[7]), pf_off=int(c[9]))
-    mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){15})\s*$", out, re.M)        # the substitution table's
+    # the substitution table's: tokens, missing, subst, dropped, 9 outcomes more, MiB saved, bg read, bg wait
+    mm = re.findall(r"vis-moe: total((?:\s+[\d.]+){16})\s*$", out, re.M)
     if mm:
         c = mm[-1].split()
-        r["sub_missing"], r["substituted"], r["bg_reads"] = int(c[1]), int(c[2]), int(c[13])
-    slots = re.findall(r"vis-moe:\s+\d+\s+(\d+)\s+\d+", out)
+        r["sub_missing"], r["substituted"], r["dropped"], r["bg_reads"] = int(c[1]), int(c[2]), int(c[3]), int(c[14])
+    slots = re.findall(r"vis-moe:\s+\d+\s+(\d+)\s+\d+\s+\d+\s+\d+\s+[\d.]+%", out)   # the cache table's layer rows
     if slots:
         r["slots"] = int(slots[-1])
     if not r["finished"]:

@@ -14,6 +14,8 @@
 #include "vis-moe-named-files.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
+#include "vis-moe-mode.h"
+#include <cstdio>
 #include "vis-moe-substitute.h"
 #include "vis-moe-status.h"
 #include "vis-moe-telemetry.h"
@@ -318,6 +320,15 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
                            "(no expert cache, weights loaded and repacked as upstream does)\n");
         }
         s.tier.mem_mib = 0;
+    }
+    {
+        // --moe-mode fast: its lossy mechanisms, unless a flag chose them (vis-moe-mode.h); one line per run
+        const std::string line = vis_moe_mode_resolve(s, s.cache_on() || ap.any_deferred);
+        if (!line.empty() && !hp.no_alloc) {
+            // straight to stderr, as the replay warning: llama-cli and llama-bench silence the llama log
+            std::fprintf(stderr, "%s\n", line.c_str());
+            std::fflush(stderr);
+        }
     }
     // the fit probe (--fit) creates contexts on a model without data: it never writes a trace
     const bool tracing = !s.trace_path.empty() && !hp.no_alloc;

@@ -177,18 +177,21 @@ const flag_row ROWS[] = {
       "hold a layer's experts; off = through the mapping and the page cache (default: on)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_stage = parse_switch(w, v, false); } },
-    { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|auto",
+    { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|drop|auto",
       "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
       "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
-      "token's router ranks highest; buddy = the first resident buddy of --moe-sub-profile; auto = the\n"
-      "measured default, exact for now: no setting was faster at < 1 % perplexity on the real-weights testbed\n"
-      "(docs/substitution.md). Decode only unless --moe-sub-prefill (default: off)",
+      "token's router ranks highest; buddy = the first resident buddy of --moe-sub-profile; drop = skip the\n"
+      "missing expert when its share of the token's gate weight is below --moe-sub-drop-share of an even split\n"
+      "(CPU layers); auto = the measured default, exact for now: no setting was faster at < 1 % perplexity on the\n"
+      "real-weights testbed (docs/substitution.md). Decode only unless --moe-sub-prefill (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "off")    s.sub.mode = VIS_SUB_OFF;
           else if (v == "router") s.sub.mode = VIS_SUB_ROUTER;
           else if (v == "buddy")  s.sub.mode = VIS_SUB_BUDDY;
+          else if (v == "drop")   s.sub.mode = VIS_SUB_DROP;
           else if (v == "auto")   s.sub.mode = VIS_SUB_AUTO;
-          else throw vis_error(w + ": expected off, router, buddy or auto, got '" + v + "'"); }, LLAMA_VIS_MOE_SCOPE_USER },
+          else throw vis_error(w + ": expected off, router, buddy, drop or auto, got '" + v + "'");
+          s.sub.mode_given = true; }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-sub-profile", "VIS_MOE_SUB_PROFILE", "FILE",
       "vis-moe: buddy lists and routing-entropy percentiles of this model, from\n"
       "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
@@ -229,6 +232,21 @@ const flag_row ROWS[] = {
       "vis-moe: substitute only a token's N lowest-ranked experts (N = 1: only its k-th; 0 = any; default: 0)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.rank = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = any)"); } },
+    { "--moe-sub-drop-share", "VIS_MOE_SUB_DROP_SHARE", "F",
+      "vis-moe: --moe-substitute drop: drop only a missing expert whose share of the token's gate weight is\n"
+      "below F x 1/k, a fraction F (0..1) of an even split (default: 0.5)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.drop_share = parse_real(w, v, 0, 1); } },
+    { "--moe-sub-renorm", "VIS_MOE_SUB_RENORM", "on|off",
+      "vis-moe: --moe-substitute drop: scale a token's remaining gate weights up to the sum they had before\n"
+      "the drop (default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.renorm = parse_switch(w, v, false); } },
+    { "--moe-sub-drop-read", "VIS_MOE_SUB_DROP_READ", "on|off",
+      "vis-moe: --moe-substitute drop: read a dropped expert in the background so that later tokens may hit it;\n"
+      "off = the drop saves its bytes (default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.sub.drop_read = parse_switch(w, v, false); } },
     { "--moe-sub-prefill", "VIS_MOE_SUB_PREFILL", "on|off",
       "vis-moe: substitute in prefill ubatches too; changes the KV cache of every prompt token (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -327,6 +345,14 @@ const flag_row ROWS[] = {
       "renormalised as the model does (= upstream with expert_used_count N; 0 = off; default: 0)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.topk = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
+    { "--moe-mode", "VIS_MOE_MODE", "exact|fast",
+      "vis-moe: exact = the model's output (default); fast = lossy: skip missing experts that carry little of a\n"
+      "token's gate weight (--moe-substitute drop), the set measured in docs/mode.md; a flag given with it wins.\n"
+      "The run logs one line with what fast turned on",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          if      (v == "exact") s.mode = VIS_MODE_EXACT;
+          else if (v == "fast")  s.mode = VIS_MODE_FAST;
+          else throw vis_error(w + ": expected exact or fast, got '" + v + "'"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-lookahead", "VIS_MOE_LOOKAHEAD", "W",
       "vis-moe: layers ahead that --moe-predict prefetches for, l+1 .. l+W (default: 1)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
@@ -406,7 +432,10 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     range("--moe-policy",        s.policy,      VIS_POLICY_LRU, VIS_POLICY_LFU_ADAPT, " (0 = lru, 1 = lfu, 2 = lfu-adapt)");
     const auto & u = s.sub;
-    range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_AUTO, " (0 = off, 1 = router, 2 = buddy, 3 = auto)");
+    range("--moe-substitute",    u.mode, VIS_SUB_OFF, VIS_SUB_DROP, " (0 = off, 1 = router, 2 = buddy, 3 = auto, 4 = drop)");
+    range("--moe-sub-renorm",    u.renorm, 0, 1, "");
+    range("--moe-sub-drop-read", u.drop_read, 0, 1, "");
+    range("--moe-mode",          s.mode, VIS_MODE_EXACT, VIS_MODE_FAST, " (0 = exact, 1 = fast)");
     range("--moe-sub-budget",    u.budget, 1, MAX_SUB_BUDGET, "");
     range("--moe-sub-rank",      u.rank, 0, MAX_SUB_BUDGET, " (0 = any)");
     auto real = [](const char * flag, double v, double lo, double hi) {
@@ -426,6 +455,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     real("--moe-sub-tae", u.tae, 0, u.tae_kind == VIS_TAE_PERCENTILE ? 100 : 1);
     real("--moe-sub-beta", u.beta, 0, 1);
     real("--moe-sub-weight", u.weight, 0, 1);
+    real("--moe-sub-drop-share", u.drop_share, 0, 1);
     if (u.margin >= 0) {
         real("--moe-sub-margin", u.margin, 0, 1);
     }

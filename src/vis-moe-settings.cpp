@@ -33,7 +33,7 @@ int n_rows() {
 // a set_* call.  A flag sets its whole group, starting from the values in force at that moment.
 // G_ENV: the variables without a flag (vis_moe_env_rows), never set explicitly
 enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN = 16, G_PREDICT = 32, G_SHADOW = 64, G_CAP = 128,
-                        G_TOPK = 256, G_POLICY = 512, G_ENV = 1024 };
+                        G_TOPK = 256, G_POLICY = 512, G_ENV = 1024, G_MODE = 2048 };
 
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
@@ -42,6 +42,7 @@ unsigned group_of(const flag_row & r) {
     if (n == "--moe-pin-mib") return G_PIN;
     if (n == "--moe-topk") return G_TOPK;
     if (n == "--moe-policy") return G_POLICY;
+    if (n == "--moe-mode") return G_MODE;
     if (n == "--moe-capacity" || n.rfind("--moe-cap-", 0) == 0) return G_CAP;
     if (n == "--moe-shadow" || n == "--moe-shadow-slots" || n == "--moe-precision" || n.rfind("--moe-prec-", 0) == 0) {
         return G_SHADOW;
@@ -142,6 +143,9 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
     }
     if (groups & G_POLICY) {
         s.policy = o.policy;
+    }
+    if (groups & G_MODE) {
+        s.mode = o.mode;
     }
 }
 

@@ -15,8 +15,9 @@
 #include <cstdint>
 #include <string>
 
-// --moe-substitute: the rule (docs/substitution.md); auto = the shipped setting
-enum vis_sub_mode : int32_t { VIS_SUB_OFF = 0, VIS_SUB_ROUTER, VIS_SUB_BUDDY, VIS_SUB_AUTO };
+// --moe-substitute: the rule (docs/substitution.md); auto = the shipped setting; drop = cache-aware dropping (the
+// missing low-share expert is skipped, no stand-in runs)
+enum vis_sub_mode : int32_t { VIS_SUB_OFF = 0, VIS_SUB_ROUTER, VIS_SUB_BUDDY, VIS_SUB_AUTO, VIS_SUB_DROP };
 enum vis_sub_tae_kind : int32_t { VIS_TAE_OFF = 0, VIS_TAE_ABSOLUTE, VIS_TAE_PERCENTILE };
 
 // substitution on a miss and its gates (lossy; every field off by default)
@@ -31,9 +32,17 @@ struct vis_moe_sub_settings {
     double      weight   = 1;          // substitute only experts whose share of the token's gate weight is < weight
     int32_t     rank     = 0;          // substitute only the token's `rank` lowest-ranked experts (0 = any)
     bool        prefill  = false;      // also in prefill ubatches
+    double      drop_share = 0.5;      // drop: only experts whose share is < drop_share / k (a fraction of an even split)
+    int32_t     renorm   = 0;          // drop: scale the token's remaining weights back to their sum before the drop
+    int32_t     drop_read = 1;         // drop: read the dropped expert in the background (so later tokens may hit it)
+    bool        mode_given = false;    // --moe-substitute was given (it overrides --moe-mode fast)
 
     bool on() const { return mode != VIS_SUB_OFF; }
 };
+
+// --moe-mode: exact (the default: nothing lossy) or fast (a fixed, measured set of lossy mechanisms;
+// vis-moe-mode.h, docs/mode.md)
+enum vis_run_mode : int32_t { VIS_MODE_EXACT = 0, VIS_MODE_FAST };
 
 // --moe-predict: which predictor drives prefetch (docs/prediction.md); auto = the shipped setting
 // (mlp comes last so that the values of the others stay as they were)
@@ -98,6 +107,7 @@ struct vis_moe_settings {
     vis_moe_prec_settings prec;             // --moe-shadow, --moe-precision, --moe-prec-*, --moe-shadow-slots
     vis_moe_cap_settings  cap;              // --moe-capacity, --moe-cap-*
     int32_t     topk = 0;                   // --moe-topk: experts each token runs (lossy), 0 = the model's k
+    int32_t     mode = VIS_MODE_EXACT;      // --moe-mode (resolved into the fields above at context creation)
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

@@ -106,9 +106,9 @@ static int64_t stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) {
 
 static void print_sub_row(const std::string & label, const llama_vis_moe_sub_stats & s) {
     const int64_t * o = s.outcomes;
-    std::fprintf(stderr, "vis-moe: %5s %9" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64
-                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
-                 label.c_str(), s.n_tokens, s.n_missing, o[LLAMA_VIS_SUB_SUBSTITUTED], o[LLAMA_VIS_SUB_BLOCKED_TAE],
+    std::fprintf(stderr, "vis-moe: %5s %9" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64
+                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
+                 label.c_str(), s.n_tokens, s.n_missing, o[LLAMA_VIS_SUB_SUBSTITUTED], o[LLAMA_VIS_SUB_DROPPED], o[LLAMA_VIS_SUB_BLOCKED_TAE],
                  o[LLAMA_VIS_SUB_BLOCKED_MARGIN], o[LLAMA_VIS_SUB_BLOCKED_BETA], o[LLAMA_VIS_SUB_BLOCKED_BUDGET],
                  o[LLAMA_VIS_SUB_BLOCKED_WEIGHT], o[LLAMA_VIS_SUB_BLOCKED_RANK], o[LLAMA_VIS_SUB_NO_CANDIDATE], o[LLAMA_VIS_SUB_NEEDED_ANYWAY],
                  o[LLAMA_VIS_SUB_NOT_ELIGIBLE], s.bytes_saved / 1048576.0, s.bg_fetches, s.bg_wait_us / 1000.0);
@@ -117,8 +117,8 @@ static void print_sub_row(const std::string & label, const llama_vis_moe_sub_sta
 static void print_sub_stats(const vis_moe_context & vm) {
     std::fprintf(stderr, "vis-moe: substitution (--moe-substitute %s): missing (token, expert) pairs by outcome\n",
                  vm.sub->mode_name());
-    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer",
-                 "tokens", "missing", "subst", "tae", "margin", "beta", "budget", "weight", "rank", "nocand", "anyway", "prefil",
+    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer",
+                 "tokens", "missing", "subst", "dropped", "tae", "margin", "beta", "budget", "weight", "rank", "nocand", "anyway", "prefil",
                  "MiB saved", "bg read", "bg wait");
     for (size_t il = 0; il < vm.layers.size(); ++il) {
         if (vm.layers[il].stats.managed) {
@@ -128,9 +128,12 @@ static void print_sub_stats(const vis_moe_context & vm) {
     llama_vis_moe_sub_stats t;
     vis_moe_total_sub_stats(vm, t);
     print_sub_row("total", t);
-    std::fprintf(stderr, "vis-moe: substitution: %" PRId64 " of %" PRId64 " token-layers ran a stand-in (%.2f per token "
+    const bool drop = vm.sub->rule_mode() == VIS_SUB_DROP;
+    std::fprintf(stderr, "vis-moe: %s: %" PRId64 " of %" PRId64 " token-layers %s (%.2f per token "
                          "and layer); %.2f MiB not read before their layer, ~%.1f ms of reads at this run's rate\n",
-                 t.n_tokens_substituted, t.n_tokens, t.n_tokens ? (double) t.outcomes[LLAMA_VIS_SUB_SUBSTITUTED] / t.n_tokens : 0.0,
+                 drop ? "drop" : "substitution", t.n_tokens_substituted, t.n_tokens,
+                 drop ? "dropped an expert" : "ran a stand-in",
+                 t.n_tokens ? (double) t.outcomes[drop ? LLAMA_VIS_SUB_DROPPED : LLAMA_VIS_SUB_SUBSTITUTED] / t.n_tokens : 0.0,
                  t.bytes_saved / 1048576.0, stall_saved_us(vm, t.bytes_saved) / 1000.0);
 }
 

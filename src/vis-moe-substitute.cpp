@@ -46,6 +46,22 @@ double vis_sub_tae(const float * w, int64_t stride, int k, double * margin) {
 
 namespace {
 
+// where a dropped pair of a token routing ids[0..k) runs with weight 0: a resident expert the token runs, else the
+// first resident expert; -1 if none is resident
+int drop_host(int n_expert, const std::vector<uint8_t> & resident, const int32_t * ids, int k) {
+    for (int r = 0; r < k; ++r) {
+        if (resident[ids[r]]) {
+            return ids[r];
+        }
+    }
+    for (int c = 0; c < n_expert; ++c) {
+        if (resident[c]) {
+            return c;
+        }
+    }
+    return -1;
+}
+
 // the stand-in for missing expert e of token t: resident, not already run by the token; -1 if none
 int pick(const vis_sub_rule & rule, int n_expert, const std::vector<uint8_t> & resident, const std::vector<uint8_t> & used,
          const vis_sub_input & in, int64_t t, int e) {
@@ -161,6 +177,16 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
                 outcome[j] = LLAMA_VIS_SUB_BLOCKED_RANK;  // the routing order is the router's ranking
             } else if (!(share < rule.weight)) {
                 outcome[j] = LLAMA_VIS_SUB_BLOCKED_WEIGHT;
+            } else if (rule.mode == VIS_SUB_DROP) {
+                const int host = drop_host(n_expert, resident, ids, k);
+                if (!(share < rule.drop_share / k)) {
+                    outcome[j] = LLAMA_VIS_SUB_BLOCKED_WEIGHT;
+                } else if (host < 0) {
+                    outcome[j] = LLAMA_VIS_SUB_NO_CANDIDATE;
+                } else {
+                    exec[j]    = host;  // computed and multiplied by a gate weight of 0
+                    outcome[j] = LLAMA_VIS_SUB_DROPPED;
+                }
             } else if (n_sub >= rule.budget) {
                 outcome[j] = LLAMA_VIS_SUB_BLOCKED_BUDGET;
             } else {
@@ -182,9 +208,12 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
     }
 
     // a missing expert some pair still runs is loaded for the pass anyway: its other pairs go back to it
+    auto replaced = [&](int64_t j) {
+        return outcome[j] == LLAMA_VIS_SUB_SUBSTITUTED || outcome[j] == LLAMA_VIS_SUB_DROPPED;
+    };
     std::vector<uint8_t> loaded(n_expert, 0);
     for (int64_t j = 0; j < n_pairs; ++j) {
-        if (!resident[in.ids[j]] && outcome[j] != LLAMA_VIS_SUB_SUBSTITUTED) {
+        if (!resident[in.ids[j]] && !replaced(j)) {
             loaded[in.ids[j]] = 1;
         }
     }
@@ -192,11 +221,11 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
     std::vector<uint8_t> tok_sub(in.n_tokens, 0);
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = in.ids[j];
-        if (outcome[j] == LLAMA_VIS_SUB_SUBSTITUTED && loaded[e]) {
+        if (replaced(j) && loaded[e]) {
             exec[j]    = e;
             outcome[j] = LLAMA_VIS_SUB_NEEDED_ANYWAY;
         }
-        if (outcome[j] == LLAMA_VIS_SUB_SUBSTITUTED) {
+        if (replaced(j)) {
             any = true;
             tok_sub[j / k] = 1;
         }
@@ -213,6 +242,29 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
         st.n_tokens_substituted += s;
     }
     return any;
+}
+
+void vis_sub_apply_drops(float * weights, int64_t w_tok, int64_t w_rank, int64_t n_tokens, int k, const uint8_t * outcome,
+                         bool renorm) {
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        float * w = weights + t * w_tok;
+        double before = 0, after = 0;
+        bool any = false;
+        for (int r = 0; r < k; ++r) {
+            before += (double) w[r * w_rank];
+            if (outcome[t * k + r] == LLAMA_VIS_SUB_DROPPED) {
+                w[r * w_rank] = 0.0f;
+                any = true;
+            }
+            after += (double) w[r * w_rank];
+        }
+        if (renorm && any && after > 0) {
+            const double f = before / after;
+            for (int r = 0; r < k; ++r) {
+                w[r * w_rank] = (float) ((double) w[r * w_rank] * f);
+            }
+        }
+    }
 }
 
 vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const llama_model & model,
@@ -240,6 +292,7 @@ vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const lla
     base.budget = s.budget;
     base.weight = s.weight;
     base.rank   = s.rank;
+    base.drop_share = s.drop_share;
     rules.assign(n_layer, base);
     for (int il : managed) {
         vis_sub_rule & r = rules[il];
@@ -262,6 +315,7 @@ const char * vis_moe_substitute::mode_name() const {
     switch (cfg.mode) {
         case VIS_SUB_ROUTER: return "router";
         case VIS_SUB_BUDDY:  return "buddy";
+        case VIS_SUB_DROP:   return "drop";
         case VIS_SUB_AUTO:   return "auto";
         default:             return "off";
     }
@@ -290,6 +344,19 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
         vm.fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
     }
     const auto & u = s.sub;
+    if (u.mode == VIS_SUB_DROP) {
+        bool gpu = false;
+        for (int il : managed) {
+            gpu = gpu || !vm.layers[il].cpu_passes;
+        }
+        LLAMA_LOG_INFO("vis-moe: cache-aware dropping (lossy): --moe-substitute drop: a decode token skips a missing "
+                       "expert whose share of its gate weight is < %g x 1/k, renorm %s, prefill %s; the expert is %s%s\n",
+                       u.drop_share, u.renorm ? "on" : "off", u.prefill ? "on" : "off",
+                       u.drop_read ? "read in the background" : "not read (--moe-sub-drop-read off)",
+                       gpu ? " (managed layers computed off the CPU never drop: their gate weights are not ours to zero)"
+                           : "");
+        return;
+    }
     char tae[48];
     if (u.tae_kind == VIS_TAE_OFF) {
         std::snprintf(tae, sizeof(tae), "off");
@@ -321,8 +388,10 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
         in.scores = (const float *) scores->data;
         in.s_tok  = (int64_t) (scores->nb[1] / sizeof(float));
     }
-    in.decode          = vm.ub_decode;
-    in.prefill_allowed = vm.sub->settings().prefill;
+    const bool drop    = rule.mode == VIS_SUB_DROP;
+    // a drop zeroes the pair's gate weight in the CPU's copy: on a layer computed elsewhere nothing is eligible
+    in.decode          = vm.ub_decode && (!drop || L.cpu_passes);
+    in.prefill_allowed = vm.sub->settings().prefill && (!drop || L.cpu_passes);
     const int64_t n_pairs = in.n_tokens * in.k;
     L.exec.resize(n_pairs);
     L.outcome.resize(n_pairs);
@@ -334,6 +403,10 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
         throw std::runtime_error("vis-moe: router substitution without router scores (graph bug)");
     }
     L.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, L.exec.data(), L.outcome.data(), background, L.sub_stats);
+    if (L.sub_active && drop) {
+        vis_sub_apply_drops((float *) weights->data, in.w_tok, in.w_rank, in.n_tokens, in.k, L.outcome.data(),
+                            vm.sub->settings().renorm != 0);
+    }
     L.sub_stats.bytes_saved += (int64_t) background.size() * L.expert_bytes;
     return background;
 }
@@ -341,6 +414,9 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
 void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts) {
     if (experts.empty() || !vm.fetch || L.passes.size() > 1) {
         return;  // several passes: every slot may serve a later pass of this ubatch
+    }
+    if (vm.sub->rule_mode() == VIS_SUB_DROP && !vm.sub->settings().drop_read) {
+        return;  // --moe-sub-drop-read off: a dropped expert's bytes are saved, not read later
     }
     for (int e : experts) {
         const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);

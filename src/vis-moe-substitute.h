@@ -22,13 +22,14 @@ struct ggml_tensor;
 
 // the rule of one layer, settings resolved (auto, percentiles)
 struct vis_sub_rule {
-    int     mode    = VIS_SUB_ROUTER;  // VIS_SUB_ROUTER or VIS_SUB_BUDDY
+    int     mode    = VIS_SUB_ROUTER;  // VIS_SUB_ROUTER, VIS_SUB_BUDDY or VIS_SUB_DROP
     double  tau     = -1;              // < 0: no TAE gate
     double  margin  = -1;              // < 0: no margin gate
     double  beta    = 1;
     int     budget  = 1;
     double  weight  = 1;
     int     rank    = 0;               // only the `rank` lowest-ranked of a token's k experts (0 = any)
+    double  drop_share = 0.5;          // drop mode: only pairs whose share is < drop_share / k
     const int32_t * buddies = nullptr; // buddy mode: [n_expert][k_max], best first, -1 padded
     int     k_max   = 0;
 };
@@ -52,11 +53,20 @@ double vis_sub_tae(const float * w, int64_t stride, int k, double * margin);
 
 // The decision for one layer and ubatch (pure: no slot table, testable by hand): exec [n_tokens*k] = the
 // expert each pair runs, outcome [n_tokens*k] = llama_vis_sub_outcome, background = missing experts all of
-// whose pairs got a stand-in (to read off the critical path).  Adds to st.  Returns true if any pair runs a
-// stand-in.
+// whose pairs got a stand-in or were dropped (to read off the critical path).  Adds to st.  Returns true if any
+// pair runs a stand-in or is dropped.
+// Drop mode (cache-aware dropping): a missing pair that passes the gates (not the budget) and whose share of the
+// token's weight is < drop_share / k is DROPPED: its exec is a resident expert the token runs (else any resident
+// one), and the caller sets its gate weight to 0 (vis_sub_apply_drops).  A token always keeps its largest-share
+// expert (a share >= 1/k).
 bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
                     const vis_sub_input & in, int32_t * exec, uint8_t * outcome, std::vector<int32_t> & background,
                     llama_vis_moe_sub_stats & st);
+
+// the gate weights of the dropped pairs of one ubatch set to 0 (weights as in vis_sub_input); with renorm, each
+// token's remaining weights scaled so that their sum is what all k summed before
+void vis_sub_apply_drops(float * weights, int64_t w_tok, int64_t w_rank, int64_t n_tokens, int k, const uint8_t * outcome,
+                         bool renorm);
 
 // the substitution state of a context: its settings, per-layer rules, the profile
 class vis_moe_substitute {
@@ -67,6 +77,7 @@ public:
     const vis_moe_sub_settings & settings() const { return cfg; }
     const vis_sub_rule & rule(int il) const { return rules[il]; }
     const char * mode_name() const;
+    int rule_mode() const { return cfg.mode; }
 
 private:
     vis_moe_sub_settings cfg;

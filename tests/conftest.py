@@ -34,6 +34,28 @@ def greedy_logits(path, prompt: str, n_decode: int, **moe_kw):
     return np.array(llm.scores[: llm.n_tokens], copy=True), llm
 
 
+def later_hits(t, outcome: int) -> tuple[int, int]:
+    """For each (layer, step, expert) whose pairs got `outcome` in a --moe-trace (substituted away, dropped): does the
+    layer's next step that routes that expert find it resident (every pair outcome 0)?  (hits, misses)"""
+    import numpy as np
+    hits = misses = 0
+    for il in np.unique(t.layer):
+        lt = t.for_layer(int(il))
+        ubs = np.unique(lt.ubatch)
+        for i, u in enumerate(ubs):
+            rows = lt.ubatch == u
+            for e in np.unique(lt.ids[rows][lt.outcome[rows] == outcome]):
+                later = next((v for v in ubs[i + 1:] if (lt.ids[lt.ubatch == v] == e).any()), None)
+                if later is None:
+                    continue
+                m = lt.ids[lt.ubatch == later] == e
+                if (lt.outcome[lt.ubatch == later][m] == 0).all():
+                    hits += 1
+                else:
+                    misses += 1
+    return hits, misses
+
+
 @pytest.fixture(scope="session")
 def bindir() -> Path:
     return _paths.lib_dir()

@@ -5,6 +5,7 @@
 //   - buddy: the first resident buddy, never the token's own experts;
 //   - gates: tau, margin, beta, budget (lowest share first), weight share, prefill;
 //   - a missing expert some pair still needs is loaded for every pair ("needed anyway");
+//   - drop: only missing pairs below drop_share / k, onto an expert the token runs, weights zeroed (renorm);
 //   - no token ever runs the same expert twice; stats add up.
 #include "vis-check.h"
 #include "llama-vis.h"
@@ -49,10 +50,17 @@ static decision run(const vis_sub_rule & rule, int n_expert, const std::vector<i
     d.exec.resize(ids.size());
     d.outcome.resize(ids.size());
     d.any = vis_sub_decide(rule, n_expert, resident, in, d.exec.data(), d.outcome.data(), d.background, d.st);
-    // invariant: a token never runs an expert twice, and runs only resident experts or loaded ones
+    // invariant: a token never runs an expert twice with a weight (a dropped pair runs one with weight 0)
     for (size_t t = 0; t < ids.size() / k; ++t) {
-        std::set<int> seen(d.exec.begin() + t * k, d.exec.begin() + (t + 1) * k);
-        CHECK((int) seen.size() == k);
+        std::set<int> seen;
+        int kept = 0;
+        for (size_t j = t * k; j < (t + 1) * k; ++j) {
+            if (d.outcome[j] != LLAMA_VIS_SUB_DROPPED) {
+                seen.insert(d.exec[j]);
+                kept++;
+            }
+        }
+        CHECK((int) seen.size() == kept && kept > 0);
     }
     int64_t sum = 0;
     for (int i = 0; i < LLAMA_VIS_SUB_N_OUTCOMES; ++i) {
@@ -206,6 +214,59 @@ static void test_buddy() {
     CHECK(d.exec[0] == 0);
 }
 
+// cache-aware dropping: a missing pair whose share is < drop_share / k is skipped (weight 0, run on a resident expert
+// the token runs); resident pairs never, the budget does not count, a pair another token loads anyway is not dropped
+static void test_drop() {
+    vis_sub_rule r;
+    r.mode = VIS_SUB_DROP;  // drop_share 0.5: shares < 0.5 / 4 = 0.125 at k = 4
+    // residents {0, 1, 2}; the token routes (0, 3, 4, 1) with shares (0.5, 0.05, 0.3, 0.15)
+    decision d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4);
+    CHECK(d.any);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_DROPPED && d.exec[1] == 0);       // 3: dropped onto the token's 0
+    CHECK(d.outcome[2] == LLAMA_VIS_SUB_BLOCKED_WEIGHT && d.exec[2] == 4); // 4: 0.3 >= 0.125, loaded
+    CHECK(d.outcome[0] == LLAMA_VIS_SUB_RESIDENT && d.outcome[3] == LLAMA_VIS_SUB_RESIDENT);
+    CHECK(d.background.size() == 1 && d.background[0] == 3);
+    CHECK(d.st.outcomes[LLAMA_VIS_SUB_DROPPED] == 1 && d.st.n_tokens_substituted == 1 && d.st.n_missing == 2);
+    // weights as given (not renormalised over k): the same shares from scaled weights
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 5.0f, 0.5f, 3.0f, 1.5f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_DROPPED);
+    // a resident expert is never dropped, however small its share; the budget (1) does not limit drops
+    d = run(r, 6, { 0, 1, 2 }, { 0, 1, 3, 4 }, { 0.8f, 0.01f, 0.1f, 0.09f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_RESIDENT && d.exec[1] == 1);
+    CHECK(d.outcome[2] == LLAMA_VIS_SUB_DROPPED && d.outcome[3] == LLAMA_VIS_SUB_DROPPED);
+    CHECK(d.exec[2] == 0 && d.exec[3] == 0);
+    // share threshold: 0.125 itself is not below it; drop_share 0 drops nothing
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 0.375f, 0.125f, 0.375f, 0.125f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_BLOCKED_WEIGHT && !d.any);
+    r.drop_share = 0;
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_BLOCKED_WEIGHT && !d.any && d.background.empty());
+    r.drop_share = 1;  // below an even split: 0.3 >= 0.25 still kept
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_DROPPED && d.outcome[2] == LLAMA_VIS_SUB_BLOCKED_WEIGHT);
+    r.drop_share = 0.5;
+    // two tokens: the first would drop 3, the second needs it (share 0.6): loaded, the first runs it after all
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 1, 2, 3, 0, 1, 2 }, { 0.6f, 0.05f, 0.2f, 0.15f, 0.6f, 0.2f, 0.1f, 0.1f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_NEEDED_ANYWAY && d.exec[1] == 3 && !d.any && d.background.empty());
+    // a token whose experts are all missing drops onto the first resident expert (weight 0)
+    d = run(r, 6, { 5 }, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_DROPPED && d.exec[1] == 5);
+    // nothing resident: no candidate; prefill: not eligible
+    d = run(r, 6, {}, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_NO_CANDIDATE && !d.any);
+    d = run(r, 6, { 0, 1, 2 }, { 0, 3, 4, 1 }, { 0.5f, 0.05f, 0.3f, 0.15f }, 4, {}, false, false);
+    CHECK(d.outcome[1] == LLAMA_VIS_SUB_NOT_ELIGIBLE && !d.any);
+
+    // the weights: the dropped pair's set to 0; renorm scales the others back to the sum before the drop
+    const uint8_t oc[4] = { 0, LLAMA_VIS_SUB_DROPPED, 0, 0 };
+    float w[4] = { 0.5f, 0.05f, 0.3f, 0.15f };
+    vis_sub_apply_drops(w, 4, 1, 1, 4, oc, false);
+    CHECK(w[0] == 0.5f && w[1] == 0.0f && w[2] == 0.3f && w[3] == 0.15f);
+    float v[4] = { 0.5f, 0.05f, 0.3f, 0.15f };
+    vis_sub_apply_drops(v, 4, 1, 1, 4, oc, true);
+    CHECK(v[1] == 0.0f && std::fabs(v[0] - 0.5f / 0.95f) < 1e-6 && std::fabs(v[0] + v[2] + v[3] - 1.0f) < 1e-6);
+}
+
 static void test_hold() {
     auto p = vis_moe_policy_lru(2);
     p->begin_pass();
@@ -223,7 +284,12 @@ static void test_hold() {
 
 static void test_settings() {
     CHECK(llama_vis_moe_cli_apply("--moe-substitute", "sometimes") == -1);
-    CHECK(std::strstr(llama_vis_last_error(), "--moe-substitute: expected off, router, buddy or auto") != nullptr);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-substitute: expected off, router, buddy, drop or auto") != nullptr);
+    CHECK(llama_vis_moe_cli_apply("--moe-sub-drop-share", "1.5") == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-sub-drop-share: expected a number in 0..1") != nullptr);
+    CHECK(llama_vis_moe_cli_apply("--moe-sub-renorm", "sometimes") == -1);
+    CHECK(llama_vis_moe_cli_apply("--moe-mode", "turbo") == -1);
+    CHECK(std::strstr(llama_vis_last_error(), "--moe-mode: expected exact or fast, got 'turbo'") != nullptr);
     CHECK(llama_vis_moe_cli_apply("--moe-sub-tae", "1.5") == -1);
     CHECK(std::strstr(llama_vis_last_error(), "--moe-sub-tae") != nullptr);
     CHECK(llama_vis_moe_cli_apply("--moe-sub-tae", "p101") == -1);
@@ -251,6 +317,7 @@ int main() {
     test_gates();
     test_needed_anyway();
     test_buddy();
+    test_drop();
     test_hold();
     test_settings();
     return vis_check_done("test-vis-substitute");

@@ -27,7 +27,7 @@ def test_help_lists_the_user_flags_only(bindir):
                        ("llama-server", user | vision)]:
         listed, text = _listed(bindir, tool)
         assert sorted(listed) == sorted(want), tool             # each once, no knob, the vision ones where images go
-        assert len(listed) <= 15, (tool, len(listed))         # 15: --moe-csv (#27)
+        assert len(listed) <= 16, (tool, len(listed))         # 16: --moe-csv and --moe-mode (#27)
         for f in rows:
             if f.name in want:
                 assert f"(env: {f.env})" in text, (tool, f.env)

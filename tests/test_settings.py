@@ -55,7 +55,7 @@ def test_the_mirror_is_the_header():
 def test_every_settings_field_is_a_flag_of_the_c_table():
     rows = {f.name: f for f in native.flags()}
     fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams, CapacityParams,
-                                 TopkParams, TelemetryParams)
+                                 TopkParams, TelemetryParams, settings.ModeParams)
               for f in __import__("dataclasses").fields(cls)]
     env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib",
                 "--moe-policy"}

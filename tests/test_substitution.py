@@ -14,7 +14,7 @@ import pytest
 
 from pyvis import fixtures as fx
 from pyvis.runtime import trace as vtrace
-from conftest import greedy_logits, run
+from conftest import greedy_logits, later_hits, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral"]
 PROMPT = "Mixture-of-experts layers route every token to a few experts; a cache keeps the hot ones resident."
@@ -22,9 +22,9 @@ SUB = vtrace.SUB_OUTCOMES.index("substituted")
 NOT_ELIGIBLE = vtrace.SUB_OUTCOMES.index("not_eligible")
 
 
-def _cli(bindir, model, *extra, n=12, timeout=180):
+def _cli(bindir, model, *extra, n=12, timeout=180, env=None):
     r = run([bindir / "llama-cli", "-m", model, "-p", PROMPT, "-n", str(n), "-st", "--temp", "0", "-c", "256",
-             "-t", "2", "--no-warmup", *extra], timeout=timeout)
+             "-t", "2", "--no-warmup", *extra], timeout=timeout, extra_env=env)
     return r, r.stdout + r.stderr
 
 
@@ -214,27 +214,12 @@ def test_background_reads_make_later_tokens_hit(bindir, tmp_path, fixture_dir):
     cols = _sub_total(out)
     assert cols[4] > 0          # substituted
     assert cols[-2] > 0         # background reads
-    t = vtrace.read(tr)
-    hits = misses = 0
-    for il in np.unique(t.layer):
-        lt = t.for_layer(int(il))
-        ubs = np.unique(lt.ubatch)
-        for i, u in enumerate(ubs):
-            rows = lt.ubatch == u
-            for e in np.unique(lt.ids[rows][lt.outcome[rows] == SUB]):
-                later = next((v for v in ubs[i + 1:] if (lt.ids[lt.ubatch == v] == e).any()), None)
-                if later is None:
-                    continue
-                m = lt.ids[lt.ubatch == later] == e
-                if (lt.outcome[lt.ubatch == later][m] == 0).all():
-                    hits += 1
-                else:
-                    misses += 1
+    hits, misses = later_hits(vtrace.read(tr), SUB)
     assert hits > 0, (hits, misses)
 
 
 @pytest.mark.parametrize("flag, value, needle", [
-    ("--moe-substitute", "maybe", "--moe-substitute: expected off, router, buddy or auto, got 'maybe'"),
+    ("--moe-substitute", "maybe", "--moe-substitute: expected off, router, buddy, drop or auto, got 'maybe'"),
     ("--moe-sub-tae", "1.5", "--moe-sub-tae: expected a number in 0..1 (or off, or pN with N in 0..100), got '1.5'"),
     ("--moe-sub-tae", "p120", "--moe-sub-tae: expected a number in 0..100 after 'p'"),
     ("--moe-sub-beta", "2", "--moe-sub-beta: expected a number in 0..1, got '2'"),

@@ -389,7 +389,7 @@ def test_sub1_records(tmp_path):
     ([("REC1", 0, 0, [[0, 1]], [[1, 0]]), ("SUB1", 0, 0, [[0, 1]], [[0, 0]]), ("SUB1", 0, 0, [[0, 1]], [[0, 0]])],
      "does not follow the REC1"),
     ([("REC1", 0, 0, [[0, 1]], [[1, 0]]), ("SUB1", 0, 0, [[0, 9]], [[0, 1]])], "executed expert ids"),
-    ([("REC1", 0, 0, [[0, 1]], [[1, 0]]), ("SUB1", 0, 0, [[0, 1]], [[0, 11]])], "outcome 11 is not one of"),
+    ([("REC1", 0, 0, [[0, 1]], [[1, 0]]), ("SUB1", 0, 0, [[0, 1]], [[0, 12]])], "outcome 12 is not one of"),
 ])
 def test_bad_sub1_records(recs, msg):
     with pytest.raises(TraceError, match=msg):

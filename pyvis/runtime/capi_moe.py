@@ -264,7 +264,8 @@ LLAMA_VIS_SUB_NO_CANDIDATE = 7    # no resident expert qualifies (buddy list exh
 LLAMA_VIS_SUB_NEEDED_ANYWAY = 8   # another token of the ubatch loads this expert: no reason to substitute
 LLAMA_VIS_SUB_NOT_ELIGIBLE = 9    # prefill ubatch without --moe-sub-prefill
 LLAMA_VIS_SUB_BLOCKED_RANK = 10   # not among the token's --moe-sub-rank lowest-ranked experts
-LLAMA_VIS_SUB_N_OUTCOMES = 11
+LLAMA_VIS_SUB_DROPPED = 11        # --moe-substitute drop: skipped (gate weight 0; exec = an expert the token runs)
+LLAMA_VIS_SUB_N_OUTCOMES = 12
 
 
 # struct llama_vis_moe_sub_stats {

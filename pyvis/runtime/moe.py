@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from . import native
 from .native import MoeStats, VisError, llama_cpp
-from .settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TelemetryParams, TierParams,
-                       TopkParams, applied)
+from .settings import (CapacityParams, ModeParams, MoeParams, PrecisionParams, PredictParams, SubParams, TelemetryParams,
+                       TierParams, TopkParams, applied)
 
 __all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "prec_stats", "cap_stats", "prefetch_stats", "reset_stats", "MoeParams",
-           "CapacityParams", "MoeStats", "PrecisionParams", "PredictParams", "SubParams", "TelemetryParams", "TierParams", "TopkParams",
-           "VisError"]
+           "CapacityParams", "ModeParams", "MoeStats", "PrecisionParams", "PredictParams", "SubParams", "TelemetryParams", "TierParams",
+           "TopkParams", "VisError"]
 
 
 def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: int = 0, moe_stats: bool = False,
          trace: str | None = None, store: str = "file", host_mib: int = -1, mem: int | str = 0, io_threads: int = 4,
-         direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str = "off",
+         direct_io: str = "auto", unified: str = "auto", mlock: bool = True, substitute: str | None = None,
          sub_profile: str | None = None, sub_tae: str = "off", sub_margin: str = "off", sub_beta: float = 1.0,
          sub_budget: int = 1, sub_weight: float = 1.0, sub_rank: int = 0, sub_prefill: bool = False,
+         sub_drop_share: float = 0.5, sub_renorm: bool = False, sub_drop_read: bool = True, mode: str = "exact",
          predict: str = "off", lookahead: int = 1, prefetch_budget: int | str = "auto", prefetch_tune: bool = True,
          predict_profile: str | None = None, shadow: str | None = None, precision: str = "off",
          prec_vision: float = 0.5, prec_gate: float = 0.1, prec_target: float = 0.25, prec_refetch: bool = True,
@@ -44,19 +45,23 @@ def load(model_path: str, *, slots: int = 0, cache_mib: int = 0, pinned_layers: 
     from them (lossy, off by default; docs/precision.md), as --moe-shadow / --moe-precision / --moe-prec-* /
     --moe-shadow-slots.  capacity and cap_*: entropy-weighted capacity for image tokens (lossy, off by default;
     docs/precision.md), as --moe-capacity / --moe-cap-*.  topk: fewer experts per token (lossy, 0 = off;
-    docs/topk.md), as --moe-topk.  csv: one row per ubatch of telemetry (docs/telemetry.md), as --moe-csv.  A bad value raises VisError naming the option and its range; a bad
+    docs/topk.md), as --moe-topk.  csv: one row per ubatch of telemetry (docs/telemetry.md), as --moe-csv.  mode:
+    "exact" (default) or "fast" (lossy: the measured set of lossy mechanisms, those not chosen explicitly;
+    substitute=None leaves the choice to it; docs/mode.md), as --moe-mode.  A bad value raises VisError naming the option and its range; a bad
     profile or sidecar, VisError naming the file and the fix.
     """
     _check_llama_kwargs(llama_kwargs)
     params = MoeParams(slots, cache_mib, pinned_layers, moe_stats, trace)
     tier = TierParams(store, host_mib, mem, io_threads, direct_io, unified, mlock)
-    sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill)
+    sub = SubParams(substitute, sub_profile, sub_tae, sub_margin, sub_beta, sub_budget, sub_weight, sub_rank, sub_prefill,
+                    sub_drop_share, sub_renorm, sub_drop_read)
     pred = PredictParams(predict, lookahead, prefetch_budget, prefetch_tune,
                          None if predict_profile is None else str(predict_profile))
     prec = PrecisionParams(None if shadow is None else str(shadow), precision, prec_vision, prec_gate, prec_target,
                            prec_refetch, shadow_slots)
     cap = CapacityParams(capacity, cap_rho, cap_delta, cap_drop, None if cap_profile is None else str(cap_profile))
-    with applied(params, tier, sub, pred, prec, cap, TopkParams(topk), TelemetryParams(None if csv is None else str(csv))):
+    with applied(params, tier, sub, pred, prec, cap, TopkParams(topk), TelemetryParams(None if csv is None else str(csv)),
+                 ModeParams(mode)):
         try:
             return llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         except ValueError as e:

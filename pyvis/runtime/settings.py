@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from . import capi
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "TelemetryParams", "flag_of", "get_params", "get_tier_params", "default_params",
+__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "TelemetryParams", "ModeParams", "flag_of", "get_params", "get_tier_params", "default_params",
            "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
@@ -158,7 +158,7 @@ class TierParams(_Typed):
 @dataclass(frozen=True)
 class SubParams(_Typed):
     """Substitution on a miss (lossy; docs/substitution.md).  Values as the flags take them."""
-    substitute: str = "off"          # off | router | buddy | auto
+    substitute: str | None = None    # off | router | buddy | drop | auto; None = not given (off, or --moe-mode's)
     sub_profile: str | None = None   # buddy lists (pyvis calibrate buddies)
     sub_tae: str = "off"             # off | TAU in 0..1 | pN
     sub_margin: str = "off"          # off | G in 0..1
@@ -167,10 +167,14 @@ class SubParams(_Typed):
     sub_weight: float = 1.0
     sub_rank: int = 0                # only the token's N lowest-ranked experts (0 = any)
     sub_prefill: bool = False
+    sub_drop_share: float = 0.5      # drop: only experts whose share is < this x 1/k
+    sub_renorm: bool = False         # drop: scale the remaining weights back to their sum
+    sub_drop_read: bool = True       # drop: read the dropped expert in the background
 
     def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
-        return _table_flags(self, optional=("sub_profile",))
+        """(flag, value) pairs for the C table; every field (substitute and the profile only when given), so a
+        block's settings replace the thread's."""
+        return _table_flags(self, optional=("sub_profile", "substitute"))
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,15 @@ class TelemetryParams(_Typed):
 
     def flags(self) -> list[tuple[str, str]]:
         return _table_flags(self, optional=("csv",))
+
+
+class ModeParams(_Typed):
+    """One switch (docs/mode.md): ``exact`` (the model's output) or ``fast`` (lossy: the measured set of lossy
+    mechanisms, each unless chosen explicitly; the run logs what it turned on)."""
+    mode: str = "exact"
+
+    def flags(self) -> list[tuple[str, str]]:
+        return _table_flags(self)
 
 
 def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
@@ -315,9 +328,9 @@ def _apply_table(params) -> None:
 def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
             predict: PredictParams | None = None, precision: PrecisionParams | None = None,
             capacity: CapacityParams | None = None, topk: TopkParams | None = None,
-            telemetry: TelemetryParams | None = None):
+            telemetry: TelemetryParams | None = None, mode: ModeParams | None = None):
     """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub``,
-    ``predict``, ``precision`` and ``capacity`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
+    ``predict``, ``precision``, ``capacity``, ``topk`` and ``mode`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
     before: its own override if it had one, else none (it follows the process-wide settings again, including
     changes made meanwhile).  The settings are checked on entry (VisError); on success the thread's last error is
     clear, so an error read after a failed load or context creation inside the block belongs to it."""
@@ -325,7 +338,7 @@ def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: S
     prev = getattr(_thread_table, "value", None) or {}
     now = dict(prev)
     for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity),
-                   (TopkParams, topk), (TelemetryParams, telemetry)):
+                   (TopkParams, topk), (TelemetryParams, telemetry), (ModeParams, mode)):
         if p is not None:
             now[cls] = p
     _set_thread(moe or get_params(), tier or get_tier_params())

@@ -16,8 +16,8 @@ DEFAULT_POINTS = ["shared+16@4", "shared+16@8", "shared+64@16"]
 DEFAULT_FRACTIONS = [0.5, 0.75]
 DEFAULT_CONFIGS = ["off", "router", "router:tae=p50", "router:tae=p90", "router:tae=p99", "router:wrel=1",
                    "router:budget=2", "buddy"]
-CONFIG_KEYS = {"tae", "margin", "beta", "budget", "weight", "wrel", "rank"}
-MODES = ("off", "router", "buddy", "auto")
+CONFIG_KEYS = {"tae", "margin", "beta", "budget", "weight", "wrel", "rank", "share", "renorm", "read"}
+MODES = ("off", "router", "buddy", "drop", "auto")
 
 
 # --------------------------------------------------------------------------
@@ -26,8 +26,10 @@ MODES = ("off", "router", "buddy", "auto")
 @dataclass(frozen=True)
 class SubConfig:
     """One substitution rule. ``spec`` is ``MODE[:KEY=VALUE[,KEY=VALUE...]]``; keys: tae (off, TAU or pN),
-    margin, beta, budget, rank (--moe-sub-rank), weight (the --moe-sub-weight share) and wrel (the share as a
-    multiple of 1/k: ``wrel=1`` substitutes only experts below the token's mean share)."""
+    margin, beta, budget, rank (--moe-sub-rank), weight (the --moe-sub-weight share), wrel (the share as a
+    multiple of 1/k: ``wrel=1`` substitutes only experts below the token's mean share), and for ``drop``: share
+    (--moe-sub-drop-share), renorm (on|off, --moe-sub-renorm) and read (on|off,
+    --moe-sub-drop-read)."""
     spec: str
     mode: str
     opts: tuple = ()          # ((key, value), ...) in the order given
@@ -68,6 +70,12 @@ class SubConfig:
             a += ["--moe-sub-weight", o["weight"]]
         if "wrel" in o:
             a += ["--moe-sub-weight", _fmt(min(1.0, float(o["wrel"]) / k))]
+        if "share" in o:
+            a += ["--moe-sub-drop-share", o["share"]]
+        if "renorm" in o:
+            a += ["--moe-sub-renorm", o["renorm"]]
+        if "read" in o:
+            a += ["--moe-sub-drop-read", o["read"]]
         return a
 
 
@@ -107,6 +115,9 @@ def parse_config(spec: str) -> SubConfig:
                     raise SweepError(f"configuration {spec!r}: rank is an integer >= 0 (0 = any)")
             elif key == "margin" and val == "off":
                 pass
+            elif key in ("renorm", "read"):
+                if val not in ("on", "off"):
+                    raise SweepError(f"configuration {spec!r}: {key} is on or off")
             else:
                 try:
                     float(val)

@@ -15,7 +15,8 @@ CACHE_FIELDS = ["routed", "hits", "misses", "hit_pct", "mib_loaded", "stall_ms",
 SUB_FIELDS = ["tokens", "missing", "substituted", "blocked_tae", "blocked_margin", "blocked_beta", "blocked_budget",
               "blocked_weight", "no_candidate", "needed_anyway", "not_eligible", "mib_saved", "bg_reads", "bg_wait_ms"]
 # column headings of the substitution table -> field names (a heading not listed keeps its own name)
-SUB_HEADINGS = {"tokens": "tokens", "missing": "missing", "subst": "substituted", "tae": "blocked_tae",
+SUB_HEADINGS = {"tokens": "tokens", "missing": "missing", "subst": "substituted", "dropped": "dropped",
+                "tae": "blocked_tae",
                 "margin": "blocked_margin", "beta": "blocked_beta", "budget": "blocked_budget",
                 "weight": "blocked_weight", "rank": "blocked_rank", "nocand": "no_candidate",
                 "anyway": "needed_anyway", "prefil": "not_eligible", "MiB saved": "mib_saved", "bg read": "bg_reads",
