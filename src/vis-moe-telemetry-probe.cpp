@@ -43,6 +43,7 @@ vis_moe_counters vis_moe_counters_now(const vis_moe_context & vm) {
         llama_vis_moe_sub_stats s;
         vis_moe_total_sub_stats(vm, s);
         c.substituted = s.outcomes[LLAMA_VIS_SUB_SUBSTITUTED];
+        c.dropped    += s.outcomes[LLAMA_VIS_SUB_DROPPED];   // --moe-substitute drop (--moe-mode fast)
     }
     if (vm.precision) {
         llama_vis_moe_prec_stats p;
@@ -54,7 +55,7 @@ vis_moe_counters vis_moe_counters_now(const vis_moe_context & vm) {
         llama_vis_moe_cap_stats p;
         vis_moe_total_cap_stats(vm, p);
         c.rerouted = p.n_rerouted;
-        c.dropped  = p.n_dropped;
+        c.dropped += p.n_dropped;                          // --moe-capacity's last resort
     }
     return c;
 }

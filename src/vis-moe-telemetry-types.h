@@ -29,7 +29,7 @@ struct vis_moe_counters {
     int64_t substituted  = 0;  // (token, expert) pairs that ran a stand-in (--moe-substitute)
     int64_t shadow       = 0;  // pairs computed from a low-bit shadow (--moe-precision)
     int64_t rerouted     = 0;  // pairs rerouted to an expert in memory (--moe-capacity)
-    int64_t dropped      = 0;  // pairs dropped (--moe-capacity)
+    int64_t dropped      = 0;  // pairs dropped (--moe-substitute drop, --moe-mode fast, --moe-capacity)
 
     vis_moe_counters operator-(const vis_moe_counters & o) const {
         vis_moe_counters r;

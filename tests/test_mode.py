@@ -252,3 +252,19 @@ def test_a_drop_is_the_model_with_that_gate_weight_zeroed(fixture_dir, tmp_path,
     ref, llm = replay_greedy(model, n_decode=10)
     del llm
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+def test_drops_reach_the_csv_and_the_mode_column(fixture_dir, tmp_path):
+    """--moe-mode fast's drops are lossy events of the telemetry (docs/telemetry.md): the CSV's `dropped` column sums
+    to the drops the substitution counted, and every row of the lossy run says so."""
+    path = fixture_dir / "qwen3moe.gguf"
+    out = tmp_path / "fast.csv"
+    _, llm = greedy_logits(path, PROMPT, 12, slots=fx.FIXTURES["qwen3moe"]().n_expert_used, mode="fast", csv=str(out))
+    dropped = moe.sub_stats(llm)["outcomes"]["dropped"]
+    del llm
+    import csv
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert dropped > 0, "nothing was dropped: the test could not check anything"
+    assert sum(int(r["dropped"]) for r in rows) == dropped
+    assert all(r["mode"].startswith("lossy") and "drop" in r["mode"] for r in rows), {r["mode"] for r in rows}

@@ -244,6 +244,7 @@ class TelemetryParams(_Typed):
         return _table_flags(self, optional=("csv",))
 
 
+@dataclass(frozen=True)
 class ModeParams(_Typed):
     """One switch (docs/mode.md): ``exact`` (the model's output) or ``fast`` (lossy: the measured set of lossy
     mechanisms, each unless chosen explicitly; the run logs what it turned on)."""
