@@ -61,6 +61,9 @@ def main() -> int:
                          "token and keeps every cache hot; the two samplers differ, so the tokens differ, the routing "
                          "statistics do not)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--lossy", action="store_true",
+                    help="also the two lossy counterparts: ours --moe-mode fast and the peer's --drop-cold-experts 0.5 "
+                         "(the same rule: skip a missing expert below half an even split of the gate weight)")
     ap.add_argument("--timeout", type=_positive, default=900)
     ap.add_argument("--out", default="bench-peer", help="directory for logs and results.json (never the model)")
     a = ap.parse_args()
@@ -87,11 +90,14 @@ def main() -> int:
             "peer": [peer, "-m", model, "-p", prompt, "-n", str(a.n_predict), "-c", "512", "-t", "2", "--moe-stream",
                      "--cache-mb", "auto", "--cache-ceil-mb", str(ceil), "--temp", str(a.temp), "--seed", str(a.seed)],
         }
+        if a.lossy:
+            runs["ours-fast"] = runs["ours"] + ["--moe-mode", "fast"]
+            runs["peer-drop"] = runs["peer"] + ["--drop-cold-experts", "0.5"]
         print(f"== limit {lim} MiB (peer cache ceiling {ceil} MiB)", flush=True)
         for name, cmd in runs.items():
             log = out / f"{name}-{lim}.log"
             r = run_one(name, cmd, lim << 20, a.timeout, a.n_predict, log)
-            if name == "peer":
+            if name.startswith("peer"):
                 r.update(peer_numbers(log.read_text(errors="replace")))
                 r["finished"] = r["rc"] == 0 and "decode_tps" in r
             r["limit_mib"] = lim
