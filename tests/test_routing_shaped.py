@@ -16,10 +16,9 @@ import pytest
 
 from pyvis import fixtures as fx
 from pyvis.fixtures import routing as rt
-from pyvis.runtime.cachesim import layer_requests
 from pyvis.runtime.trace import load
-from pyvis.runtime.trace_cli import as_decode
 from pyvis.testbed import routing_report as rr
+from pyvis.testbed.gate_stats import gate_stats
 
 from conftest import run
 
@@ -109,23 +108,6 @@ def _cachesim(trace: Path, slots: int, *extra: str) -> dict:
     return json.loads(r.stdout)
 
 
-def _overlap_and_reuse(trace: Path) -> tuple[float, float]:
-    t = as_decode(load(trace))
-    ov, dist = [], []
-    for layer in range(t.n_layer):
-        req = layer_requests(t, layer)
-        if not req:
-            continue
-        last: dict[int, int] = {}
-        for i, r in enumerate(req):
-            for e in r:
-                if e in last:
-                    dist.append(i - last[e])
-                last[e] = i
-        ov += [len(set(a) & set(b)) / len(b) for a, b in zip(req, req[1:]) if b]
-    return float(np.mean(ov)), float(np.median(dist))
-
-
 def test_shaped_routing_is_as_hard_as_the_recorded_trace(bindir, tmp_path):
     """The runtime's own trace of a generated model, replayed by `pyvis cachesim`: LRU must miss 1.6-2.4x as
     often as Belady at 16-32 slots (the first version of the generator: 1.62 / 1.64 / 1.67, too easy), with
@@ -140,8 +122,8 @@ def test_shaped_routing_is_as_hard_as_the_recorded_trace(bindir, tmp_path):
     got = {n: _cachesim(trace, n, "--as-decode")["ratio_to_belady"] for n in RATIO_BANDS}
     for n, (lo, hi) in RATIO_BANDS.items():
         assert lo <= got[n] <= hi, (n, got)
-    overlap, reuse = _overlap_and_reuse(trace)
-    assert 0.28 <= overlap <= 0.48 and reuse <= 3, (overlap, reuse)
+    g = gate_stats(load(trace), as_decode=True)
+    assert 0.28 <= g["next_step_overlap"] <= 0.48 and g["reuse_distance_median"] <= 3, g
     if REAL_TRACE.exists():   # beside a checkout that has ../shared: within 12 % of the recorded trace itself
         real = {n: _cachesim(REAL_TRACE, n)["ratio_to_belady"] for n in RATIO_BANDS}
         for n in RATIO_BANDS:
