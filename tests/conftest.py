@@ -166,3 +166,43 @@ def write_split(src: Path, out_dir: Path, max_tensors: int) -> list[Path]:
     w.write_tensors_to_file()
     w.close()
     return sorted(out_dir.glob("m-*-of-*.gguf"))
+
+
+def lowlevel_greedy(path, prompt: bytes, n_decode: int, extra_bufts: bool = True, settings=None):
+    """Logits of every prompt token and of `n_decode` greedy steps through the low-level API (llama_cpp.Llama cannot
+    turn CPU repacking off: `extra_bufts` is the model's use_extra_bufts), with `settings` (a context manager, e.g.
+    pyvis' applied(...)) around the load; and the cache's (stats, io stats), None when no cache ran."""
+    import numpy as np
+    import llama_cpp as L
+    from pyvis.runtime import moe
+    from pyvis.runtime import native as _native
+    with settings or contextlib.nullcontext():
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
+        model = L.llama_model_load_from_file(str(path).encode(), mp)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 128, 128, 128, 2, 2
+        ctx = L.llama_init_from_model(model, cp) if model else None
+    assert model and ctx, _native.last_error()
+    vocab = L.llama_model_get_vocab(model)
+    nv = L.llama_vocab_n_tokens(vocab)
+    toks = (L.llama_token * 64)()
+    n = L.llama_tokenize(vocab, prompt, len(prompt), toks, 64, True, False)
+    b = L.llama_batch_init(64, 0, 1)
+    rows = []
+    try:
+        step = [toks[i] for i in range(n)]
+        for pos0 in [0] + [n + j for j in range(n_decode)]:
+            for i, t in enumerate(step):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
+                b.seq_id[i][0] = 0
+            b.n_tokens = len(step)
+            assert L.llama_decode(ctx, b) == 0, _native.last_error()
+            rows += [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (nv,)).copy() for i in range(len(step))]
+            step = [int(np.argmax(rows[-1]))]
+        st = moe.stats(ctx)
+        return np.array(rows), ((st, moe.io_stats(ctx)) if st is not None else None)
+    finally:
+        L.llama_batch_free(b)
+        L.llama_free(ctx)
+        L.llama_model_free(model)

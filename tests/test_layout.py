@@ -10,14 +10,13 @@ another cache size (upstream's `-ot ...=CPU` still maps to CPU_REPACK in this ve
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
 from pyvis import fixtures as fx
 from pyvis.runtime.settings import MoeParams, applied
+from conftest import lowlevel_greedy
 
 SPEC = fx.ModelSpec(name="repack", arch="qwen3moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
                     n_ff=256, n_ff_exp=256, n_expert=16, n_expert_used=4, expert_type="Q4_0", weight_type="F32",
@@ -34,33 +33,8 @@ def repack_model(fixture_dir):
 
 
 def _logits(path, extra_bufts=True, **moe_kw):
-    """Logits of every prompt token through the low-level API (llama_cpp.Llama takes no use_extra_bufts)."""
-    import llama_cpp as L
-    cm = applied(MoeParams(**moe_kw)) if moe_kw else contextlib.nullcontext()
-    with cm:
-        mp = L.llama_model_default_params()
-        mp.use_extra_bufts = extra_bufts
-        model = L.llama_model_load_from_file(str(path).encode(), mp)
-        cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_threads, cp.n_threads_batch = 128, 2, 2
-        ctx = L.llama_init_from_model(model, cp)
-    assert model and ctx
-    vocab = L.llama_model_get_vocab(model)
-    toks = (L.llama_token * 64)()
-    n = L.llama_tokenize(vocab, PROMPT, len(PROMPT), toks, 64, True, False)
-    b = L.llama_batch_init(n, 0, 1)
-    for i in range(n):
-        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = toks[i], i, 1, 1
-        b.seq_id[i][0] = 0
-    b.n_tokens = n
-    try:
-        assert L.llama_decode(ctx, b) == 0
-        nv = L.llama_vocab_n_tokens(vocab)
-        return np.array([np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (nv,)).copy() for i in range(n)])
-    finally:
-        L.llama_batch_free(b)
-        L.llama_free(ctx)
-        L.llama_model_free(model)
+    """Logits of every prompt token (conftest.lowlevel_greedy: llama_cpp.Llama takes no use_extra_bufts)."""
+    return lowlevel_greedy(path, PROMPT, 0, extra_bufts, applied(MoeParams(**moe_kw)) if moe_kw else None)[0]
 
 
 def _same(a, b):

@@ -11,7 +11,6 @@ logit must equal the plain run's bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 
@@ -20,10 +19,9 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe
 from pyvis.runtime import native as _native
 from pyvis.runtime.settings import MoeParams, TierParams, applied
-from conftest import paging_configs, write_split
+from conftest import lowlevel_greedy, paging_configs, write_split
 
 PROMPT = "Quantised experts of mixed types must page exactly like the rest."
 N_DECODE = 4
@@ -75,42 +73,11 @@ def _configs(spec) -> list[dict]:
 
 
 def _greedy(path, extra_bufts: bool, cfg: dict | None):
-    """Logits of the prompt and N_DECODE greedy steps through the low-level API (llama_cpp.Llama cannot turn CPU
-    repacking off), upstream's plain path when `cfg` is None, and the cache's (stats, io stats) when it ran."""
-    import llama_cpp as L
+    """conftest.lowlevel_greedy with the cache settings `cfg` (None: upstream's plain path)."""
     moe_keys = {f.name for f in dataclasses.fields(MoeParams)}
     cm = applied(MoeParams(**{k: v for k, v in cfg.items() if k in moe_keys}),
-                 TierParams(**{k: v for k, v in cfg.items() if k not in moe_keys})) if cfg else contextlib.nullcontext()
-    with cm:
-        mp = L.llama_model_default_params()
-        mp.use_extra_bufts = extra_bufts
-        model = L.llama_model_load_from_file(str(path).encode(), mp)
-        cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 128, 128, 128, 2, 2
-        ctx = L.llama_init_from_model(model, cp) if model else None
-    assert model and ctx, _native.last_error()
-    vocab = L.llama_model_get_vocab(model)
-    nv = L.llama_vocab_n_tokens(vocab)
-    toks = (L.llama_token * 64)()
-    n = L.llama_tokenize(vocab, PROMPT.encode(), len(PROMPT.encode()), toks, 64, True, False)
-    b = L.llama_batch_init(64, 0, 1)
-    rows = []
-    try:
-        step = [toks[i] for i in range(n)]
-        for pos0 in [0] + [n + j for j in range(N_DECODE)]:
-            for i, t in enumerate(step):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
-                b.seq_id[i][0] = 0
-            b.n_tokens = len(step)
-            assert L.llama_decode(ctx, b) == 0, _native.last_error()
-            rows += [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (nv,)).copy() for i in range(len(step))]
-            step = [int(np.argmax(rows[-1]))]
-        st = (moe.stats(ctx), moe.io_stats(ctx)) if cfg else None
-        return np.array(rows), st
-    finally:
-        L.llama_batch_free(b)
-        L.llama_free(ctx)
-        L.llama_model_free(model)
+                 TierParams(**{k: v for k, v in cfg.items() if k not in moe_keys})) if cfg else None
+    return lowlevel_greedy(path, PROMPT.encode(), N_DECODE, extra_bufts, cm)
 
 
 def _same(a, b) -> bool:
