@@ -10,6 +10,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,10 @@ int64_t vis_moe_layer_expert_bytes(const llama_layer & l) {
         b += t ? (int64_t) t->nb[2] : 0;
     }
     return b;
+}
+
+bool vis_moe_layer_has_expert_scales(const llama_layer & l) {
+    return l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
 }
 
 bool vis_moe_row_gathered(const llama_model & model, const ggml_tensor * t) {
@@ -55,7 +60,11 @@ void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & 
         throw std::runtime_error("--moe-pinned-layers " + std::to_string(s.params.n_pinned) + " exceeds the model's " +
                                  std::to_string(n_moe) + " MoE layers (valid: 0.." + std::to_string(n_moe) + ", -1 = all)");
     }
-    ap.managed.assign(ap.moe_layers.begin() + ap.pinned, ap.moe_layers.end());
+    ap.managed.clear();
+    ap.unpaged.clear();
+    for (auto it = ap.moe_layers.begin() + ap.pinned; it != ap.moe_layers.end(); ++it) {
+        (vis_moe_layer_has_expert_scales(model.layers[*it]) ? ap.unpaged : ap.managed).push_back(*it);
+    }
     for (int il : ap.moe_layers) {
         if (ap.deferred[il] && std::find(ap.managed.begin(), ap.managed.end(), il) == ap.managed.end()) {
             throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " was deferred to the file at load but is pinned "
@@ -79,6 +88,23 @@ void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & 
     // scheduler may offload a host-weight mul_mat_id, and other passes' pairs go to one staging slot per layer
     ap.cpu_only = model.devices.empty();
     ap.staging  = ap.cpu_only ? 0 : 1;
+}
+
+std::string vis_moe_unpaged_line(const llama_model & model, const vis_moe_attach_plan & ap) {
+    std::string layers;
+    int64_t bytes = 0;
+    for (int il : ap.unpaged) {
+        layers += (layers.empty() ? "" : ",") + std::to_string(il);
+        bytes += (int64_t) model.hparams.n_expert * vis_moe_layer_expert_bytes(model.layers[il]);
+    }
+    const llama_layer & l = model.layers[ap.unpaged.front()];
+    const ggml_tensor * s = l.ffn_gate_exps_s ? l.ffn_gate_exps_s : l.ffn_up_exps_s ? l.ffn_up_exps_s : l.ffn_down_exps_s;
+    char mib[32];
+    std::snprintf(mib, sizeof(mib), "%.1f", bytes / 1048576.0);
+    return "layer" + std::string(ap.unpaged.size() > 1 ? "s " : " ") + layers +
+           (ap.unpaged.size() > 1 ? " run" : " runs") + " upstream's path with " +
+           "every expert resident (" + mib + " MiB): per-expert scales (" + ggml_get_name(s) + ") are a layout the " +
+           "expert cache does not page";
 }
 
 std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, const vis_moe_settings & s,

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 struct ggml_tensor;
@@ -22,7 +23,8 @@ struct vis_moe_attach_plan {
     std::vector<int>  moe_layers;   // layers with routed experts
     std::vector<bool> deferred;     // per layer: experts deferred to the file at load (patch 0004)
     bool any_deferred = false;
-    std::vector<int>  managed;      // MoE layers after the pinned prefix
+    std::vector<int>  managed;      // MoE layers after the pinned prefix that the cache can page
+    std::vector<int>  unpaged;      // MoE layers after the pinned prefix it cannot (per-expert scales): upstream's path
     int  pinned = 0;
     int64_t per_slot = 0;           // bytes of one slot in every managed layer
     int64_t exp_max  = 0;           // largest expert of a managed layer
@@ -52,8 +54,16 @@ void vis_moe_find_moe_layers(const llama_model & model, vis_moe_attach_plan & ap
 // upstream's path with every expert resident (no expert cache)
 bool vis_moe_runs_whole(const vis_moe_settings & s, const vis_moe_attach_plan & ap, const llama_model & model);
 
-// step 2: the managed layers (after the pinned prefix) and the devices their slabs live on
+// does a layer's expert layout keep it out of the cache?  Per-expert scales (`blk.N.ffn_*_exps.scale`, e.g. NVFP4
+// files) are gathered by upstream's graph with the expert ids, which on a managed layer would be slot ids
+bool vis_moe_layer_has_expert_scales(const llama_layer & l);
+
+// step 2: the managed layers (after the pinned prefix, without layouts the cache cannot page: `unpaged`) and the
+// devices their slabs live on
 void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap);
+
+// the one line that says which layers the cache leaves to upstream's path, and why (`ap.unpaged` not empty)
+std::string vis_moe_unpaged_line(const llama_model & model, const vis_moe_attach_plan & ap);
 
 // --moe-shadow of the managed layers (header and tensor table only; throws on a bad sidecar); with
 // --moe-precision on, its slots' bytes go into `ap` (they share the budget).  Null when nothing is managed.

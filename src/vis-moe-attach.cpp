@@ -196,17 +196,8 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
     const int n_layer = (int) model.hparams.n_layer();
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
     for (int il : ap.managed) {
-        const llama_layer & l = model.layers[il];
         if (ap.n_slots >= n_exp && !ap.deferred[il]) {
             continue;  // everything fits: bypass, upstream graph
-        }
-        if (l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s) {
-            if (ap.deferred[il]) {
-                throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " has per-expert scales, which the file "
-                                         "tier does not page yet; run with --moe-store model");
-            }
-            LLAMA_LOG_WARN("vis-moe: layer %d has per-expert scales; left fully resident\n", il);
-            continue;
         }
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model.dev_layer(il));
         ggml_context *& c = ctx_of[buft];
@@ -382,6 +373,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
 
     ap.policy = s.policy;
     vis_moe_choose_managed(model, s, ap);
+    if (!ap.unpaged.empty() && !hp.no_alloc && (s.cache_on() || ap.any_deferred)) {
+        vis_tell_user(vis_moe_unpaged_line(model, ap));
+    }
     // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget
     vm->shadow = vis_moe_plan_shadow(model, s, ap);
     vm->unified = s.tier.unified != 0 && ap.all_host_devices;

@@ -53,6 +53,18 @@ static bool is_routed_expert_weight(const char * name) {
     return false;
 }
 
+// the layer's routed experts carry per-expert scales (`blk.N.ffn_*_exps.scale`): a layout the cache does not page
+// (vis_moe_layer_has_expert_scales), so they load as upstream loads them
+static bool has_expert_scales(const llama_model_loader & ml, int bid) {
+    for (const char * kind : { "gate", "up", "down" }) {
+        const std::string s = "blk." + std::to_string(bid) + ".ffn_" + kind + "_exps.scale";
+        if (ml.get_weight(s.c_str())) {
+            return true;
+        }
+    }
+    return false;
+}
+
 bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64_t n_expert) {
     if (bid < 0 || !is_routed_expert_weight(name)) {
         return false;
@@ -81,7 +93,7 @@ bool vis_moe_defer_tensor(const void * loader, const char * name, int bid, int64
         g_load.moe_bids.push_back(bid);
     }
     const int moe_index = (int) g_load.moe_bids.size() - 1;
-    return n_pinned >= 0 && moe_index >= n_pinned;
+    return n_pinned >= 0 && moe_index >= n_pinned && !has_expert_scales(*static_cast<const llama_model_loader *>(loader), bid);
 }
 
 vis_gguf_file::~vis_gguf_file() {

@@ -147,24 +147,32 @@ def paging_configs(spec) -> list[dict]:
     ]
 
 
-def write_split(src: Path, out_dir: Path, max_tensors: int) -> list[Path]:
-    """`src` as llama-gguf-split --split-max-tensors N writes it (gguf-py's writer: the first shard holds every key,
-    each shard split.no / split.count / split.tensors.count); returns the shards in order."""
+def rewrite_gguf(src: Path, dst: Path, add: dict | None = None, split_max_tensors: int = 0) -> None:
+    """`src` written again by gguf-py's writer: every key and tensor, then the tensors of `add` (name -> array);
+    with `split_max_tensors`, as llama-gguf-split --split-max-tensors N writes it (the first shard holds every key,
+    each shard split.no / split.count / split.tensors.count)."""
     import gguf
     import numpy as np
-    out_dir.mkdir(parents=True, exist_ok=True)
     r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(out_dir / "m.gguf"), r.fields["general.architecture"].contents(), split_max_tensors=max_tensors)
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents(), split_max_tensors=split_max_tensors)
     for name, f in r.fields.items():
         if not name.startswith("GGUF.") and name != "general.architecture":
             w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY
                             else None)
     for t in r.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=gguf.GGMLQuantizationType(int(t.tensor_type)))
+    for name, a in (add or {}).items():
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_split(src: Path, out_dir: Path, max_tensors: int) -> list[Path]:
+    """`src` as llama-gguf-split --split-max-tensors N writes it; returns the shards in order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rewrite_gguf(src, out_dir / "m.gguf", split_max_tensors=max_tensors)
     return sorted(out_dir.glob("m-*-of-*.gguf"))
 
 

@@ -21,7 +21,7 @@ import pytest
 from pyvis import fixtures as fx
 from pyvis.runtime import native as _native
 from pyvis.runtime.settings import MoeParams, TierParams, applied
-from conftest import lowlevel_greedy, paging_configs, write_split
+from conftest import lowlevel_greedy, paging_configs, rewrite_gguf, run, write_split
 
 PROMPT = "Quantised experts of mixed types must page exactly like the rest."
 N_DECODE = 4
@@ -53,7 +53,14 @@ def files(tmp_path_factory):
     fx.write_model(gx, d / "gx-f32.gguf")
     _quantize(d / "gx-f32.gguf", d / "gx-mxfp4.gguf", _native.llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE)
     shards = write_split(d / "kq-q4_k_m.gguf", d / "split", 12)
-    return {"q4_k_m": (d / "kq-q4_k_m.gguf", KQ), "mxfp4": (d / "gx-mxfp4.gguf", gx), "split": (shards, KQ)}
+    # NVFP4-style per-expert scales (blk.N.ffn_*_exps.scale, shape {n_expert}) on the last layer only: upstream's graph
+    # gathers them with the expert ids, which the cache replaces by slot ids, so that layer must stay on its path
+    rng = np.random.default_rng(7)
+    rewrite_gguf(d / "kq-q4_k_m.gguf", d / "kq-scaled.gguf",
+                 add={f"blk.{KQ.n_layer - 1}.ffn_{w}_exps.scale": rng.uniform(0.5, 1.5, KQ.n_expert).astype(np.float32)
+                      for w in ("gate", "up", "down")})
+    return {"q4_k_m": (d / "kq-q4_k_m.gguf", KQ), "mxfp4": (d / "gx-mxfp4.gguf", gx), "split": (shards, KQ),
+            "scaled": (d / "kq-scaled.gguf", KQ)}
 
 
 def test_the_files_are_what_users_download(files):
@@ -119,3 +126,25 @@ def test_repacked_resident_weights_are_the_same_at_every_cache_size(files, kind)
         by_prefix.setdefault(cfg.get("pinned_layers", 0), []).append(outs[str(cfg)])
     for pinned, group in by_prefix.items():
         assert all(_same(g, group[0]) for g in group[1:]), pinned
+
+
+def test_a_layout_the_cache_cannot_page_runs_upstreams_path_with_one_line(files, bindir):
+    """A layer whose experts carry per-expert scales is a layout the cache does not page (#27 item 4): that layer
+    loads and runs as upstream's does, the others page, the output equals upstream's bit for bit, and one line says
+    which layers and why.  Before, the attach refused the file."""
+    path, spec = files["scaled"]
+    ref, _ = _greedy(path, False, None)
+    plain, _ = _greedy(files["q4_k_m"][0], False, None)
+    assert not _same(ref, plain), "the scales change nothing: the fixture cannot tell"
+    k = spec.n_expert_used
+    for cfg in (dict(slots=k, pinned_layers=1), dict(slots=1), dict(slots=k, host_mib=1), dict(slots=k, store="model")):
+        got, (st, io) = _greedy(path, False, cfg)
+        assert _same(got, ref), f"{cfg}: max |diff| {np.abs(got - ref).max()}"
+        assert st.n_misses > 0, cfg                                  # the other layers paged
+    last = spec.n_layer - 1
+    r = run([bindir / "llama-cli", "-m", path, "-p", PROMPT, "-n", "4", "-st", "--no-repack", "-t", "2", "-s", "1",
+             "--moe-slots", str(k), "--temp", "0"], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if "per-expert scales" in ln]
+    assert len(lines) == 1 and f"layer {last} runs upstream's path" in lines[0] and \
+        f"blk.{last}.ffn_gate_exps.scale" in lines[0], r.stderr[-2000:]
