@@ -368,7 +368,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vm->layers.resize(hp.n_layer());
     if (replaying) {
         vm->replay = std::make_unique<vis_moe_replay>(s.replay_path, ap.moe_layers, (int) hp.n_layer(), (int) hp.n_expert,
-                                                      n_used, llm_arch_name(model.arch));  // throws on a bad or mismatched trace
+                                                      (int) hp.n_expert_used_max(), n_used, llm_arch_name(model.arch));  // throws on a bad or mismatched trace
     }
 
     ap.policy = s.policy;

@@ -4,6 +4,7 @@
 
 #include "ggml.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -29,7 +30,7 @@ void say_meaningless(const vis_route_csv & t) {
 } // namespace
 
 vis_moe_replay::vis_moe_replay(const std::string & path, const std::vector<int> & moe_layers, int n_layer,
-                               int n_expert, int k_used, const std::string & arch)
+                               int n_expert, int k_model, int k_used, const std::string & arch)
     : tr(vis_route_csv_read(path)) {
     trace_layer.assign(n_layer, -1);
     const int n_moe = (int) moe_layers.size();
@@ -50,7 +51,18 @@ vis_moe_replay::vis_moe_replay(const std::string & path, const std::vector<int> 
     if (n_expert != tr.n_expert) {
         throw std::runtime_error("VIS_MOE_REPLAY: " + shape + ": the expert counts differ" + fix);
     }
-    if (tr.k != k_used) {
+    n_keep = k_used;
+    if (tr.k > 64) {
+        throw std::runtime_error("VIS_MOE_REPLAY: " + shape + ": top-k above 64 is not supported");
+    }
+    if (tr.k == k_model && k_used < k_model) {
+        // --moe-topk N on a trace of the model's own top-k: each row's N highest-weighted recorded experts.  An
+        // approximation of a recording at top-N (whose later layers would route from other hidden states)
+        std::fprintf(stderr, "vis-moe: VIS_MOE_REPLAY with --moe-topk %d: each position replays the %d highest-weighted "
+                     "of its %d recorded experts (an approximation: the model recorded at top-%d would route its later "
+                     "layers from other hidden states)\n", k_used, k_used, tr.k, k_used);
+        std::fflush(stderr);
+    } else if (tr.k != k_used) {
         // below the model's top-k, the extra slots would need experts: repeats break the one-expert-per-slot rule that
         // traces and the simulator rely on, other experts add bytes the recording never read
         const std::string k = std::to_string(tr.k);
@@ -61,6 +73,29 @@ vis_moe_replay::vis_moe_replay(const std::string & path, const std::vector<int> 
                                                 : std::string()));
     }
     say_meaningless(tr);
+}
+
+void vis_moe_replay::pick(int pos, int layer, int32_t * ids, float * w) const {
+    const int32_t * rid = tr.ids_at(pos, layer);
+    const float *   rw  = tr.weights_at(pos, layer);
+    int order[64];
+    const int k = std::min(tr.k, 64);
+    for (int i = 0; i < k; ++i) {
+        order[i] = i;
+    }
+    // the recorder writes a row in router order (descending weight); sorting keeps that and fixes any other order
+    std::stable_sort(order, order + k, [&](int a, int b) { return rw[a] > rw[b]; });
+    float all = 0.0f, kept = 0.0f;
+    for (int i = 0; i < k; ++i) {
+        all += rw[i];
+        kept += i < n_keep ? rw[order[i]] : 0.0f;
+    }
+    // the kept weights renormalised to the row's total, as a router renormalising its top-N would
+    const float scale = n_keep < tr.k && kept > 0.0f ? all / kept : 1.0f;
+    for (int i = 0; i < n_keep; ++i) {
+        ids[i] = rid[n_keep < tr.k ? order[i] : i];
+        w[i]   = rw[n_keep < tr.k ? order[i] : i] * scale;
+    }
 }
 
 std::string vis_moe_replay::past_end(int pos) const {
@@ -99,12 +134,17 @@ std::string vis_moe_replay::fill(int il, ggml_tensor * dst, bool weights) const 
                          "replay a prompt of exactly %d tokens\n", tr.path.c_str(), layer, il, pos, tr.n_prompt);
             std::fflush(stderr);
         }
+        int32_t ids[64];
+        float   w[64];
+        if (!own) {
+            pick(pos, layer, ids, w);
+        }
         for (int i = 0; i < k; ++i) {
             const char * from = (const char *) src->data + (size_t) i * nb_k + (size_t) r * nb_r;
             if (weights) {
-                ((float *) dst->data)[(size_t) r * k + i] = own ? *(const float *) from : tr.weights_at(pos, layer)[i];
+                ((float *) dst->data)[(size_t) r * k + i] = own ? *(const float *) from : w[i];
             } else {
-                ((int32_t *) dst->data)[(size_t) r * k + i] = own ? *(const int32_t *) from : tr.ids_at(pos, layer)[i];
+                ((int32_t *) dst->data)[(size_t) r * k + i] = own ? *(const int32_t *) from : ids[i];
             }
         }
     }

@@ -32,10 +32,11 @@ struct ggml_tensor;
 class vis_moe_replay {
 public:
     // the trace at `path`, checked against the model: moe_layers = its layers with routed experts (in order),
-    // n_layer its layers, n_expert, k_used the experts per token it runs (its k, or --moe-topk's), arch its name
+    // n_layer its layers, n_expert, k_model its top-k, k_used the experts per token it runs (k_model, or
+    // --moe-topk's N: then a trace recorded at k_model replays each row's N highest-weighted experts), arch its name
     // (for the --override-kv hint).  Throws std::runtime_error naming the file and the mismatch.
-    vis_moe_replay(const std::string & path, const std::vector<int> & moe_layers, int n_layer, int n_expert, int k_used,
-                   const std::string & arch);
+    vis_moe_replay(const std::string & path, const std::vector<int> & moe_layers, int n_layer, int n_expert,
+                   int k_model, int k_used, const std::string & arch);
 
     void begin_ubatch(const llama_ubatch & ub) { rows.begin(ub); }
 
@@ -53,7 +54,11 @@ public:
 private:
     std::string past_end(int pos) const;
 
+    // the row's experts to run: all k of the trace, or (--moe-topk N) its N highest-weighted, in weight order
+    void pick(int pos, int layer, int32_t * ids, float * w) const;
+
     vis_route_csv    tr;
+    int              n_keep = 0;       // experts replayed per row: the trace's k, or --moe-topk's N below it
     std::vector<int> trace_layer;  // model layer -> the trace's layer (its index among the MoE layers), -1 if none
     vis_ubatch_rows  rows;
     mutable std::atomic<bool> warned_own{ false };  // a row ran the router's own choice (said once)

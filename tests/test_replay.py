@@ -158,6 +158,24 @@ def test_a_smaller_trace_top_k_runs_under_moe_topk(model, own, tmp_path, monkeyp
     assert np.array_equal(got_ids, ids) and np.array_equal(got_w, w)
 
 
+def test_moe_topk_below_the_traces_top_k_replays_its_highest_weighted_experts(model, own, tmp_path, monkeypatch):
+    """A trace at the model's top-8 under --moe-topk 5 (how `--moe-mode fast`-style fewer experts are benchmarked on
+    a recorded trace): each row runs its 5 highest-weighted recorded experts in weight order, their weights
+    renormalised to the row's total, as a router's top-5 would."""
+    _, _, _, n_prompt = own
+    ids, w = random_routing(n_prompt + N_DECODE, 3, 32, 8, seed=11)
+    monkeypatch.setenv("VIS_MOE_REPLAY", str(write_csv(tmp_path / "k8.csv", ids, w, n_prompt, 32)))
+    _, llm = greedy(model, trace=str(tmp_path / "k5.trace"), topk=5, slots=4)
+    del llm
+    got_ids, got_w = routing_of(tmp_path / "k5.trace", 3)
+    order = np.argsort(-w, axis=2, kind="stable")[:, :, :5]
+    want_w = np.take_along_axis(w, order, 2)
+    want_w = want_w * (w.sum(axis=2, keepdims=True) / want_w.sum(axis=2, keepdims=True))
+    assert np.array_equal(got_ids, np.take_along_axis(ids, order, 2))
+    assert np.allclose(got_w, want_w, rtol=1e-5, atol=0)
+    assert not np.array_equal(got_ids, ids[:, :, :5])   # weight order is not the CSV's slot order here
+
+
 def _bad_csvs(tmp_path):
     ids, w = random_routing(4, 3, 32, 8)
     ok = dict(ids=ids, weights=w, n_prompt=2, n_expert=32)
