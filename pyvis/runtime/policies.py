@@ -16,6 +16,7 @@ the policy ``--moe-mem auto`` runs.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import OrderedDict
 
 from .cachesim import LayerCache
@@ -349,6 +350,33 @@ class AdaptiveLFU(Policy):
             for i, g in enumerate(self.ghosts):
                 self.missed[i] = self.missed[i] * self.fade + g.serve(self.cur)
         self.cur = []
+
+
+class NextSteps(LFU):
+    """Not an online policy: LFU (decay 0.95) told the layer's next ``window`` requests; a candidate used in them
+    is kept over one that is not.  It bounds what prediction-aware eviction can gain from a predictor of the
+    coming steps' experts (window 1: a perfect next-token predictor)."""
+
+    def __init__(self, requests: list[list[int]], window: int):
+        super().__init__()
+        self.name = f"next-{window}"
+        self.window, self.i = window, 0
+        self.uses: dict[int, list[int]] = {}
+        for i, s in enumerate(requests):
+            for e in s:
+                self.uses.setdefault(e, []).append(i)
+
+    def _soon(self, e: int) -> bool:
+        u = self.uses.get(e, ())
+        j = bisect_right(u, self.i)
+        return j < len(u) and u[j] <= self.i + self.window
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
+
+    def end_step(self):
+        super().end_step()
+        self.i += 1
 
 
 POLICIES = {
