@@ -87,3 +87,22 @@ def test_policy_table_rows(tmp_path):
             if ln.startswith("| ") and not ln.startswith("| policy")}
     assert set(rows) == {"lru", "global lfu", "global belady", "next-1"}
     assert rows["global belady"] <= 1.0 <= rows["lru"]
+
+
+def test_split_by_utility_gives_slots_where_they_cut_misses():
+    """Layer 0's misses fall fast with slots, layer 1's not at all: 2 x 4 slots go 6 to layer 0, 2 to layer 1
+    (its floor)."""
+    from pyvis.runtime.cachesim_split import split_by_utility
+    curves = {0: {2: 50, 3: 30, 4: 20, 5: 12, 6: 10, 7: 10}, 1: {2: 9, 3: 9, 4: 9, 5: 9, 6: 9, 7: 9}}
+    assert split_by_utility(curves, 4) == {0: 6, 1: 2}
+
+
+def test_cachesim_split_runs_the_default_policy():
+    """`pyvis cachesim --split` with the default policy (lfu-adapt) splits the slots (it raised before): the layer
+    that cycles over every expert gives slots to the others."""
+    from pyvis.runtime.cachesim_split import replay_split
+    ids = _random_ids(3, 60, 3, seed=5)
+    ids[0] = np.arange(60 * 3).reshape(60, 3) % 16     # layer 0 cycles over all 16: a few more slots do not help it
+    res, caps = replay_split(_trace(ids), 5, policies.DEFAULT)
+    assert sum(caps.values()) == 15 and caps[0] < 5, caps
+    assert len(res) == 3

@@ -28,7 +28,7 @@ def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis:
     at = {il: {ub: i for i, ub in enumerate(ubs[il])} for il in layers}
     caches = {il: LayerCache(slots, policies.make(policy, slots)) for il in layers}
     if not hasattr(caches[layers[0]].policy, "rank_key"):
-        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu), not '{policy}'")
+        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu, lfu-adapt), not '{policy}'")
     util = {il: np.zeros(t.n_expert + 1) for il in layers}
     lo, hi = max(1, t.k), t.n_expert
     got = {il: [0] * len(ubs[il]) for il in layers}
@@ -65,3 +65,30 @@ def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis:
         out.append(LayerResult(il, sum(len(s) for s, d in zip(lr.sets, lr.decode) if d), m,
                                sum(x for x, d in zip(opt, lr.decode) if d), m * eb))
     return out, {il: caches[il].capacity for il in layers}
+
+
+def miss_curves(t: Trace, policy: str, capacities: range) -> dict[int, dict[int, list[int]]]:
+    """Per layer and capacity, the loads of each request (`layer_ubatches` order) under `policy`: the miss curves
+    a profile gives (count them over any subset of the steps)."""
+    from .cachesim import policy_misses
+    out: dict[int, dict[int, list[int]]] = {}
+    for il in t.layers().tolist():
+        lr = layer_ubatches(t, il)
+        out[il] = {}
+        for c in capacities:
+            got: list[int] = []
+            policy_misses(lr.sets, c, policies.make(policy, c), got, weights=lr.weights)
+            out[il][c] = got
+    return out
+
+
+def split_by_utility(curves: dict[int, dict[int, int]], slots: int) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots fixed from miss curves (layer -> capacity -> misses):
+    every layer starts at the smallest capacity of its curve, then each slot goes to the layer whose misses it
+    cuts most (greedy marginal utility, as a planner would split a budget at attach)."""
+    caps = {il: min(c) for il, c in curves.items()}
+    hi = {il: max(c) for il, c in curves.items()}
+    for _ in range(slots * len(curves) - sum(caps.values())):
+        il = max(curves, key=lambda l: curves[l][caps[l]] - curves[l][caps[l] + 1] if caps[l] < hi[l] else -1)
+        caps[il] += 1
+    return caps

@@ -335,9 +335,20 @@ class AdaptiveLFU(Policy):
         if e not in self.cur:
             self.cur.append(e)
 
+    def _best(self) -> int:
+        return min(range(len(self.rules)), key=lambda i: (self.missed[i], -i))
+
     def victim(self, candidates):
-        best = min(range(len(self.rules)), key=lambda i: (self.missed[i], -i))
-        return self.rules[best].victim(candidates)
+        return self.rules[self._best()].victim(candidates)
+
+    @property
+    def last(self) -> dict:
+        """Every expert seen so far (each rule sees every touch)."""
+        return self.rules[0].last
+
+    def rank_key(self, e: int):
+        """The order of the rule the victims follow now (pyvis.runtime.cachesim_split)."""
+        return self.rules[self._best()].rank_key(e)
 
     def forget(self, e):
         for p in self.rules:
