@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyvis.runtime import policies  # noqa: E402
 from pyvis.runtime.cachesim import belady_misses, policy_misses  # noqa: E402
-from pyvis.runtime.cachesim_global import global_belady, global_misses  # noqa: E402
+from pyvis.runtime.cachesim_global import GlobalNextSteps, global_belady, global_misses  # noqa: E402
 from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
 from pyvis.runtime.trace_csv import load_any as load  # noqa: E402
 from pyvis.runtime.trace_cli import as_decode  # noqa: E402
@@ -44,10 +44,15 @@ def belady_per_step(t, slots: int) -> list[int]:
 def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
     """Decode misses of a row of the table, summed over the layers, per decode step (in step order).  `name`: a
     policy (per-layer caches), ``global <policy>`` / ``global belady`` (one pool, pyvis.runtime.cachesim_global)
-    or ``next-W`` (LFU told the next W requests: a bound, policies.NextSteps)."""
+    or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policies.NextSteps,
+    cachesim_global.GlobalNextSteps)."""
     if name.startswith("global "):
         pol = name.split(" ", 1)[1]
-        return _decode_sum(t, global_belady(t, slots) if pol == "belady" else global_misses(t, slots, pol))
+        if pol == "belady":
+            return _decode_sum(t, global_belady(t, slots))
+        if pol.startswith("next-"):
+            return _decode_sum(t, global_misses(t, slots, GlobalNextSteps(t, int(pol[5:]))))
+        return _decode_sum(t, global_misses(t, slots, pol))
     got = {}
     for il in t.layers().tolist():
         lr = layer_ubatches(t, il)
@@ -71,9 +76,9 @@ def main() -> int:
     ap.add_argument("--requests", choices=["token", "expert"], default="token")
     ap.add_argument("--global", dest="pool", metavar="P,P,...", default="",
                     help="also these policies over one pool of slots x layers, and that pool's optimum "
-                    "(pyvis/runtime/cachesim_global.py; token requests)")
+                    "(pyvis/runtime/cachesim_global.py; token requests; with --lookahead also the pool's bound)")
     ap.add_argument("--lookahead", metavar="W,W,...", default="",
-                    help="also LFU told the next W requests of each layer (a bound, not a policy)")
+                    help="also LFU told the next W requests of each layer (a bound, not a policy; with --global also the pool told the rest of the step and the next W steps)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     t = load(args.trace)
@@ -83,6 +88,7 @@ def main() -> int:
     names = args.policies.split(",") if args.policies else []
     names += [f"global {p}" for p in args.pool.split(",") if p] + (["global belady"] if args.pool else [])
     names += [f"next-{int(w)}" for w in args.lookahead.split(",") if w]
+    names += [f"global next-{int(w)}" for w in args.lookahead.split(",") if w and args.pool]
     if args.pool and args.requests == "expert":
         raise SystemExit("error: --global replays token requests")
     res: dict = {}

@@ -85,8 +85,8 @@ def test_policy_table_rows(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = {ln.split("|")[1].strip(): float(ln.split("|")[2].split()[0]) for ln in r.stdout.splitlines()
             if ln.startswith("| ") and not ln.startswith("| policy")}
-    assert set(rows) == {"lru", "global lfu", "global belady", "next-1"}
-    assert rows["global belady"] <= 1.0 <= rows["lru"]
+    assert set(rows) == {"lru", "global lfu", "global belady", "next-1", "global next-1"}
+    assert rows["global belady"] <= 1.0 <= rows["lru"] and rows["global belady"] <= rows["global next-1"]
 
 
 def test_split_by_utility_gives_slots_where_they_cut_misses():
@@ -106,3 +106,18 @@ def test_cachesim_split_runs_the_default_policy():
     res, caps = replay_split(_trace(ids), 5, policies.DEFAULT)
     assert sum(caps.values()) == 15 and caps[0] < 5, caps
     assert len(res) == 3
+
+
+def test_global_next_steps_keeps_what_the_running_step_still_needs():
+    """One slot per layer (a pool of 2): at step 2 layer 0 loads C; LFU evicts layer 1's B (the lower score), which
+    layer 1 needs in the same step; told the rest of the step (window 0) the bound evicts A instead.  With one
+    layer it is policies.NextSteps."""
+    ids = np.array([[[0], [0], [2]], [[3], [1], [1]]], np.int32)     # layer 0: A A C; layer 1: D B B
+    t = _trace(ids)
+    assert sum(map(sum, cg.global_misses(t, 1, "lfu").values())) == 5
+    assert sum(map(sum, cg.global_misses(t, 1, cg.GlobalNextSteps(t, 0)).values())) == 4
+    one = _random_ids(1, 80, 3, seed=6)
+    req = cachesim.token_requests(one[0])
+    want: list[int] = []
+    cachesim.policy_misses(req, 5, policies.NextSteps(req, 1), want)
+    assert cg.global_misses(_trace(one), 5, cg.GlobalNextSteps(_trace(one), 1))[0] == want

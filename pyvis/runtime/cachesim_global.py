@@ -10,6 +10,9 @@ per-layer cache can reach, quoted beside the per-layer one.
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
+
 import numpy as np
 
 from . import policies
@@ -26,12 +29,12 @@ def _steps(t: Trace):
         yield [(il, at[il][ub]) for il in layers if ub in at[il]]
 
 
-def global_misses(t: Trace, slots: int, policy: str) -> dict[int, list[int]]:
+def global_misses(t: Trace, slots: int, policy: "str | policies.Policy") -> dict[int, list[int]]:
     """Loads per request of each layer (in `layer_ubatches` order) with one pool of ``slots`` x layers slots under
-    `policy` (a name of pyvis.runtime.policies, made for the pool's capacity)."""
+    `policy` (a name of pyvis.runtime.policies, made for the pool's capacity, or a fresh policy)."""
     reqs = {il: layer_ubatches(t, il) for il in t.layers().tolist()}
     cap = slots * len(reqs)
-    pool = LayerCache(cap, policies.make(policy, cap))
+    pool = LayerCache(cap, policies.make(policy, cap) if isinstance(policy, str) else policy)
     out: dict[int, list[int]] = {il: [0] * len(r.sets) for il, r in reqs.items()}
     for step in _steps(t):
         for il, i in step:
@@ -56,3 +59,40 @@ def global_belady(t: Trace, slots: int) -> dict[int, list[int]]:
     for (il, i), n in zip(where, got):
         out[il][i] = n
     return out
+
+
+class GlobalNextSteps(policies.LFU):
+    """Not an online policy: the pool's LFU (decay 0.95 per step) told, for every (layer, expert), whether the
+    rest of the running step (the layers after the one being served) or the next ``window`` steps use it; a
+    candidate so used is kept over one that is not.  ``window`` 0: only the running step (what a perfect
+    predictor of the next layers' experts from this token's earlier layers would give)."""
+
+    def __init__(self, t: Trace, window: int):
+        super().__init__()
+        self.name = f"global next-{window}"
+        self.window, self.i, self.layer = window, 0, -1
+        self.uses: dict[tuple[int, int], list[int]] = {}
+        reqs = {il: layer_ubatches(t, il) for il in t.layers().tolist()}
+        for si, step in enumerate(_steps(t)):
+            for il, i in step:
+                for e in reqs[il].sets[i]:
+                    self.uses.setdefault((il, e), []).append(si)
+
+    def touch(self, e, w=math.nan):
+        super().touch(e, w)
+        self.layer = e[0]
+
+    def _soon(self, key) -> bool:
+        u = self.uses.get(key, ())
+        j = bisect_right(u, self.i - 1)
+        if j < len(u) and u[j] == self.i and key[0] > self.layer:
+            return True
+        j = bisect_right(u, self.i)
+        return j < len(u) and u[j] <= self.i + self.window
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
+
+    def end_step(self):
+        super().end_step()
+        self.i += 1
