@@ -10,7 +10,6 @@ per-layer cache can reach, quoted beside the per-layer one.
 """
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 
 import numpy as np
@@ -39,6 +38,8 @@ def global_misses(t: Trace, slots: int, policy: "str | policies.Policy") -> dict
     for step in _steps(t):
         for il, i in step:
             r = reqs[il]
+            if isinstance(pool.policy, GlobalNextSteps):
+                pool.policy.layer = il
             out[il][i] = pool.serve([(il, e) for e in r.sets[i]],
                                     {(il, e): x for e, x in r.weights[i].items()}, end_step=False)
         pool.policy.end_step()
@@ -65,7 +66,8 @@ class GlobalNextSteps(policies.LFU):
     """Not an online policy: the pool's LFU (decay 0.95 per step) told, for every (layer, expert), whether the
     rest of the running step (the layers after the one being served) or the next ``window`` steps use it; a
     candidate so used is kept over one that is not.  ``window`` 0: only the running step (what a perfect
-    predictor of the next layers' experts from this token's earlier layers would give)."""
+    predictor of the next layers' experts from this token's earlier layers would give).  :func:`global_misses`
+    sets ``layer``, the layer being served."""
 
     def __init__(self, t: Trace, window: int):
         super().__init__()
@@ -77,10 +79,6 @@ class GlobalNextSteps(policies.LFU):
             for il, i in step:
                 for e in reqs[il].sets[i]:
                     self.uses.setdefault((il, e), []).append(si)
-
-    def touch(self, e, w=math.nan):
-        super().touch(e, w)
-        self.layer = e[0]
 
     def _soon(self, key) -> bool:
         u = self.uses.get(key, ())
