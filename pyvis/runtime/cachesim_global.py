@@ -62,7 +62,7 @@ def global_belady(t: Trace, slots: int) -> dict[int, list[int]]:
     return out
 
 
-class GlobalNextSteps(policies.LFU):
+class GlobalNextSteps(policies.NextSteps):
     """Not an online policy: the pool's LFU (decay 0.95 per step) told, for every (layer, expert), whether the
     rest of the running step (the layers after the one being served) or the next ``window`` steps use it; a
     candidate so used is kept over one that is not.  ``window`` 0: only the running step (what a perfect
@@ -70,27 +70,12 @@ class GlobalNextSteps(policies.LFU):
     sets ``layer``, the layer being served."""
 
     def __init__(self, t: Trace, window: int):
-        super().__init__()
-        self.name = f"global next-{window}"
-        self.window, self.i, self.layer = window, 0, -1
-        self.uses: dict[tuple[int, int], list[int]] = {}
         reqs = {il: layer_ubatches(t, il) for il in t.layers().tolist()}
-        for si, step in enumerate(_steps(t)):
-            for il, i in step:
-                for e in reqs[il].sets[i]:
-                    self.uses.setdefault((il, e), []).append(si)
+        super().__init__([[(il, e) for il, i in step for e in reqs[il].sets[i]] for step in _steps(t)], window)
+        self.name = f"global next-{window}"
+        self.layer = -1
 
     def _soon(self, key) -> bool:
         u = self.uses.get(key, ())
         j = bisect_right(u, self.i - 1)
-        if j < len(u) and u[j] == self.i and key[0] > self.layer:
-            return True
-        j = bisect_right(u, self.i)
-        return j < len(u) and u[j] <= self.i + self.window
-
-    def victim(self, candidates):
-        return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
-
-    def end_step(self):
-        super().end_step()
-        self.i += 1
+        return (j < len(u) and u[j] == self.i and key[0] > self.layer) or super()._soon(key)
