@@ -121,3 +121,15 @@ def test_global_next_steps_keeps_what_the_running_step_still_needs():
     want: list[int] = []
     cachesim.policy_misses(req, 5, policies.NextSteps(req, 1), want)
     assert cg.global_misses(_trace(one), 5, cg.GlobalNextSteps(_trace(one), 1))[0] == want
+
+
+def test_split_by_exchange_moves_only_what_pays():
+    """From the even split (4 each): layer 0 gains 8 from a 5th slot, layer 1 loses 1 by giving its 4th up: one
+    slot moves; the next would gain 2.1 against a loss of 2, not 10 % more: it stays (without the margin it
+    moves)."""
+    from pyvis.runtime.cachesim_split import split_by_exchange
+    curves = {0: {2: 50, 3: 30, 4: 20, 5: 12, 6: 9.9, 7: 9.9}, 1: {2: 11, 3: 9, 4: 8, 5: 8, 6: 8, 7: 8}}
+    assert split_by_exchange(curves, 4) == {0: 5, 1: 3}
+    assert split_by_exchange(curves, 4, hysteresis=0.0) == {0: 6, 1: 2}
+    with pytest.raises(ValueError, match="cover 8 slots"):
+        split_by_exchange(curves, 8)

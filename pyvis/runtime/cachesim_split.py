@@ -10,6 +10,8 @@ in every layer (the budget is in slots, not bytes).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import policies
@@ -92,3 +94,26 @@ def split_by_utility(curves: dict[int, dict[int, int]], slots: int) -> dict[int,
         il = max(curves, key=lambda l: curves[l][caps[l]] - curves[l][caps[l] + 1] if caps[l] < hi[l] else -1)
         caps[il] += 1
     return caps
+
+
+def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis: float = 0.1) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots fixed from miss curves (layer -> capacity -> misses),
+    starting from the even split: a slot moves from the layer that loses least by giving one up to the layer that
+    gains most by getting one while the gain beats the loss by the ``hysteresis`` margin (the online split's rule,
+    run once on a profile), within the capacities the curves cover.  Unlike :func:`split_by_utility` it never
+    strays far from the even split on noisy, non-convex curves (docs/policies.md)."""
+    caps = {il: slots for il in curves}
+    lo = {il: min(c) for il, c in curves.items()}
+    hi = {il: max(c) for il, c in curves.items()}
+    if any(not lo[il] <= slots <= hi[il] for il in curves):
+        raise ValueError(f"the miss curves must cover {slots} slots in every layer")
+    while True:
+        gain = {il: curves[il][caps[il]] - curves[il][caps[il] + 1] if caps[il] < hi[il] else -1 for il in curves}
+        a = max(curves, key=gain.__getitem__)
+        loss = {il: curves[il][caps[il] - 1] - curves[il][caps[il]] if caps[il] > lo[il] and il != a else math.inf
+                for il in curves}
+        b = min(curves, key=loss.__getitem__)
+        if not gain[a] > max(loss[b], loss[b] * (1 + hysteresis)) + 1e-12:   # the total falls: no cycles
+            return caps
+        caps[a] += 1
+        caps[b] -= 1
