@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Per-layer slot counts fixed from a profile, judged on held-out steps (docs/policies.md, "Per-layer budgets, one
-pool, prediction"): the miss curves of one half of the decode steps split ``slots`` x layers between the layers
+"""Per-layer slot counts fixed from a profile, judged on held-out steps (docs/policies-limits.md): the miss curves of one half of the decode steps split ``slots`` x layers between the layers
 (pyvis.runtime.cachesim_split: ``split_by_utility`` from the floor, ``split_by_exchange`` from the even split); the
 other half's misses with each split and with the same slots in every layer, as ratios to Belady's at the even
 split.  Both ways round.

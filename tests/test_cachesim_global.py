@@ -1,4 +1,4 @@
-"""The simulator's whole-model experiments (docs/policies.md, "Per-layer budgets, one pool, prediction"):
+"""The simulator's whole-model experiments (docs/policies-limits.md):
 one slot pool for every layer (pyvis.runtime.cachesim_global) and the lookahead bound (policies.NextSteps).
 Pure Python, no model."""
 from __future__ import annotations

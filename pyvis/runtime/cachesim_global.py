@@ -1,4 +1,4 @@
-"""One slot pool for every layer (simulator only; docs/policies.md, "One pool for every layer").
+"""One slot pool for every layer (simulator only; docs/policies-limits.md).
 
 The runtime gives each MoE layer its own slots.  Here the same total, ``slots`` x layers, is one pool of
 (layer, expert) slots under one policy of pyvis.runtime.policies: a layer whose routing repeats keeps more of

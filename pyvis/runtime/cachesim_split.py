@@ -1,4 +1,5 @@
-"""Per-layer slot counts from one total by marginal utility, online (simulator only; docs/policies.md).
+"""Per-layer slot counts from one total by marginal utility, online or fixed from a profile (simulator only;
+docs/policies.md, docs/policies-limits.md).
 
 Every layer starts with the same slot count.  Each layer keeps a miss curve of its own routing, learned online:
 before each use, the rank of the used expert among every expert the layer has seen, in the order of the layer's
@@ -101,7 +102,7 @@ def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis:
     starting from the even split: a slot moves from the layer that loses least by giving one up to the layer that
     gains most by getting one while the gain beats the loss by the ``hysteresis`` margin (the online split's rule,
     run once on a profile), within the capacities the curves cover.  Unlike :func:`split_by_utility` it never
-    strays far from the even split on noisy, non-convex curves (docs/policies.md)."""
+    strays far from the even split on noisy, non-convex curves (docs/policies-limits.md)."""
     caps = {il: slots for il in curves}
     lo = {il: min(c) for il, c in curves.items()}
     hi = {il: max(c) for il, c in curves.items()}
