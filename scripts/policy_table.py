@@ -78,7 +78,8 @@ def main() -> int:
                     help="also these policies over one pool of slots x layers, and that pool's optimum "
                     "(pyvis/runtime/cachesim_global.py; token requests; with --lookahead also the pool's bound)")
     ap.add_argument("--lookahead", metavar="W,W,...", default="",
-                    help="also LFU told the next W requests of each layer (a bound, not a policy; with --global also the pool told the rest of the step and the next W steps)")
+                    help="also LFU told the next W requests of each layer (a bound, not a policy; with --global "
+                    "also the pool told the rest of the step and the next W steps)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     t = load(args.trace)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Per-layer slot counts fixed from a profile, judged on held-out steps (docs/policies-limits.md): the miss curves of one half of the decode steps split ``slots`` x layers between the layers
+"""Per-layer slot counts fixed from a profile, judged on held-out steps (docs/policies-limits.md): the miss curves
+of one half of the decode steps split ``slots`` x layers between the layers
 (pyvis.runtime.cachesim_split: ``split_by_utility`` from the floor, ``split_by_exchange`` from the even split); the
 other half's misses with each split and with the same slots in every layer, as ratios to Belady's at the even
 split.  Both ways round.
@@ -27,8 +28,8 @@ def main() -> int:
     ap.add_argument("--slots", default="16,24,32")
     ap.add_argument("--policy", default="lfu-adapt")
     ap.add_argument("--as-decode", action="store_true", help="every token a decode step (prefill-only traces)")
-    ap.add_argument("--span", type=int, help="miss curves only from SPAN slots below the smallest slot count to SPAN above the "
-                    "largest (faster; the greedy split then starts from the lowest)")
+    ap.add_argument("--span", type=int, help="miss curves only from SPAN slots below the smallest slot count to SPAN "
+                    "above the largest (faster; the greedy split then starts from the lowest)")
     args = ap.parse_args()
     t = load_any(args.trace)
     if args.as_decode:

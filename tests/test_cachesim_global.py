@@ -133,3 +133,22 @@ def test_split_by_exchange_moves_only_what_pays():
     assert split_by_exchange(curves, 4, hysteresis=0.0) == {0: 6, 1: 2}
     with pytest.raises(ValueError, match="cover 8 slots"):
         split_by_exchange(curves, 8)
+
+
+def test_profile_split_of_a_trace():
+    """Layer 0 cycles over 5 experts, layer 1 repeats one: from 4 slots each the profile moves one slot to layer 0
+    (5 hold its cycle) and no more; the split's replay then misses only the first uses."""
+    from pyvis.runtime.cachesim_split import profile_split
+    T = 60
+    ids = np.array([[[t % 5] for t in range(T)], [[7] for _ in range(T)]], np.int32)
+    t = _trace(ids)
+    caps = profile_split(t, 4)
+    assert caps == {0: 5, 1: 3}
+
+    def misses(c: dict[int, int]) -> int:
+        return sum(cachesim.policy_misses(cachesim.token_requests(ids[il]), c[il],
+                                          policies.make(policies.DEFAULT, c[il])) for il in range(2))
+    got, even = misses(caps), misses({0: 4, 1: 4})
+    assert got == 6 < even
+    with pytest.raises(ValueError, match="outside 1..16"):
+        profile_split(t, 20)

@@ -31,7 +31,8 @@ def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis:
     at = {il: {ub: i for i, ub in enumerate(ubs[il])} for il in layers}
     caches = {il: LayerCache(slots, policies.make(policy, slots)) for il in layers}
     if not hasattr(caches[layers[0]].policy, "rank_key"):
-        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu, lfu-adapt), not '{policy}'")
+        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu, lfu-adapt), "
+                         f"not '{policy}'")
     util = {il: np.zeros(t.n_expert + 1) for il in layers}
     lo, hi = max(1, t.k), t.n_expert
     got = {il: [0] * len(ubs[il]) for il in layers}
@@ -118,3 +119,17 @@ def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis:
             return caps
         caps[a] += 1
         caps[b] -= 1
+
+
+def profile_split(t: Trace, slots: int, policy: str = policies.DEFAULT, hysteresis: float = 0.1) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots from a profile trace: `policy`'s decode misses per layer
+    at every capacity from the top-k to twice ``slots`` (:func:`miss_curves`), split by :func:`split_by_exchange`.
+    The rule docs/policies-limits.md measured on held-out steps (#24's planner: a split fixed at attach)."""
+    lo, hi = max(1, t.k), min(t.n_expert, 2 * slots)
+    if not lo <= slots <= hi:
+        raise ValueError(f"{slots} slots per layer is outside {lo}..{hi} (the top-k to the experts)")
+    curves = {}
+    for il, per in miss_curves(t, policy, range(lo, hi + 1)).items():
+        dec = layer_ubatches(t, il).decode
+        curves[il] = {c: sum(x for x, d in zip(g, dec) if d) for c, g in per.items()}
+    return split_by_exchange(curves, slots, hysteresis)
