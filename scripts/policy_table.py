@@ -3,7 +3,7 @@
 over all decode steps and over each half of them (a held-out check: no policy is fitted to the second half).
 
     .venv/bin/python scripts/policy_table.py TRACE [--slots 12,16,24,32] [--as-decode] [--requests expert]
-                                                   [--split] [--json OUT]
+                                                   [--policies P,P] [--global P,P] [--lookahead W,W] [--json OUT]
 
 Prints a markdown table (docs/policies.md).  TRACE: anything pyvis cachesim reads.
 """
@@ -18,29 +18,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyvis.runtime import policies  # noqa: E402
 from pyvis.runtime.cachesim import belady_misses, policy_misses  # noqa: E402
+from pyvis.runtime.cachesim_global import GlobalNextSteps, global_belady, global_misses  # noqa: E402
 from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
 from pyvis.runtime.trace_csv import load_any as load  # noqa: E402
 from pyvis.runtime.trace_cli import as_decode  # noqa: E402
 
 
-def per_step(t, slots: int, name: str, per_expert: bool) -> tuple[list[int], list[int]]:
-    """Decode misses of the policy and of Belady, summed over the layers, per decode step (in step order)."""
-    pol, opt = None, None
+def _decode_sum(t, got: dict[int, list[int]]) -> list[int]:
+    """Per decode step (in step order), the loads of every layer together; `got`: layer -> loads per request."""
+    out = None
+    for il, g in got.items():
+        dec = [x for x, d in zip(g, layer_ubatches(t, il).decode) if d]
+        out = dec if out is None else [a + b for a, b in zip(out, dec)]
+    return out
+
+
+def belady_per_step(t, slots: int) -> list[int]:
+    got = {}
+    for il in t.layers().tolist():
+        got[il] = []
+        belady_misses(layer_ubatches(t, il).sets, slots, got[il])
+    return _decode_sum(t, got)
+
+
+def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
+    """Decode misses of a row of the table, summed over the layers, per decode step (in step order).  `name`: a
+    policy (per-layer caches), ``global <policy>`` / ``global belady`` (one pool, pyvis.runtime.cachesim_global)
+    or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policies.NextSteps,
+    cachesim_global.GlobalNextSteps)."""
+    if name.startswith("global "):
+        pol = name.split(" ", 1)[1]
+        if pol == "belady":
+            return _decode_sum(t, global_belady(t, slots))
+        if pol.startswith("next-"):
+            return _decode_sum(t, global_misses(t, slots, GlobalNextSteps(t, int(pol[5:]))))
+        return _decode_sum(t, global_misses(t, slots, pol))
+    got = {}
     for il in t.layers().tolist():
         lr = layer_ubatches(t, il)
-        o: list[int] = []
-        belady_misses(lr.sets, slots, o)
         run = lr.per_expert() if per_expert else lr
         g: list[int] = []
-        policy_misses(run.sets, slots, policies.make(name, slots), g, weights=run.weights)
+        p = policies.NextSteps(run.sets, int(name[5:])) if name.startswith("next-") else policies.make(name, slots)
+        policy_misses(run.sets, slots, p, g, weights=run.weights)
         if per_expert:   # back to one count per ubatch
             it = iter(g)
             g = [sum(next(it) for _ in s) for s in lr.sets]
-        dec_o = [x for x, d in zip(o, lr.decode) if d]
-        dec_g = [x for x, d in zip(g, lr.decode) if d]
-        pol = dec_g if pol is None else [a + b for a, b in zip(pol, dec_g)]
-        opt = dec_o if opt is None else [a + b for a, b in zip(opt, dec_o)]
-    return pol, opt
+        got[il] = g
+    return _decode_sum(t, got)
 
 
 def main() -> int:
@@ -50,14 +74,26 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(policies.POLICIES))
     ap.add_argument("--as-decode", action="store_true", help="every token a decode step (prefill-only traces)")
     ap.add_argument("--requests", choices=["token", "expert"], default="token")
+    ap.add_argument("--global", dest="pool", metavar="P,P,...", default="",
+                    help="also these policies over one pool of slots x layers, and that pool's optimum "
+                    "(pyvis/runtime/cachesim_global.py; token requests; with --lookahead also the pool's bound)")
+    ap.add_argument("--lookahead", metavar="W,W,...", default="",
+                    help="also LFU told the next W requests of each layer (a bound, not a policy; with --global "
+                    "also the pool told the rest of the step and the next W steps)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     t = load(args.trace)
     if args.as_decode:
         t = as_decode(t)
     slots = [int(x) for x in args.slots.split(",")]
-    names = args.policies.split(",")
+    names = args.policies.split(",") if args.policies else []
+    names += [f"global {p}" for p in args.pool.split(",") if p] + (["global belady"] if args.pool else [])
+    names += [f"next-{int(w)}" for w in args.lookahead.split(",") if w]
+    names += [f"global next-{int(w)}" for w in args.lookahead.split(",") if w and args.pool]
+    if args.pool and args.requests == "expert":
+        raise SystemExit("error: --global replays token requests")
     res: dict = {}
+    belady = {c: belady_per_step(t, c) for c in slots}
     print(f"{Path(args.trace).name}: decode misses / Belady's (first half / second half of the decode steps); "
           f"{args.requests} requests")
     print("| policy | " + " | ".join(f"{c} slots" for c in slots) + " |")
@@ -65,7 +101,7 @@ def main() -> int:
     for name in names:
         cells = []
         for c in slots:
-            pol, opt = per_step(t, c, name, args.requests == "expert")
+            pol, opt = per_step(t, c, name, args.requests == "expert"), belady[c]
             h = len(pol) // 2
             r = (sum(pol) / sum(opt), sum(pol[:h]) / max(sum(opt[:h]), 1), sum(pol[h:]) / max(sum(opt[h:]), 1))
             res.setdefault(name, {})[c] = {"misses": sum(pol), "belady": sum(opt), "ratio": r[0],

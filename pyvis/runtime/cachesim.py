@@ -169,8 +169,9 @@ class LayerCache:
         self.capacity, self.policy = capacity, policy
         self.resident: set[int] = set()
 
-    def serve(self, s: list[int], w: dict[int, float] | None = None) -> int:
-        """Loads of one request (`w`: expert -> router weight)."""
+    def serve(self, s: list[int], w: dict[int, float] | None = None, end_step: bool = True) -> int:
+        """Loads of one request (`w`: expert -> router weight); `end_step=False` leaves the policy's step open
+        (a pool shared by the layers ends its step once per token: pyvis.runtime.cachesim_global)."""
         w = w or {}
         p, resident, loads = self.policy, self.resident, 0
         for chunk in _chunks(s, resident, self.capacity):
@@ -187,7 +188,8 @@ class LayerCache:
                     self._evict([r for r in resident if r not in need])
                 resident.add(e)
                 p.touch(e, w.get(e, math.nan))
-        p.end_step()
+        if end_step:
+            p.end_step()
         return loads
 
     def bypass(self, lent: bool) -> None:

@@ -1,4 +1,5 @@
-"""Per-layer slot counts from one total by marginal utility, online (simulator only; docs/policies.md).
+"""Per-layer slot counts from one total by marginal utility, online or fixed from a profile (simulator only;
+docs/policies.md, docs/policies-limits.md).
 
 Every layer starts with the same slot count.  Each layer keeps a miss curve of its own routing, learned online:
 before each use, the rank of the used expert among every expert the layer has seen, in the order of the layer's
@@ -9,6 +10,8 @@ the gain beats the loss by the ``hysteresis`` margin; a layer keeps at least the
 in every layer (the budget is in slots, not bytes).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -28,7 +31,8 @@ def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis:
     at = {il: {ub: i for i, ub in enumerate(ubs[il])} for il in layers}
     caches = {il: LayerCache(slots, policies.make(policy, slots)) for il in layers}
     if not hasattr(caches[layers[0]].policy, "rank_key"):
-        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu), not '{policy}'")
+        raise ValueError(f"the per-layer split needs a policy that ranks every expert (lru, lfu, lfu-adapt), "
+                         f"not '{policy}'")
     util = {il: np.zeros(t.n_expert + 1) for il in layers}
     lo, hi = max(1, t.k), t.n_expert
     got = {il: [0] * len(ubs[il]) for il in layers}
@@ -65,3 +69,67 @@ def replay_split(t: Trace, slots: int, policy: str, period: int = 4, hysteresis:
         out.append(LayerResult(il, sum(len(s) for s, d in zip(lr.sets, lr.decode) if d), m,
                                sum(x for x, d in zip(opt, lr.decode) if d), m * eb))
     return out, {il: caches[il].capacity for il in layers}
+
+
+def miss_curves(t: Trace, policy: str, capacities: range) -> dict[int, dict[int, list[int]]]:
+    """Per layer and capacity, the loads of each request (`layer_ubatches` order) under `policy`: the miss curves
+    a profile gives (count them over any subset of the steps)."""
+    from .cachesim import policy_misses
+    out: dict[int, dict[int, list[int]]] = {}
+    for il in t.layers().tolist():
+        lr = layer_ubatches(t, il)
+        out[il] = {}
+        for c in capacities:
+            got: list[int] = []
+            policy_misses(lr.sets, c, policies.make(policy, c), got, weights=lr.weights)
+            out[il][c] = got
+    return out
+
+
+def split_by_utility(curves: dict[int, dict[int, int]], slots: int) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots fixed from miss curves (layer -> capacity -> misses):
+    every layer starts at the smallest capacity of its curve, then each slot goes to the layer whose misses it
+    cuts most (greedy marginal utility, as a planner would split a budget at attach)."""
+    caps = {il: min(c) for il, c in curves.items()}
+    hi = {il: max(c) for il, c in curves.items()}
+    for _ in range(slots * len(curves) - sum(caps.values())):
+        il = max(curves, key=lambda l: curves[l][caps[l]] - curves[l][caps[l] + 1] if caps[l] < hi[l] else -1)
+        caps[il] += 1
+    return caps
+
+
+def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis: float = 0.1) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots fixed from miss curves (layer -> capacity -> misses),
+    starting from the even split: a slot moves from the layer that loses least by giving one up to the layer that
+    gains most by getting one while the gain beats the loss by the ``hysteresis`` margin (the online split's rule,
+    run once on a profile), within the capacities the curves cover.  Unlike :func:`split_by_utility` it never
+    strays far from the even split on noisy, non-convex curves (docs/policies-limits.md)."""
+    caps = {il: slots for il in curves}
+    lo = {il: min(c) for il, c in curves.items()}
+    hi = {il: max(c) for il, c in curves.items()}
+    if any(not lo[il] <= slots <= hi[il] for il in curves):
+        raise ValueError(f"the miss curves must cover {slots} slots in every layer")
+    while True:
+        gain = {il: curves[il][caps[il]] - curves[il][caps[il] + 1] if caps[il] < hi[il] else -1 for il in curves}
+        a = max(curves, key=gain.__getitem__)
+        loss = {il: curves[il][caps[il] - 1] - curves[il][caps[il]] if caps[il] > lo[il] and il != a else math.inf
+                for il in curves}
+        b = min(curves, key=loss.__getitem__)
+        if not gain[a] > max(loss[b], loss[b] * (1 + hysteresis)) + 1e-12:   # the total falls: no cycles
+            return caps
+        caps[a] += 1
+        caps[b] -= 1
+
+
+def profile_split(t: Trace, slots: int, policy: str = policies.DEFAULT, hysteresis: float = 0.1) -> dict[int, int]:
+    """Per-layer slot counts for ``slots`` x layers slots from a profile trace: `policy`'s decode misses per layer
+    at every capacity from the top-k to twice ``slots`` (:func:`miss_curves`), split by :func:`split_by_exchange`.
+    The rule docs/policies-limits.md measured on held-out steps (#24's planner: a split fixed at attach)."""
+    lo, hi = max(1, t.k), min(t.n_expert, 2 * slots)
+    if not lo <= slots <= hi:
+        raise ValueError(f"{slots} slots per layer is outside {lo}..{hi} (the top-k to the experts)")
+    curves = {}
+    for il, per in miss_curves(t, policy, range(lo, hi + 1)).items():
+        dec = layer_ubatches(t, il).decode
+        curves[il] = {c: sum(x for x, d in zip(g, dec) if d) for c, g in per.items()}
+    return split_by_exchange(curves, slots, hysteresis)

@@ -16,6 +16,7 @@ the policy ``--moe-mem auto`` runs.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import OrderedDict
 
 from .cachesim import LayerCache
@@ -334,9 +335,20 @@ class AdaptiveLFU(Policy):
         if e not in self.cur:
             self.cur.append(e)
 
+    def _best(self) -> int:
+        return min(range(len(self.rules)), key=lambda i: (self.missed[i], -i))
+
     def victim(self, candidates):
-        best = min(range(len(self.rules)), key=lambda i: (self.missed[i], -i))
-        return self.rules[best].victim(candidates)
+        return self.rules[self._best()].victim(candidates)
+
+    @property
+    def last(self) -> dict:
+        """Every expert seen so far (each rule sees every touch)."""
+        return self.rules[0].last
+
+    def rank_key(self, e: int):
+        """The order of the rule the victims follow now (pyvis.runtime.cachesim_split)."""
+        return self.rules[self._best()].rank_key(e)
 
     def forget(self, e):
         for p in self.rules:
@@ -349,6 +361,33 @@ class AdaptiveLFU(Policy):
             for i, g in enumerate(self.ghosts):
                 self.missed[i] = self.missed[i] * self.fade + g.serve(self.cur)
         self.cur = []
+
+
+class NextSteps(LFU):
+    """Not an online policy: LFU (decay 0.95) told the layer's next ``window`` requests; a candidate used in them
+    is kept over one that is not.  It bounds what prediction-aware eviction can gain from a predictor of the
+    coming steps' experts (window 1: a perfect next-token predictor)."""
+
+    def __init__(self, requests: list[list[int]], window: int):
+        super().__init__()
+        self.name = f"next-{window}"
+        self.window, self.i = window, 0
+        self.uses: dict[int, list[int]] = {}
+        for i, s in enumerate(requests):
+            for e in s:
+                self.uses.setdefault(e, []).append(i)
+
+    def _soon(self, e: int) -> bool:
+        u = self.uses.get(e, ())
+        j = bisect_right(u, self.i)
+        return j < len(u) and u[j] <= self.i + self.window
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
+
+    def end_step(self):
+        super().end_step()
+        self.i += 1
 
 
 POLICIES = {

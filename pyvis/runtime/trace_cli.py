@@ -193,8 +193,8 @@ def _cmd_cachesim(args: argparse.Namespace) -> int:
     if not (t.phase == 1).any():
         raise SystemExit(f"error: {args.trace} has no decode steps to count (every ubatch routed more than one "
                          "token: a prompt only); --as-decode replays each token as a step")
-    if args.split and (args.policy not in ("default", "lru", "lfu") or args.requests == "expert"):
-        raise SystemExit("error: --split runs the lru or lfu policy with token requests")
+    if args.split and (args.policy not in ("default", "lru", "lfu", "lfu-adapt") or args.requests == "expert"):
+        raise SystemExit("error: --split runs the lru, lfu or lfu-adapt policy with token requests")
     slots = _slots(args, t)
     s = summary(t, slots, args.policy, args.requests == "expert", args.split)
     if args.json:
@@ -235,7 +235,7 @@ def register(sub) -> None:
                    help="token: a step's experts are resident together, as in the runtime (default); expert: the "
                    "policy loads one expert at a time, as the engine that recorded the shared CSV trace")
     c.add_argument("--split", action="store_true",
-                   help="split the same total of slots between the layers online by marginal utility (lru, lfu; "
+                   help="split the same total of slots between the layers online by marginal utility (lru, lfu, lfu-adapt; "
                    "simulator only, pyvis/runtime/cachesim_split.py)")
     c.add_argument("--as-decode", action="store_true",
                    help="replay every token as a decode step of its own (traces of prefill-only runs, e.g. "
