@@ -278,7 +278,7 @@ const flag_row ROWS[] = {
       "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.sub.profile = parse_path(w, v); },
-      USER, V_FILE, SHOW(s.sub.profile), CLEAR(s.sub.profile.clear()) },
+      KNOB, V_FILE, SHOW(s.sub.profile), CLEAR(s.sub.profile.clear()) },
     { "--moe-sub-tae", "VIS_MOE_SUB_TAE", "off|TAU|pN",
       "vis-moe: never substitute for a token whose normalised top-k routing entropy is <= TAU (0..1), or <= the\n"
       "N-th percentile (0..100) of its layer in --moe-sub-profile with pN (default: off)",
@@ -446,7 +446,7 @@ const flag_row ROWS[] = {
       "(default: none, every expert shared)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.cap.profile = parse_path(w, v); },
-      VISION, V_FILE, SHOW(s.cap.profile), CLEAR(s.cap.profile.clear()) },
+      KNOB, V_FILE, SHOW(s.cap.profile), CLEAR(s.cap.profile.clear()) },
     { "--moe-topk", "VIS_MOE_TOPK", "N",
       "vis-moe: lossy: each token runs its N highest-weighted experts instead of the model's k, weights\n"
       "renormalised as the model does (= upstream with expert_used_count N; 0 = off; default: 0)",
