@@ -259,7 +259,7 @@ const flag_row ROWS[] = {
     { "--moe-substitute", "VIS_MOE_SUBSTITUTE", "off|router|buddy|drop|auto",
       "vis-moe (lossy): a token whose expert is not resident may run a resident stand-in with the missing\n"
       "expert's gate weight, while the expert is read in the background. router = the resident expert the\n"
-      "token's router ranks highest; buddy = the first resident buddy of --moe-sub-profile; drop = skip the\n"
+      "token's router ranks highest; buddy = the first resident buddy of VIS_MOE_SUB_PROFILE; drop = skip the\n"
       "missing expert when its share of the token's gate weight is below --moe-sub-drop-share of an even split\n"
       "(CPU layers); auto = the measured default, exact for now: no setting was faster at < 1 % perplexity on the\n"
       "real-weights testbed (docs/substitution.md). Decode only unless --moe-sub-prefill (default: off)",
@@ -281,7 +281,7 @@ const flag_row ROWS[] = {
       KNOB, V_FILE, SHOW(s.sub.profile), CLEAR(s.sub.profile.clear()) },
     { "--moe-sub-tae", "VIS_MOE_SUB_TAE", "off|TAU|pN",
       "vis-moe: never substitute for a token whose normalised top-k routing entropy is <= TAU (0..1), or <= the\n"
-      "N-th percentile (0..100) of its layer in --moe-sub-profile with pN (default: off)",
+      "N-th percentile (0..100) of its layer in VIS_MOE_SUB_PROFILE with pN (default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if (v == "off") {
               s.sub.tae_kind = VIS_TAE_OFF;
