@@ -95,6 +95,20 @@ LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value)
 // a struct (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error().
 LLAMA_API int32_t llama_vis_moe_thread_apply(const char * flag, const char * value);
 
+// Set the calling thread's override in one step: the process-wide settings with these n flags of the table applied
+// in order (values[i] NULL: the row's built-in value, e.g. no file, --moe-substitute not given; a flag without a
+// value takes on|off), checked once at the end (so --moe-slots 8 --moe-cache-mib 0 is fine whatever was in force).
+// pyvis applies a whole configuration so (pyvis.moe.MoeConfig).  0, or -1 with llama_vis_last_error() naming the
+// flag; the thread keeps what it had then.
+LLAMA_API int32_t llama_vis_moe_thread_set(int32_t n, const char * const * flags, const char * const * values);
+
+// The value of one setting, spelled as its flag takes it ("8", "auto", "on", "0.5", a path), so that applying it
+// gives back the same setting: the value in force on the calling thread (builtin = 0: its override, else the
+// process-wide settings), or the table's built-in default (builtin = 1).  "" when the setting is unset (a file:
+// none; --moe-substitute: not given).  NULL for an unknown flag, with llama_vis_last_error().  Valid until the next
+// call on this thread.
+LLAMA_API const char * llama_vis_moe_get_value(const char * flag, int32_t builtin);
+
 // Who decides a setting: a user flag, listed in every tool's --help (or only in the tools that take images), or an
 // engine knob, set through its VIS_MOE_* variable and documented in docs/knobs.md with the measurement behind its
 // default; a knob's old --moe-* spelling still parses for one release, with a deprecation line.
@@ -104,6 +118,18 @@ enum llama_vis_moe_scope {
     LLAMA_VIS_MOE_SCOPE_VISION = 2,  // the tools that take images (upstream's --mmproj tools: llama-mtmd-cli, llama-server, llama-cli)
 };
 
+// What a setting's value is (llama_vis_moe_get_value spells it so; pyvis.moe.MoeConfig types its field by it).
+enum llama_vis_moe_value_type {
+    LLAMA_VIS_MOE_VALUE_SWITCH      = 0,  // on | off (also 1/0, true/false)
+    LLAMA_VIS_MOE_VALUE_INT         = 1,  // an integer in a range
+    LLAMA_VIS_MOE_VALUE_REAL        = 2,  // a number in a range
+    LLAMA_VIS_MOE_VALUE_WORD        = 3,  // one of the words of value_hint
+    LLAMA_VIS_MOE_VALUE_INT_OR_WORD = 4,  // an integer, or one of the words of value_hint ("auto|off|MIB")
+    LLAMA_VIS_MOE_VALUE_REAL_OR_WORD = 5, // a number, or one of the words of value_hint ("off|G")
+    LLAMA_VIS_MOE_VALUE_TEXT        = 6,  // a form of its own, given by value_hint ("off|TAU|pN")
+    LLAMA_VIS_MOE_VALUE_FILE        = 7,  // a file path
+};
+
 // One row of the settings table: every --moe-* setting.
 struct llama_vis_moe_flag {
     const char * name;        // "--moe-slots"
@@ -111,6 +137,7 @@ struct llama_vis_moe_flag {
     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
     const char * help;        // help text (several lines, '\n'-separated; no env note)
     int32_t      scope;       // enum llama_vis_moe_scope
+    int32_t      value_type;  // enum llama_vis_moe_value_type
 };
 LLAMA_API int32_t llama_vis_moe_n_flags(void);
 // Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range.

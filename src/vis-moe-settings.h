@@ -117,14 +117,20 @@ struct vis_moe_settings {
 // one --moe-* setting: its flag, variable, value hint (nullptr: a flag without a value, its variable takes on/off),
 // help, the strict parser that applies a value (throws std::invalid_argument naming `what` and the range), and who
 // decides it (llama-vis.h, LLAMA_VIS_MOE_SCOPE_*): a user flag shown in the tools' --help, or an engine knob set by
-// its VIS_MOE_* variable (docs/knobs.md; its old flag spelling still parses, with a deprecation line)
+// its VIS_MOE_* variable (docs/knobs.md; its old flag spelling still parses, with a deprecation line); what its value
+// is (LLAMA_VIS_MOE_VALUE_*); the value of a settings value spelled as the flag takes it (apply(show(s)) gives the
+// same setting; "" = unset); and, for a row whose value may be unset (a file, --moe-substitute not given), what makes
+// it unset
 struct vis_moe_flag_row {
     const char * name;
     const char * env;
     const char * hint;
     const char * help;
     void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
-    int32_t scope = LLAMA_VIS_MOE_SCOPE_KNOB;
+    int32_t scope;
+    int32_t type;
+    std::string (*show)(const vis_moe_settings & s);
+    void (*clear)(vis_moe_settings & s) = nullptr;
 };
 const vis_moe_flag_row * vis_moe_flag_rows(int & n);
 // a variable without a flag (benchmark knobs: never on a command line, so no tool parses them as options;

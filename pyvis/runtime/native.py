@@ -294,6 +294,7 @@ class Flag:
     value_hint: str | None  # "N", "auto|MIB", ...; None for a flag without a value
     help: str
     scope: int              # capi.LLAMA_VIS_MOE_SCOPE_*: a user flag, or an engine knob (docs/knobs.md)
+    value_type: int         # capi.LLAMA_VIS_MOE_VALUE_*: what its value is (pyvis.moe.MoeConfig types its field by it)
 
     @property
     def knob(self) -> bool:
@@ -307,7 +308,7 @@ def flags() -> list[Flag]:
         f = capi.llama_vis_moe_flag()
         _check(capi.llama_vis_moe_get_flag(i, ctypes.byref(f)), "llama_vis_moe_get_flag")
         out.append(Flag(f.name.decode(), f.env.decode(), f.value_hint.decode() if f.value_hint else None,
-                        f.help.decode(), f.scope))
+                        f.help.decode(), f.scope, f.value_type))
     return out
 
 
