@@ -371,6 +371,29 @@ const flag_row ROWS[] = {
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
 const vis_moe_env_row ENV_ROWS[] = {
+    { "VIS_MOE_CONFIGURE", "on|off",
+      "vis-moe: under --moe-mem, the configurator lowers the ubatch (-ub) where its smaller compute buffer buys\n"
+      "expert slots that save more time than the smaller batches cost (docs/planning.md); off = the asked -ub\n"
+      "(default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.configure = parse_switch(w, v, false); } },
+    { "VIS_MOE_READ_MBPS", "MIB/S",
+      "vis-moe: the configurator's expert read bandwidth in MiB/s (default: 0 = probed once per device and cached\n"
+      "in ~/.cache/vis-moe/bandwidth)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.read_mbps = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PASS_US", "US",
+      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: 150)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.pass_us = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PLAN_PROMPT", "N",
+      "vis-moe: the configurator prices a request of this many prompt tokens (default: 512)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.prompt = (int32_t) parse_int(w, v, 0, 1 << 24); } },
+    { "VIS_MOE_PLAN_GEN", "N",
+      "vis-moe: ... and this many generated tokens (default: 128)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.gen = (int32_t) parse_int(w, v, 0, 1 << 24); } },
     { "VIS_MOE_REPLAY", "TRACE",
       "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
       "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"
