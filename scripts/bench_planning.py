@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=1024)
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("--sweep", type=int, nargs="+", default=[256, 128, 64, 32, 16], help="fixed ubatch sizes")
+    ap.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                    help="run only these arms (today, configured, ub=N) at every limit (default: all)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout", type=int, default=900)
     a = ap.parse_args()
@@ -38,6 +40,7 @@ def main() -> int:
     results = []
     for limit in a.limit_mib:
         arms = [("today", 512, "off"), ("configured", 512, "on")] + [(f"ub={u}", u, "off") for u in a.sweep]
+        arms = [x for x in arms if a.arms is None or x[0] in a.arms]
         for name, ub, conf in arms:
             cmd = [ROOT / "build/bin/llama-cli", "-m", a.model, "-p", prompt, "-n", a.n_predict, "-c", a.ctx_size,
                    "-ub", ub, "-st", "-t", "2", "--temp", "0", "--moe-mem", "auto", "--moe-stats"]

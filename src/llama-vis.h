@@ -425,8 +425,12 @@ LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * r
 struct llama_vis_moe_cost {
     double  read_bps;          // bytes/s of expert reads from the model file (llama_vis_moe_cost_default)
     double  mem_bps;           // bytes/s of reading weights from memory (a memory-bound matmul)
-    double  pass_s;            // seconds one extra pass of one managed layer costs (graph re-run, kernel launches)
+    double  pass_s;            // seconds one extra pass of one managed layer costs ...
+    double  pass_token_s;      // ... plus this per token of its ubatch (a pass re-runs the layer's element-wise ops
+                               // over every pair of the ubatch)
     double  token_s;           // seconds of compute per prompt token in a large batch (all layers); <= 0: from mem_bps
+    int32_t stream_passes;     // a ubatch needing more passes than this in a layer streams it (VIS_MOE_STREAM_PASSES;
+                               // 0 = never): its experts are read once, sequentially, with no passes
     int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
     int32_t gen_tokens;        // ... and generated tokens (decode)
 };

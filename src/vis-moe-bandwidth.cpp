@@ -141,11 +141,14 @@ int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost 
         }
         store(key, rd, mem);
     }
-    const vis_moe_plan_settings ps = vis_moe_settings_current().plan;
+    const vis_moe_settings s = vis_moe_settings_current();
+    const vis_moe_plan_settings & ps = s.plan;
     cost->read_bps      = ps.read_mbps > 0 ? ps.read_mbps * 1048576.0 : rd;
     cost->mem_bps       = mem;
     cost->pass_s        = ps.pass_us * 1e-6;
+    cost->pass_token_s  = ps.pass_token_us * 1e-6;
     cost->token_s       = 0;
+    cost->stream_passes = s.stream_passes;
     cost->prompt_tokens = ps.prompt;
     cost->gen_tokens    = ps.gen;
     return 0;

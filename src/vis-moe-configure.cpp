@@ -54,13 +54,28 @@ struct cost_model {
         return outside > 0 ? std::min(1.0, (double) p.host_bytes / outside) : 0.0;
     }
 
+    // seconds of `extra` passes beyond the first of a ubatch of t tokens in one layer
+    double passes(double extra, double t) const {
+        return extra * (rq.cost.pass_s + t * rq.cost.pass_token_s);
+    }
+
+    // does a ubatch of t tokens stream a layer with s slots (the runtime's rule: more than stream_passes passes,
+    // counted as ceil(min(n, k t) / s))?
+    bool streams(int s, double t) const {
+        const int sp = rq.cost.stream_passes;
+        return sp > 0 && std::ceil(std::min((double) n, k * t) / std::max(s, 1)) > sp;
+    }
+
     // seconds of one managed layer with s slots per decode token (reads and extra passes; compute is elsewhere)
     double layer_decode(int l, int s, double h) const {
         if (s >= n) {
             return 0.0;  // every expert has a slot: no reads, one pass
         }
         s = std::max(s, 1);
-        return miss(l, s) * per_miss(h) + (double) ((k + s - 1) / s - 1) * rq.cost.pass_s;
+        if (streams(s, 1)) {
+            return k * eb / rq.cost.read_bps;
+        }
+        return miss(l, s) * per_miss(h) + passes((double) ((k + s - 1) / s - 1), 1);
     }
 
     // compute of one prompt token in a large batch: given, or the prior of a quarter of a memory-bound decode step
@@ -101,8 +116,12 @@ struct cost_model {
             if (s >= n) {
                 continue;
             }
+            if (streams(s, ut)) {
+                ub_s += D * eb / c.read_bps;  // streamed: every routed expert read once, no passes
+                continue;
+            }
             const double scale = rq.miss_curve ? miss(l, s) / std::max(miss(l, 0), 1e-9) : 1.0 - std::min((double) s, D) / n;
-            ub_s += D * scale * per_miss(h) + (std::ceil(D / s) - 1.0) * c.pass_s;
+            ub_s += D * scale * per_miss(h) + passes(std::ceil(D / s) - 1.0, ut);
         }
         r.prefill_s = nub * ub_s / P;
         r.total = P * r.prefill_s + std::max(0, (int) c.gen_tokens) * r.decode_s;
@@ -162,10 +181,12 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
                            std::to_string(rq.n_ubatch_min) + " and " + std::to_string(rq.n_ubatch));
         return -1;
     }
-    if (!(c.read_bps > 0) || !(c.mem_bps > 0) || !(c.pass_s >= 0) || !std::isfinite(c.read_bps) ||
-        !std::isfinite(c.mem_bps) || !std::isfinite(c.pass_s) || c.prompt_tokens < 0 || c.gen_tokens < 0 ||
+    if (!(c.read_bps > 0) || !(c.mem_bps > 0) || !(c.pass_s >= 0) || !(c.pass_token_s >= 0) ||
+        !std::isfinite(c.read_bps) || !std::isfinite(c.mem_bps) || !std::isfinite(c.pass_s) ||
+        !std::isfinite(c.pass_token_s) || c.stream_passes < 0 || c.prompt_tokens < 0 || c.gen_tokens < 0 ||
         c.prompt_tokens + c.gen_tokens <= 0) {
-        vis_set_last_error("llama_vis_moe_configure: the cost needs read_bps > 0, mem_bps > 0, pass_s >= 0 and a "
+        vis_set_last_error("llama_vis_moe_configure: the cost needs read_bps > 0, mem_bps > 0, pass_s >= 0, "
+                           "pass_token_s >= 0, stream_passes >= 0 and a "
                            "request of prompt_tokens + gen_tokens > 0 tokens (read_bps " + fmt(c.read_bps) + ", mem_bps " +
                            fmt(c.mem_bps) + ", pass_s " + fmt(c.pass_s) + ")");
         return -1;

@@ -383,9 +383,14 @@ const vis_moe_env_row ENV_ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.read_mbps = parse_real(w, v, 0, 1e7); } },
     { "VIS_MOE_PASS_US", "US",
-      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: 150)",
+      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: 10000, measured\n"
+      "on the loaded 2-core dev VM: docs/planning.md)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.pass_us = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PASS_TOKEN_US", "US",
+      "vis-moe: ... plus this per token of the pass's ubatch, microseconds (default: 2000, same source)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.pass_token_us = parse_real(w, v, 0, 1e7); } },
     { "VIS_MOE_PLAN_PROMPT", "N",
       "vis-moe: the configurator prices a request of this many prompt tokens (default: 512)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {

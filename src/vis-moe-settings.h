@@ -94,7 +94,8 @@ struct vis_moe_cap_settings {
 struct vis_moe_plan_settings {
     int32_t configure = 1;            // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots
     double  read_mbps = 0;            // VIS_MOE_READ_MBPS: expert read bandwidth, MiB/s (0 = probed and cached)
-    double  pass_us   = 150;          // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds
+    double  pass_us   = 10000;        // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds ...
+    double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
     int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
 };

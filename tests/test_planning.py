@@ -17,7 +17,8 @@ from conftest import run
 from test_paging import memory_cgroup
 
 MIB = 1 << 20
-COST = dict(read_bps=400 * MIB, mem_bps=10000 * MIB, pass_s=150e-6, token_s=0.0, prompt_tokens=512, gen_tokens=128)
+COST = dict(read_bps=400 * MIB, mem_bps=10000 * MIB, pass_s=10e-3, pass_token_s=2e-3, token_s=0.0, stream_passes=8,
+            prompt_tokens=512, gen_tokens=128)
 # a medium-fixture-like request: 4 managed layers x 128 experts of 0.8 MiB, top-4, CPU only (no staging slot)
 REQ = dict(budget=200 * MIB, resident_bytes=20 * MIB, kv_bytes=4 * MIB, expert_bytes=int(0.8 * MIB),
            n_managed_layers=4, n_expert=128, n_expert_used=4, unified=1, host_mib=-1, n_slots=0, no_staging=1)
@@ -41,8 +42,8 @@ def test_the_configurator_picks_the_cheapest_ubatch_it_prices():
     assert c["n_ubatch"] < 512 and c["plan"]["n_slots"] > c["asked_n_slots"]
     assert _total(alone[c["n_ubatch"]]) <= _total(alone[best]) / 0.98
     assert c["plan"] == alone[c["n_ubatch"]]["plan"]          # the runtime's own plan at that ubatch
-    # the marginal values at the optimum (seconds per request per MiB): both sides still buy time
-    assert min(c["mv_slot"], c["mv_next_slot"], c["mv_ubatch_down"], c["mv_ubatch_up"]) > 0
+    # the marginal values at the optimum (seconds per request per MiB): a slot row still buys time
+    assert c["mv_slot"] > 0 and c["mv_next_slot"] > 0
     # a plenty budget: the asked ubatch stands
     assert native.configure(REQ | dict(budget=800 * MIB), **SHAPE, n_ubatch=512, cost=COST)["n_ubatch"] == 512
 
@@ -108,7 +109,7 @@ def test_lowered_ubatch_runs_byte_identical_and_as_planned(medium_model, monkeyp
     assert np.array_equal(off, ref)
 
 
-@pytest.mark.parametrize("limit_mib", [210, 240])
+@pytest.mark.parametrize("limit_mib", [180, 210])
 def test_a_configured_run_stays_inside_the_cgroup(bindir, medium_model, limit_mib):
     """llama-cli --moe-mem auto -ub 512 in a memory cgroup: the configurator lowers -ub (its line says so), the run
     finishes with its peak inside the limit and prints upstream's greedy text."""
@@ -122,7 +123,14 @@ def test_a_configured_run_stays_inside_the_cgroup(bindir, medium_model, limit_mi
         assert 0 < peak() <= limit_mib * MIB
     m = LOWERED.search(out)
     assert m and int(m.group(2)) < 512, out[-2500:]
-    assert r.stdout == ref.stdout
+    assert _generated(r.stdout) == _generated(ref.stdout)
+
+
+def _generated(stdout: str) -> str:
+    """llama-cli's text after the echoed prompt, up to its speed line (the loading spinner differs run to run)."""
+    m = re.search(r"\n> [^\n]*\n(.*?)\[ Prompt: ", stdout, re.S)
+    assert m, stdout[-1500:]
+    return m.group(1)
 
 
 def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_works(bindir, medium_model):
@@ -130,14 +138,14 @@ def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_w
     (below -ub 512's, which a configurator that kept -ub would name), the same as `pyvis plan`; that budget runs."""
     from pyvis.runtime import plan as P
     cli = ["-p", "hi", "-n", "2", "-st", "-t", "2", "--temp", "0", "-c", "256", "-ub", "512"]
-    r = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "100"], timeout=300)
+    r = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "50"], timeout=300)
     out = r.stdout + r.stderr
     m = re.search(r"smallest budget for this \d+-token context: (\d+) MiB", out)
     assert r.returncode == 1 and m, out[-2500:]
     named = int(m.group(1))
-    p = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", "100", "-c", "256"])
+    p = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", "50", "-c", "256"])
     assert p.returncode == 2 and f"smallest budget for this 256-token context: {named} MiB" in p.stderr, p.stderr[-1500:]
-    at512 = P.make_plan(P.read_shape(medium_model), budget_mib=100, n_ctx=256, n_ubatch=512, search=False)
+    at512 = P.make_plan(P.read_shape(medium_model), budget_mib=50, n_ctx=256, n_ubatch=512, search=False)
     assert named < -(-at512["min_budget"] // MIB)
     ok = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", str(named)], timeout=300)
     assert ok.returncode == 0, (ok.stdout + ok.stderr)[-2500:]

@@ -226,8 +226,10 @@ def llama_vis_moe_plan(req, out) -> int:
 # struct llama_vis_moe_cost {
 #     double  read_bps;          // bytes/s of expert reads from the model file (llama_vis_moe_cost_default)
 #     double  mem_bps;           // bytes/s of reading weights from memory (a memory-bound matmul)
-#     double  pass_s;            // seconds one extra pass of one managed layer costs
+#     double  pass_s;            // seconds one extra pass of one managed layer costs ...
+#     double  pass_token_s;      // ... plus this per token of its ubatch
 #     double  token_s;           // seconds of compute per prompt token in a large batch; <= 0: from mem_bps
+#     int32_t stream_passes;     // a ubatch needing more passes than this in a layer streams it (0 = never)
 #     int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
 #     int32_t gen_tokens;        // ... and generated tokens (decode)
 # };
@@ -236,7 +238,9 @@ class llama_vis_moe_cost(ctypes.Structure):
         ("read_bps", ctypes.c_double),
         ("mem_bps", ctypes.c_double),
         ("pass_s", ctypes.c_double),
+        ("pass_token_s", ctypes.c_double),
         ("token_s", ctypes.c_double),
+        ("stream_passes", ctypes.c_int32),
         ("prompt_tokens", ctypes.c_int32),
         ("gen_tokens", ctypes.c_int32),
     ]
