@@ -30,6 +30,17 @@ std::string expert_file(const llama_model & model, const vis_moe_attach_plan & a
     return "";
 }
 
+// the weight types on which the CPU backend's outputs are the same bit for bit at any ubatch (docs/planning.md:
+// measured on F32 weights; Q8_0 without repacking rounds differently at another ubatch)
+bool ubatch_invariant(const llama_model & model) {
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (t->type != GGML_TYPE_F32) {
+            return false;
+        }
+    }
+    return true;
+}
+
 } // namespace
 
 bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap,
@@ -59,8 +70,11 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
         LLAMA_LOG_WARN("vis-moe: configurator off for this context: %s\n", llama_vis_last_error());
         return false;
     }
+    const bool apply = s.plan.configure > 0 || ubatch_invariant(model);  // auto: only where outputs stay the same
     if (!c.ok) {
-        cp.n_ubatch = (uint32_t) c.n_ubatch;  // the refusal names the smallest budget: at the smallest ubatch
+        if (apply) {
+            cp.n_ubatch = (uint32_t) c.n_ubatch;  // the refusal names the smallest budget: at the smallest ubatch
+        }
         return false;
     }
     if ((uint32_t) c.n_ubatch >= cp.n_ubatch) {
@@ -80,9 +94,19 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     }
     char msg[512];
     std::snprintf(msg, sizeof(msg), "--moe-mem: -ub %u lowered to %d: its compute buffer (%.0f MiB less) buys %d expert "
-                  "slot%s per layer %s; outputs unchanged; VIS_MOE_CONFIGURE=off keeps -ub, docs/planning.md)",
-                  cp.n_ubatch, c.n_ubatch, freed, c.plan.n_slots, c.plan.n_slots == 1 ? "" : "s", was);
-    vis_tell_user(msg);
+                  "slot%s per layer %s)", cp.n_ubatch, c.n_ubatch, freed, c.plan.n_slots, c.plan.n_slots == 1 ? "" : "s",
+                  was);
+    if (!apply) {
+        // auto on weights whose outputs depend on the ubatch: say what it would buy, keep the asked -ub
+        std::string m(msg);
+        m.replace(m.find("lowered to"), 10, "could be lowered to");
+        vis_tell_user(m + ": not applied: this model's weights are not all F32, and on them outputs "
+                      "differ in the last bits at another -ub; VIS_MOE_CONFIGURE=on applies it (docs/planning.md)");
+        return false;
+    }
+    vis_tell_user(std::string(msg) + (s.plan.configure > 0 && !ubatch_invariant(model)
+                  ? ": outputs are upstream's at -ub " + std::to_string(c.n_ubatch) + " (VIS_MOE_CONFIGURE=on)"
+                  : std::string(": outputs unchanged (all-F32 weights; VIS_MOE_CONFIGURE=off keeps -ub)")));
     cp.n_ubatch = (uint32_t) c.n_ubatch;
     return true;
 }

@@ -371,12 +371,13 @@ const flag_row ROWS[] = {
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
 const vis_moe_env_row ENV_ROWS[] = {
-    { "VIS_MOE_CONFIGURE", "on|off",
+    { "VIS_MOE_CONFIGURE", "auto|on|off",
       "vis-moe: under --moe-mem, the configurator lowers the ubatch (-ub) where its smaller compute buffer buys\n"
-      "expert slots that save more time than the smaller batches cost (docs/planning.md); off = the asked -ub\n"
-      "(default: on)",
+      "expert slots that save more time than the smaller batches cost (docs/planning.md). auto: only on models\n"
+      "whose outputs are bit-identical at any ubatch (all-F32 weights), else it says what it would do; on: always\n"
+      "(outputs equal upstream's at the chosen -ub); off = the asked -ub (default: auto)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.plan.configure = parse_switch(w, v, false); } },
+          s.plan.configure = parse_switch(w, v, true); } },
     { "VIS_MOE_READ_MBPS", "MIB/S",
       "vis-moe: the configurator's expert read bandwidth in MiB/s (default: 0 = probed once per device and cached\n"
       "in ~/.cache/vis-moe/bandwidth)",

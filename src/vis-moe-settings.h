@@ -92,7 +92,8 @@ struct vis_moe_cap_settings {
 
 // the --moe-mem configurator (vis-moe-configure.cpp, docs/planning.md): its switch and its cost model's knobs
 struct vis_moe_plan_settings {
-    int32_t configure = 1;            // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots
+    int32_t configure = -1;           // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots:
+                                      // -1 auto (only where outputs stay bit-identical: F32 weights), 1 on, 0 off
     double  read_mbps = 0;            // VIS_MOE_READ_MBPS: expert read bandwidth, MiB/s (0 = probed and cached)
     double  pass_us   = 10000;        // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds ...
     double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)

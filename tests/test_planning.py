@@ -2,16 +2,21 @@
 the slots with the lowest predicted latency in one budget; the runtime applies a lower ubatch before its KV cache
 and compute buffers, outputs stay byte-identical to upstream's, the run stays inside a memory cgroup, `pyvis plan`
 says what the runtime does, and a budget too small even at the smallest ubatch is refused naming the budget that
-works.  On the medium fixture (qwen3moe, 4 x 128 experts, 49152-token vocabulary: a -ub 512 compute buffer of
-~180 MiB against 3.2 MiB per slot row), where lowering -ub buys many slots."""
+works.  Outputs: on all-F32 weights the CPU backend's logits are bit-identical at any ubatch, so the default
+(VIS_MOE_CONFIGURE=auto) lowers -ub there (a small all-F32 qwen3moe fixture with a 49152-token vocabulary: a -ub 512
+compute estimate of ~165 MiB against 0.8 MiB per slot row); on Q8_0 (the medium fixture) upstream's own outputs differ
+between ubatch sizes, so auto keeps -ub and `on` gives upstream's outputs at the chosen -ub."""
 from __future__ import annotations
 
 import json
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+from pyvis import fixtures as fx
 
 from conftest import run
 from test_paging import memory_cgroup
@@ -71,15 +76,28 @@ def test_bad_cost_is_an_error():
         native.configure(REQ, **SHAPE, n_ubatch=64, n_ubatch_min=128, cost=COST)
 
 
-PROMPT = "The expert cache keeps the experts a token needs resident. " * 3
-KW = dict(n_ctx=1024, n_batch=512, n_ubatch=512, logits_all=True, n_threads=2, verbose=False, seed=1)
+PROMPT = "The expert cache keeps the experts a token needs resident. " * 6   # ~70 tokens: several small ubatches
+F32 = fx.ModelSpec(name="planning-f32", arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                   n_ff=256, n_ff_exp=128, n_expert=64, n_expert_used=4, expert_type="F32", weight_type="F32",
+                   embd_type="F32")
 
 
-def _logits(path, **moe_kw):
-    """Logits of PROMPT and 4 greedy steps at -c 1024 -ub 512 (upstream caps the ubatch at the context), and the
-    context's ubatch, slots and reserve (llama_n_ubatch, the cache stats, llama_vis_moe_context_reserve)."""
+@pytest.fixture(scope="module")
+def f32_model(fixture_dir) -> Path:
+    """qwen3moe with every tensor F32 (~100 MiB; 49152-token vocabulary: a -ub 512 compute estimate of ~165 MiB),
+    the weight type on which outputs are bit-identical at any ubatch, so VIS_MOE_CONFIGURE=auto lowers -ub."""
+    path = fixture_dir / f"planning-f32-{F32.key()}.gguf"
+    if not path.exists():
+        fx.write_model(F32, path)
+    return path
+
+
+def _logits(path, n_ubatch=512, **moe_kw):
+    """Logits of PROMPT and 4 greedy steps at -c 1024, and the context's ubatch, slots and reserve (llama_n_ubatch,
+    the cache stats, llama_vis_moe_context_reserve)."""
     from pyvis.runtime import moe, native
-    llm = moe.load(path, **moe_kw, **KW) if moe_kw else native.llama_cpp.Llama(str(path), **KW)
+    kw = dict(n_ctx=1024, n_batch=512, n_ubatch=n_ubatch, logits_all=True, n_threads=2, verbose=False, seed=1)
+    llm = moe.load(path, **moe_kw, **kw) if moe_kw else native.llama_cpp.Llama(str(path), **kw)
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
     for _ in range(4):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -90,39 +108,63 @@ def _logits(path, **moe_kw):
     return got
 
 
-def test_lowered_ubatch_runs_byte_identical_and_as_planned(medium_model, monkeypatch):
-    """--moe-mem 200 at -ub 512: the runtime lowers the ubatch and plans more slots than with the configurator off;
-    its logits equal upstream's at -ub 512 bit for bit; `pyvis plan --json` names the same ubatch, slots and reserve
-    the context reports."""
-    ref = _logits(medium_model)[0]
-    out = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", "200", "-c", "1024", "--json"])
+def _plan_json(model, budget: int) -> dict:
+    out = run([sys.executable, "-m", "pyvis", "plan", model, "--budget", str(budget), "-c", "1024", "--json"])
     assert out.returncode == 0, out.stderr[-2000:]
-    plan = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_f32_lowered_ubatch_runs_byte_identical_and_as_planned(f32_model, monkeypatch):
+    """All-F32 weights, --moe-mem 130 at -ub 512 (which does not fit: today's plan refuses): the runtime lowers the
+    ubatch (the prompt then runs in several ubatches) and runs; its logits equal upstream's at -ub 512 bit for bit;
+    `pyvis plan --json` names the ubatch, slots and reserve the context reports."""
+    from pyvis.runtime.native import VisError
+    ref = _logits(f32_model)[0]
+    plan = _plan_json(f32_model, 130)
     conf = plan["configuration"]
-    got, ub, slots, reserve = _logits(medium_model, mem=200)
-    assert ub == conf["n_ubatch"] < 512 and slots == plan["plan"]["n_slots"] == conf["plan"]["n_slots"]
+    assert conf["applied"] and not plan["asked_plan"]["ok"]
+    got, ub, slots, reserve = _logits(f32_model, mem=130)
+    assert ub == conf["n_ubatch"] < 64 and slots == plan["plan"]["n_slots"] == conf["plan"]["n_slots"] > 1
     assert reserve == plan["plan"]["request"]["reserve_bytes"]
-    assert np.array_equal(got, ref)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "off")
-    off, ub_off, slots_off, _ = _logits(medium_model, mem=200)
-    assert ub_off == 512 and slots_off < slots
-    assert np.array_equal(off, ref)
+    with pytest.raises(VisError, match="smallest budget"):
+        _logits(f32_model, mem=130)
 
 
-@pytest.mark.parametrize("limit_mib", [180, 210])
-def test_a_configured_run_stays_inside_the_cgroup(bindir, medium_model, limit_mib):
-    """llama-cli --moe-mem auto -ub 512 in a memory cgroup: the configurator lowers -ub (its line says so), the run
-    finishes with its peak inside the limit and prints upstream's greedy text."""
+def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatch):
+    """Q8_0 weights (the medium fixture), where upstream's outputs differ in the last bits between -ub 64 and 16:
+    auto keeps -ub 512 and `pyvis plan` says so; VIS_MOE_CONFIGURE=on lowers it, and the logits are upstream's at the
+    chosen -ub, bit for bit."""
+    plan = _plan_json(medium_model, 200)
+    conf = plan["configuration"]
+    assert not conf["applied"] and conf["n_ubatch"] == 512 and conf["advised_n_ubatch"] < 512
+    _, ub, slots, _ = _logits(medium_model, mem=200)
+    assert ub == 512 and slots == plan["plan"]["n_slots"]
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
+    plan = _plan_json(medium_model, 200)
+    conf = plan["configuration"]
+    got, ub_on, slots_on, _ = _logits(medium_model, mem=200)
+    assert conf["applied"] and ub_on == conf["n_ubatch"] < 512 and slots_on == plan["plan"]["n_slots"] > slots
+    monkeypatch.delenv("VIS_MOE_CONFIGURE")
+    ref = _logits(medium_model, n_ubatch=ub_on)[0]
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("limit_mib", [110, 140])
+def test_a_configured_run_stays_inside_the_cgroup(bindir, f32_model, limit_mib):
+    """llama-cli --moe-mem auto -ub 512 in a memory cgroup on the F32 fixture: the configurator lowers -ub (its line
+    says so), the run finishes with its peak inside the limit and prints upstream's greedy text at -ub 512."""
     cli = ["-p", PROMPT, "-n", "8", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512"]
-    ref = run([bindir / "llama-cli", "-m", medium_model, *cli], timeout=300)
+    ref = run([bindir / "llama-cli", "-m", f32_model, *cli], timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
     with memory_cgroup(limit_mib * MIB) as (wrap, peak):
-        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "auto"]), timeout=300)
+        r = run(wrap([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", "auto"]), timeout=300)
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-2500:]
         assert 0 < peak() <= limit_mib * MIB
     m = LOWERED.search(out)
-    assert m and int(m.group(2)) < 512, out[-2500:]
+    assert m and int(m.group(2)) < 512 and "outputs unchanged" in out, out[-2500:]
     assert _generated(r.stdout) == _generated(ref.stdout)
 
 
@@ -133,19 +175,19 @@ def _generated(stdout: str) -> str:
     return m.group(1)
 
 
-def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_works(bindir, medium_model):
+def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_works(bindir, f32_model):
     """A budget below the floor at every ubatch: llama-cli refuses, naming the smallest budget at the smallest ubatch
-    (below -ub 512's, which a configurator that kept -ub would name), the same as `pyvis plan`; that budget runs."""
+    (below the asked -ub's, which a configurator that kept -ub would name), the same as `pyvis plan`; that budget runs."""
     from pyvis.runtime import plan as P
     cli = ["-p", "hi", "-n", "2", "-st", "-t", "2", "--temp", "0", "-c", "256", "-ub", "512"]
-    r = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "50"], timeout=300)
+    r = run([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", "50"], timeout=300)
     out = r.stdout + r.stderr
     m = re.search(r"smallest budget for this \d+-token context: (\d+) MiB", out)
     assert r.returncode == 1 and m, out[-2500:]
     named = int(m.group(1))
-    p = run([sys.executable, "-m", "pyvis", "plan", medium_model, "--budget", "50", "-c", "256"])
+    p = run([sys.executable, "-m", "pyvis", "plan", f32_model, "--budget", "50", "-c", "256"])
     assert p.returncode == 2 and f"smallest budget for this 256-token context: {named} MiB" in p.stderr, p.stderr[-1500:]
-    at512 = P.make_plan(P.read_shape(medium_model), budget_mib=50, n_ctx=256, n_ubatch=512, search=False)
-    assert named < -(-at512["min_budget"] // MIB)
-    ok = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", str(named)], timeout=300)
+    at256 = P.make_plan(P.read_shape(f32_model), budget_mib=50, n_ctx=256, n_ubatch=256, search=False)  # -c caps -ub
+    assert named < -(-at256["min_budget"] // MIB)
+    ok = run([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", str(named)], timeout=300)
     assert ok.returncode == 0, (ok.stdout + ok.stderr)[-2500:]

@@ -88,6 +88,7 @@ class ModelShape:
     file_bytes: int
     total_bytes: int                      # all tensor bytes
     row_gathered_bytes: int = 0           # token embeddings of a model with its own output matrix (read by row)
+    all_f32: bool = False                 # every tensor F32: outputs are bit-identical at any ubatch (docs/planning.md)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
 
     @property
@@ -147,6 +148,7 @@ def read_shape(path: str | Path) -> ModelShape:
         file_bytes=sum(p.stat().st_size for p in shards), total_bytes=0)
     tensors = [t for rd in readers for t in rd.tensors]
     names = {t.name for t in tensors}
+    shape.all_f32 = all(t.tensor_type.name == "F32" for t in tensors)
     for t in tensors:
         nb = int(t.n_bytes)
         shape.total_bytes += nb
@@ -315,9 +317,12 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     curve = miss_curves(shape, managed, profile) if profile and managed else None
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
                           cost=cost, miss_curve=curve)
-    # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there)
-    ub = c["n_ubatch"] if (asked["managed_layers"] and not asked["whole_model_fits"]) else n_ubatch
-    c["n_ubatch"] = ub
+    # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
+    # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
+    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
+                        (configure_mode() == "on" or shape.all_f32))
+    ub = c["n_ubatch"] if c["applied"] else n_ubatch
+    c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)
     return dict(configuration=c, plan=chosen, asked=asked, cost=cost)
 
@@ -359,7 +364,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   host_mib=args.host_mib, device_mib=args.device_mib, gpu=True if sku else None,
                   shadow_expert=sh_bytes, shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots)
         conf = None
-        if configure_on():
+        if configure_mode() != "off":
             conf = configure_plan(shape, n_ubatch=args.ubatch_size, profile=args.profile, **kw)
             p = conf["plan"]
         else:
@@ -433,13 +438,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure_on() -> bool:
-    """VIS_MOE_CONFIGURE as the runtime reads it (on unless on/off says otherwise; anything else is an error)."""
+def configure_mode() -> str:
+    """VIS_MOE_CONFIGURE as the runtime reads it: auto (unset or empty), on or off; anything else is an error."""
     import os
-    v = os.environ.get("VIS_MOE_CONFIGURE", "on")
-    if v not in ("on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"VIS_MOE_CONFIGURE: expected on or off, got {v!r}")
-    return v in ("on", "1", "true")
+    v = os.environ.get("VIS_MOE_CONFIGURE") or "auto"
+    if v not in ("auto", "on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"VIS_MOE_CONFIGURE: expected auto, on or off, got {v!r}")
+    return {"1": "on", "true": "on", "0": "off", "false": "off"}.get(v, v)
 
 
 def _print_configuration(conf: dict, asked_ub: int) -> None:
@@ -448,10 +453,13 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
         print(f"configurator: nothing fits even at -ub {c['n_ubatch']} (the smallest it tries); the numbers below "
               f"are that ubatch's")
         return
-    ub = c["n_ubatch"]
-    change = (f"-ub {asked_ub} lowered to {ub}: its compute buffer buys {c['plan']['n_slots']} slot(s) per layer "
-              f"instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}" if ub < asked_ub else
-              f"-ub {asked_ub} kept: a smaller one buys too little")
+    ub = c["advised_n_ubatch"]
+    change = (f"-ub {asked_ub} {'lowered' if c['applied'] else 'could be lowered'} to {ub}: its compute buffer buys "
+              f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
+              if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
+    if ub < asked_ub and not c["applied"]:
+        change += ("; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
+                   "another -ub; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)")
     print(f"configurator: {change} (VIS_MOE_CONFIGURE=off keeps -ub; docs/planning.md)")
     print(f"  predicted for a request of {cost['prompt_tokens']} prompt + {cost['gen_tokens']} generated tokens: "
           f"decode {c['decode_tps']:.2f} tok/s, prefill {c['prefill_tps']:.1f} tok/s"
