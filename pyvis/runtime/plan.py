@@ -467,7 +467,8 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
              if c["asked_decode_tps"] and ub < asked_ub else ""))
     print(f"  cost model: expert reads {cost['read_bps'] / MIB:.0f} MiB/s, memory {cost['mem_bps'] / MIB:.0f} MiB/s "
           f"(probed once, ~/.cache/vis-moe/bandwidth; VIS_MOE_READ_MBPS), {cost['pass_s'] * 1e6:.0f} us per extra "
-          f"pass (VIS_MOE_PASS_US)")
+          f"pass + {cost['pass_token_s'] * 1e6:.0f} us per token of its ubatch (VIS_MOE_PASS_US, "
+          f"VIS_MOE_PASS_TOKEN_US)")
     print(f"  marginal values at the optimum, seconds saved per request per MiB: last slot row {c['mv_slot']:.3f}, "
           f"next slot row {c['mv_next_slot']:.3f}; last ubatch doubling {c['mv_ubatch_down']:.3f}, next one "
           f"{c['mv_ubatch_up']:.3f}")
