@@ -5,9 +5,7 @@ the budget; `pyvis plan` in the same cgroup says the same; the context it names 
 medium fixture (qwen3moe like `pyvis fixtures --large`, 438 MiB: 4 layers x 128 experts, 49152-token vocabulary),
 with contexts and cgroups scaled to it so that each case falls in the gap the earlier lower-bound check left (the
 KV cache alone fits the budget, the whole plan does not; a KV cache larger than the budget is test_hardening2's
-case); the real-weights testbed where `make run` built it.  Each test here failed on the code before its fix.  The
-medium fixture's contexts are 98304 tokens (192 MiB of KV cache): at 65536 the configurator's smaller ubatch makes the
-plan fit the 250 MiB cgroup (docs/planning.md)."""
+case); the real-weights testbed where `make run` built it.  Each test here failed on the code before its fix."""
 from __future__ import annotations
 
 import re
@@ -56,13 +54,13 @@ def _refused_before_allocating(r, out: str, limit: int, peak: int) -> re.Match:
 
 @pytest.mark.parametrize("tool, args, limit_mib, budget, n_ctx, env, plan_extra", [
     # -c 32768 in 357 MiB on the 2.8 GiB --large --layers 8: KV cache 512 MiB; here -c 65536 (128 MiB) in 250 MiB
-    ("llama-cli", ["-c", "98304", "--moe-mem", "auto"], 250, "auto", 98304, None, ()),
+    ("llama-cli", ["-c", "65536", "--moe-mem", "auto"], 250, "auto", 65536, None, ()),
     # llama-server -c 65536 --parallel 4 (four 16384-cell sequences)
-    ("llama-server", ["-c", "98304", "--parallel", "4", "--moe-mem", "auto"], 250, "auto", 98304, None, ()),
+    ("llama-server", ["-c", "65536", "--parallel", "4", "--moe-mem", "auto"], 250, "auto", 65536, None, ()),
     # a budget above the cgroup (--moe-mem 2000 in 714 MiB): clamped to it, then refused with the clamped numbers
-    ("llama-cli", ["-c", "98304", "--moe-mem", "2000"], 250, "2000", 98304, None, ()),
+    ("llama-cli", ["-c", "65536", "--moe-mem", "2000"], 250, "2000", 65536, None, ()),
     # VIS_MOE_MEM=2000 llama-bench: the bench silences the llama log, the refusal must still be printed
-    ("llama-bench", ["-d", "98304"], 250, "2000", 98324, {"VIS_MOE_MEM": "2000"}, ()),
+    ("llama-bench", ["-d", "65536"], 250, "2000", 65556, {"VIS_MOE_MEM": "2000"}, ()),
     # --moe-slots 128 / --moe-pinned-layers -1 next to --moe-mem auto: every expert resident must fit with the KV
     ("llama-cli", ["-c", "65536", "--moe-mem", "auto", "--moe-slots", "128"], 600, "auto", 65536, None,
      ("--slots", "128")),
@@ -99,10 +97,10 @@ def test_the_context_a_refusal_names_runs_inside_the_budget(bindir, medium_model
     more is refused; before, the refusal named a context from a lower bound that the full plan then refused."""
     limit = 250 * MIB
     with memory_cgroup(limit) as (wrap, peak):
-        r = run(wrap(_tool(bindir, medium_model, "llama-cli", ["-c", "98304", "--moe-mem", "auto"])), timeout=300)
+        r = run(wrap(_tool(bindir, medium_model, "llama-cli", ["-c", "65536", "--moe-mem", "auto"])), timeout=300)
         m = _refused_before_allocating(r, r.stdout + r.stderr, limit, peak())
         n = int(m.group(8))
-        assert 0 < n < 98304 and n % 256 == 0
+        assert 0 < n < 65536 and n % 256 == 0
         ok = run(wrap(_tool(bindir, medium_model, "llama-cli", ["-c", str(n), "--moe-mem", "auto"])), timeout=300)
         assert ok.returncode == 0, (ok.stdout + ok.stderr)[-2500:]
         assert 0 < peak() <= limit
@@ -171,5 +169,5 @@ def test_pyvis_load_raises_the_refusal(medium_model):
     "Failed to create llama_context")."""
     from pyvis.runtime import moe
     from pyvis.runtime.native import VisError
-    with pytest.raises(VisError, match=r"--moe-mem 250: .*smallest budget for this 98304-token context: \d+ MiB"):
-        moe.load(medium_model, mem=250, n_ctx=98304, n_threads=2, verbose=False)
+    with pytest.raises(VisError, match=r"--moe-mem 250: .*smallest budget for this 65536-token context: \d+ MiB"):
+        moe.load(medium_model, mem=250, n_ctx=65536, n_threads=2, verbose=False)
