@@ -307,8 +307,8 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     {'configuration': llama_vis_moe_configure's answer, 'plan': make_plan's at the chosen ubatch, 'asked':
     make_plan's at n_ubatch, 'cost': the cost model}."""
     from . import native as _native
-    # upstream caps a causal context's batch, so its ubatch, at the (padded) context
-    n_ubatch = min(n_ubatch, _ctx_cells(kw.get("n_ctx", 4096)))
+    # upstream caps a causal context's batch, so its ubatch, at the (padded) context: the configurator starts there
+    asked_ub, n_ubatch = n_ubatch, min(n_ubatch, _ctx_cells(kw.get("n_ctx", 4096)))
     asked = make_plan(shape, n_ubatch=n_ubatch, search=False, **kw)
     cost = cost or _native.cost_default(shape.path)
     rq = asked["request"]
@@ -321,7 +321,7 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
     c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
                         (configure_mode() == "on" or shape.all_f32))
-    ub = c["n_ubatch"] if c["applied"] else n_ubatch
+    ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
     c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)
     return dict(configuration=c, plan=chosen, asked=asked, cost=cost)
