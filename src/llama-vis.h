@@ -441,8 +441,8 @@ struct llama_vis_moe_configure_request {
     int64_t n_embd;
     int64_t n_ff_exp;
     int32_t n_ubatch;          // the ubatch asked for: the largest candidate
-    int32_t n_ubatch_min;      // the smallest candidate; <= 0: the runtime's, 16 (outputs stay byte-identical to
-                               // upstream's at any ubatch on the CPU backend: tests/test_planning.py)
+    int32_t n_ubatch_min;      // the smallest candidate; <= 0: the runtime's, 16 (whether outputs stay bit-identical
+                               // at another ubatch depends on the weight types: docs/planning.md#outputs)
     const float * miss_curve;  // NULL: the uniform prior k (1 - s / n); else [n_managed_layers][n_expert + 1]: expected
                                // misses per decode token of each managed layer with s = 0..n_expert slots (a trace)
     int32_t * layer_slots;     // optional out [n_managed_layers]: the same slab bytes split per layer by marginal value
