@@ -485,6 +485,35 @@ const flag_row ROWS[] = {
 constexpr int N_ROWS = (int) (sizeof(ROWS) / sizeof(ROWS[0]));
 
 const vis_moe_env_row ENV_ROWS[] = {
+    { "VIS_MOE_CONFIGURE", "auto|on|off",
+      "vis-moe: under --moe-mem, the configurator lowers the ubatch (-ub) where its smaller compute buffer buys\n"
+      "expert slots that save more time than the smaller batches cost (docs/planning.md). auto: only on models\n"
+      "whose outputs are bit-identical at any ubatch (all-F32 weights), else it says what it would do; on: always\n"
+      "(outputs equal upstream's at the chosen -ub); off = the asked -ub (default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.configure = parse_switch(w, v, true); } },
+    { "VIS_MOE_READ_MBPS", "MIB/S",
+      "vis-moe: the configurator's expert read bandwidth in MiB/s (default: 0 = probed once per device and cached\n"
+      "in ~/.cache/vis-moe/bandwidth)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.read_mbps = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PASS_US", "US",
+      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: 10000, measured\n"
+      "on the loaded 2-core dev VM: docs/planning.md)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.pass_us = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PASS_TOKEN_US", "US",
+      "vis-moe: ... plus this per token of the pass's ubatch, microseconds (default: 2000, same source)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.pass_token_us = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PLAN_PROMPT", "N",
+      "vis-moe: the configurator prices a request of this many prompt tokens (default: 512)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.prompt = (int32_t) parse_int(w, v, 0, 1 << 24); } },
+    { "VIS_MOE_PLAN_GEN", "N",
+      "vis-moe: ... and this many generated tokens (default: 128)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.gen = (int32_t) parse_int(w, v, 0, 1 << 24); } },
     { "VIS_MOE_REPLAY", "TRACE",
       "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
       "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"

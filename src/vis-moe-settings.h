@@ -90,6 +90,17 @@ struct vis_moe_cap_settings {
     bool on() const { return capacity >= 0; }
 };
 
+// the --moe-mem configurator (vis-moe-configure.cpp, docs/planning.md): its switch and its cost model's knobs
+struct vis_moe_plan_settings {
+    int32_t configure = -1;           // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots:
+                                      // -1 auto (only where outputs stay bit-identical: F32 weights), 1 on, 0 off
+    double  read_mbps = 0;            // VIS_MOE_READ_MBPS: expert read bandwidth, MiB/s (0 = probed and cached)
+    double  pass_us   = 10000;        // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds ...
+    double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
+    int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
+    int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
@@ -108,6 +119,7 @@ struct vis_moe_settings {
     vis_moe_cap_settings  cap;              // --moe-capacity, --moe-cap-*
     int32_t     topk = 0;                   // --moe-topk: experts each token runs (lossy), 0 = the model's k
     int32_t     mode = VIS_MODE_EXACT;      // --moe-mode (resolved into the fields above at context creation)
+    vis_moe_plan_settings plan;             // VIS_MOE_CONFIGURE, VIS_MOE_READ_MBPS, VIS_MOE_PASS_US, VIS_MOE_PLAN_*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }

@@ -18,7 +18,16 @@ from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams, T
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
-          "const char *": ctypes.c_char_p}
+          "const char *": ctypes.c_char_p, "const float *": ctypes.POINTER(ctypes.c_float),
+          "int32_t *": ctypes.POINTER(ctypes.c_int32)}
+
+
+def _ctype(t: str):
+    """A field's ctypes type: a scalar or pointer of CTYPES, or a nested struct of the mirror (struct NAME)."""
+    if t.startswith("struct "):
+        n = t.split()[1]
+        return getattr(capi, f"struct_{n}", None) or getattr(capi, n)
+    return CTYPES[t]
 KW = dict(n_ctx=64, n_threads=2, verbose=False)
 
 
@@ -27,7 +36,8 @@ def _header():
     enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
              for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
     structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
-                            re.findall(r"(int32_t|int64_t|double|const char \*)\s*(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
+                            re.findall(r"(int32_t \*|const float \*|int32_t|int64_t|double|const char \*|struct \w+)\s*"
+                                       r"(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
                for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
     funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
     return structs, funcs, enums
@@ -39,7 +49,7 @@ def test_the_mirror_is_the_header():
     assert len(structs) >= 10 and len(funcs) >= 42 and len(enums) >= 11
     for name, cfields in structs.items():
         cls = getattr(capi, f"struct_{name}", None) or getattr(capi, name)   # struct_: named like a function
-        assert [(n, CTYPES[t] if a is None else CTYPES[t] * a) for t, n, a in cfields] == list(cls._fields_), name
+        assert [(n, _ctype(t) if a is None else _ctype(t) * a) for t, n, a in cfields] == list(cls._fields_), name
     assert {n: getattr(capi, n, None) for n in enums} == enums                # enum constants, same values
     assert {n for n in dir(capi) if n.startswith("LLAMA_VIS_")} == set(enums)
     bound = {n for n in dir(capi) if n.startswith("llama_vis_") and callable(getattr(capi, n))
