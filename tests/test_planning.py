@@ -95,9 +95,10 @@ def f32_model(fixture_dir) -> Path:
 def _logits(path, n_ubatch=512, **moe_kw):
     """Logits of PROMPT and 4 greedy steps at -c 1024, and the context's ubatch, slots and reserve (llama_n_ubatch,
     the cache stats, llama_vis_moe_context_reserve)."""
-    from pyvis.runtime import moe, native
+    from pyvis import moe
+    from pyvis.runtime import native
     kw = dict(n_ctx=1024, n_batch=512, n_ubatch=n_ubatch, logits_all=True, n_threads=2, verbose=False, seed=1)
-    llm = moe.load(path, **moe_kw, **kw) if moe_kw else native.llama_cpp.Llama(str(path), **kw)
+    llm = moe.load(path, moe.MoeConfig(**moe_kw), **kw) if moe_kw else native.llama_cpp.Llama(str(path), **kw)
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
     for _ in range(4):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
