@@ -21,9 +21,11 @@
 #pragma once
 
 #include "llama-vis.h"
+#include "vis-moe-feature.h"
 #include "vis-moe-settings.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 struct vis_moe_context;
@@ -55,6 +57,31 @@ struct vis_cap_input {
 // pair changed.
 bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
                     const vis_cap_input & in, int32_t * exec, uint8_t * dropped, llama_vis_moe_cap_stats & st);
+
+struct vis_modality_profile;
+
+// the capacity of a context: its rule, the experts' modality bias, per layer what it rerouted and dropped
+class vis_moe_capacity : public vis_moe_feature {
+public:
+    vis_moe_capacity(const vis_cap_rule & rule, std::unique_ptr<vis_modality_profile> profile, int n_layer);
+    ~vis_moe_capacity() override;
+
+    const vis_cap_rule & rule() const { return cap_rule; }
+    const vis_modality_profile * profile() const { return bias.get(); }
+    llama_vis_moe_cap_stats & stats(int il) { return layer_stats[il]; }
+    const llama_vis_moe_cap_stats & stats(int il) const { return layer_stats[il]; }
+
+    // the feature (vis-moe-feature.h): the capacity table; an image ubatch's passes bounded (vis_moe_capacity_passes)
+    const char * feature_name() const override { return "capacity"; }
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override;
+    int  image_pass_bound(const vis_moe_context & vm, const vis_moe_layer & L) const override;
+
+private:
+    vis_cap_rule cap_rule;
+    std::unique_ptr<vis_modality_profile> bias;
+    std::vector<llama_vis_moe_cap_stats> layer_stats;
+};
 
 // context creation: the rule of --moe-capacity (and the modality profile of --moe-cap-profile), or nothing when off.
 // Throws std::runtime_error naming the flag (a bad profile).

@@ -32,7 +32,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vm->shadow_passes(L, pairs, false);
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vis_moe_shadow_passes(*vm, L, pairs, false);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
@@ -77,12 +77,12 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         scores = scores_;  // router substitution and capacity reroutes choose by router score
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
-    n_pass = vm->full_passes(L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
+    n_pass = vis_moe_full_passes(*vm, L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
     n_full = n_pass;
-    if (!vm->streams(L, pairs, image_ubatch)) {
-        n_pass += vm->shadow_passes(L, pairs, image_ubatch);  // the shadow passes follow the full-precision ones
+    if (!vis_moe_streams(*vm, L, pairs, image_ubatch)) {
+        n_pass += vis_moe_shadow_passes(*vm, L, pairs, image_ubatch);  // the shadow passes follow the full-precision ones
     }
-    if (vm->streams(L, pairs, image_ubatch)) {
+    if (vis_moe_streams(*vm, L, pairs, image_ubatch)) {
         // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
         // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
         // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page
@@ -94,7 +94,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         staged  = vis_moe_stage_ubatch(*vm, pairs, image_ubatch);
         // a streamed ubatch whose every routed expert runs from its shadow (--moe-precision all, or an image ubatch
         // under vision) stages the layer's shadows: fewer bytes, upstream's mul_mat_id on the shadow type
-        staged_shadow = staged && vm->stages_shadows(L, image_ubatch);
+        staged_shadow = staged && vis_moe_stages_shadows(*vm, L, image_ubatch);
         n_pass  = 1;
         n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,

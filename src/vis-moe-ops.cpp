@@ -1,7 +1,9 @@
 // vis-moe-ops.cpp - CPU custom ops of a managed layer's graph (vis-moe-ops.h).
 #include "vis-moe-ops.h"
 #include "vis-moe-context.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-lend.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-passes.h"
@@ -9,7 +11,9 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
+#include "vis-moe-shadow-slots.h"
 #include "vis-moe-substitute.h"
+#include "vis-moe-trace.h"
 
 #include <cstring>
 #include <exception>
@@ -56,8 +60,8 @@ static void collect_background(vis_moe_context & vm, vis_moe_layer & L, int il, 
     for (const auto & d : done) {
         any_sub = any_sub || !d.speculative;
     }
-    if (any_sub) {
-        L.sub_stats.bg_wait_us += waited;
+    if (any_sub && vm.sub) {
+        vm.sub->stats(il).bg_wait_us += waited;
     }
     if (vm.prefetch) {
         vm.prefetch->collected(L, il, done, any_sub ? 0 : waited, ids, n_pairs);
@@ -83,10 +87,10 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
             vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);
             const bool image = a.vm.modality && a.vm.modality->has_image();
-            const int n_full = a.vm.full_passes(a.L, a.n_pairs, image);
+            const int n_full = vis_moe_full_passes(a.vm, a.L, a.n_pairs, image);
             vis_shadow_plan(a.L, n_full);  // numbered as the graph counts
             if ((int) a.L.passes.size() > n_full ||
-                (int) a.L.shadow.passes.size() > a.vm.shadow_passes(a.L, a.n_pairs, image)) {
+                (int) a.L.shadow.passes.size() > vis_moe_shadow_passes(a.vm, a.L, a.n_pairs, image)) {
                 throw std::runtime_error("vis-moe: layer " + std::to_string(a.ud.il) + " planned " +
                                          std::to_string(a.L.passes.size()) + " + " +
                                          std::to_string(a.L.shadow.passes.size()) + " passes, more than its graph has "
@@ -125,7 +129,8 @@ void vis_moe_shadow_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const 
     }
     ids_op a(dst, ids_t, userdata);
     guarded(a.vm, a.out, a.n_pairs, [&]() {
-        vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
+        vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out,
+                            a.vm.precision->stats(a.ud.il));
     }, [&](int64_t) { return a.L.cpu_passes ? -1 : a.L.shadow.n_slots; });
 }
 

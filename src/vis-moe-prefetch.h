@@ -27,6 +27,8 @@
 #include "vis-moe-settings.h"
 
 #include <cstdint>
+#include "vis-moe-feature.h"
+
 #include <memory>
 #include <vector>
 
@@ -35,7 +37,7 @@ struct vis_moe_context;
 struct vis_moe_layer;
 struct vis_fetch_done;
 
-class vis_moe_prefetcher {
+class vis_moe_prefetcher : public vis_moe_feature {
 public:
     vis_moe_prefetcher(const vis_moe_predict_settings & s, std::unique_ptr<vis_moe_predictor> pred, int n_layer,
                        int budget);
@@ -60,6 +62,14 @@ public:
     // counters of layer il (saved_us is left to the stats code, which knows the read rate)
     const llama_vis_moe_prefetch_stats & stats(int il) const { return layers[il].st; }
     void reset_stats();
+
+    // the feature (vis-moe-feature.h): the measured on/off choice times each ubatch; after it, the policies'
+    // speculative horizons count down; the prefetch table of --moe-stats
+    const char * feature_name() const override { return "prefetch"; }
+    void ubatch_begin(vis_moe_context & vm, const llama_ubatch &) override;
+    void ubatch_end(vis_moe_context & vm) override;
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override { reset_stats(); }
 
 private:
     struct ahead_read {
@@ -87,6 +97,11 @@ private:
     std::vector<layer_state> layers;
     std::vector<float> score;  // scratch
 };
+
+// the totals of every layer (zeros without prefetch), with the measured choice's state
+void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
+// estimate: the bytes of used reads ahead at this context's demand read rate, less the time waited for them
+int64_t vis_moe_prefetch_saved_us(const vis_moe_context & vm, const llama_vis_moe_prefetch_stats & s);
 
 // context creation (vis-moe-attach.cpp): the prefetcher of --moe-predict, and the background reader it needs.
 // Logs what it chose; nothing when prediction is off or the experts are not read from the file.

@@ -23,13 +23,15 @@
 #include "vis-moe-route-csv.h"
 #include "vis-moe-ubatch-rows.h"
 
+#include "vis-moe-feature.h"
+
 #include <atomic>
 #include <string>
 #include <vector>
 
 struct ggml_tensor;
 
-class vis_moe_replay {
+class vis_moe_replay : public vis_moe_feature {
 public:
     // the trace at `path`, checked against the model: moe_layers = its layers with routed experts (in order),
     // n_layer its layers, n_expert, k_used the experts per token it runs (its k, or --moe-topk's), arch its name
@@ -38,6 +40,10 @@ public:
                    const std::string & arch);
 
     void begin_ubatch(const llama_ubatch & ub) { rows.begin(ub); }
+
+    // the feature (vis-moe-feature.h): the rows of each ubatch
+    const char * feature_name() const override { return "replay"; }
+    void ubatch_begin(vis_moe_context &, const llama_ubatch & ub) override { begin_ubatch(ub); }
 
     // does model layer il replay (a MoE layer)?
     bool replays(int il) const { return il >= 0 && il < (int) trace_layer.size() && trace_layer[il] >= 0; }

@@ -1,5 +1,6 @@
 // vis-moe-trace.cpp - routing trace writer (vis-moe-trace.h).
 #include "vis-moe-trace.h"
+#include "vis-moe-context.h"
 #include "vis-output-file.h"
 
 #include "ggml.h"
@@ -100,4 +101,11 @@ std::string vis_moe_trace::end_ubatch() {
     }
     return error.empty() ? "" : "--moe-trace: writing '" + file_path + "' failed: " + error +
                                 " (the trace is incomplete; free space or choose another file)";
+}
+
+void vis_moe_trace::ubatch_end(vis_moe_context & vm) {
+    const std::string err = end_ubatch();
+    if (!err.empty()) {
+        vm.fail(err);
+    }
 }
