@@ -60,6 +60,11 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
 
 struct vis_modality_profile;
 
+// pass 0 of a managed layer, after substitution and before the precision policy: apply the capacity to this
+// ubatch's pairs (L.exec, L.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image tokens.
+void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
+                           const ggml_tensor * weights, const ggml_tensor * scores);
+
 // the capacity of a context: its rule, the experts' modality bias, per layer what it rerouted and dropped
 class vis_moe_capacity : public vis_moe_feature {
 public:
@@ -76,6 +81,11 @@ public:
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
     int  image_pass_bound(const vis_moe_context & vm, const vis_moe_layer & L) const override;
+    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
+                    const ggml_tensor * scores) override {
+        vis_moe_capacity_plan(vm, L, il, ids, weights, scores);  // image pairs over capacity rerouted
+    }
+    bool wants_scores(const vis_moe_context &, int) const override { return true; }  // reroutes choose by score
 
 private:
     vis_cap_rule cap_rule;
@@ -86,11 +96,6 @@ private:
 // context creation: the rule of --moe-capacity (and the modality profile of --moe-cap-profile), or nothing when off.
 // Throws std::runtime_error naming the flag (a bad profile).
 void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s);
-
-// pass 0 of a managed layer, after substitution and before the precision policy: apply the capacity to this
-// ubatch's pairs (L.exec, L.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image tokens.
-void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                           const ggml_tensor * weights, const ggml_tensor * scores);
 
 // the full-precision passes the capacity bounds an image ubatch of layer L to: the hits (at most its slots) and the
 // experts it may load, C at most round(N (1 + rho / 2)): 1 + ceil(C / slots).  0 when it bounds nothing (off, or

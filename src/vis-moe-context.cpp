@@ -33,10 +33,10 @@ vis_moe_context::~vis_moe_context() {
     }
 }
 
-vis_moe_op_ud * vis_moe_context::ud(int il, int pass, vis_op_kind kind) {
+vis_moe_op_ud * vis_moe_op_uds::get(int il, int pass, vis_op_kind kind) {
     auto & p = uds[{ il, pass, (int) kind }];
     if (!p) {
-        p.reset(new vis_moe_op_ud{ this, il, pass, kind });
+        p.reset(new vis_moe_op_ud{ vm, il, pass, kind });
     }
     return p.get();
 }
@@ -119,6 +119,7 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
         vm->n_prompt_ubatches = 0;
     }
     vm->in_prompt = !vm->ub_decode;
+    vm->ub_image  = false;
     vm->ub_t0_us  = ggml_time_us();
     for (auto & L : vm->layers) {
         if (L.managed) {

@@ -67,6 +67,19 @@ struct vis_moe_op_ud {
     vis_op_kind kind;
 };
 
+// the userdata of a context's custom ops, stable for its lifetime.  The graph holds a const context and asks for
+// them (vis_moe_context::ud); each names the context it belongs to, given when the context was made: the ops
+// change the cache through their userdata, never through the graph's pointer.
+class vis_moe_op_uds {
+public:
+    explicit vis_moe_op_uds(vis_moe_context * owner) : vm(owner) {}
+    vis_moe_op_ud * get(int il, int pass, vis_op_kind kind);
+
+private:
+    vis_moe_context * vm;
+    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
+};
+
 struct vis_moe_layer {
     bool managed  = false;
     int  n_slots  = 0;      // cache slots; with a staging slot, slot index n_slots is it
@@ -141,7 +154,7 @@ struct vis_moe_context {
 
     std::vector<ggml_context *>        ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
-    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
+    std::unique_ptr<vis_moe_op_uds>    op_uds = std::make_unique<vis_moe_op_uds>(this);  // never null
     // host bytes between a tier and a slab that the CPU cannot write: expert-sized blocks, pinned on a discrete GPU
     std::unique_ptr<vis_staging_pool> staging;
     vis_pin_budget pin;  // pinned host memory this context may hold (tier 2 + staging)
@@ -166,6 +179,7 @@ struct vis_moe_context {
     bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
+    bool    ub_image      = false;  // the current ubatch is image embeddings (the modality feature says so)
     // time to first token of the last prompt: the compute time of its ubatches (the prompt ubatches since the last
     // decode step), without the time between them
     int64_t ub_t0_us = 0, ttft_us = -1, n_prompt_ubatches = 0;
@@ -216,7 +230,7 @@ struct vis_moe_context {
     int image_pass_bound(const vis_moe_layer & L) const;
 
     // userdata of a custom op, stable for the context's lifetime
-    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind);
+    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind) const { return op_uds->get(il, pass, kind); }
     // what a tight budget costs: a warning now, repeated in the --moe-stats footer
     void note(const std::string & msg);
     // a load failed inside a graph op: the ubatch is reported as failed (first message kept)

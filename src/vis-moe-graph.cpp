@@ -7,7 +7,6 @@
 #include "vis-moe-prefetch.h"
 #include "vis-moe-replay.h"
 #include "vis-moe-stage.h"
-#include "vis-moe-substitute.h"
 
 #include <algorithm>
 
@@ -41,8 +40,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
                                          ggml_tensor *& selected_experts, ggml_tensor *& weights_,
                                          ggml_tensor * scores_, ggml_tensor * cur, int64_t n_tokens, bool image_ubatch)
-    : ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
-    vm = const_cast<vis_moe_context *>(vm_);
+    : vm(vm_), ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
         vm = nullptr;
         return;
@@ -73,8 +71,10 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         return;
     }
     managed = true;
-    if ((vm->sub && vm->sub->rule(il).mode == VIS_SUB_ROUTER) || vm->capacity) {
-        scores = scores_;  // router substitution and capacity reroutes choose by router score
+    for (const auto & f : vm->features) {
+        if (f->wants_scores(*vm, il)) {
+            scores = scores_;  // router substitution and capacity reroutes choose by router score
+        }
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
     n_pass = vis_moe_full_passes(*vm, L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
@@ -111,7 +111,8 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
 
 void vis_moe_layer_graph::add_replay(ggml_tensor *& ids, ggml_tensor *& w) {
     if (w->ne[0] != 1 || w->ne[1] != ids->ne[0] || w->ne[2] != ids->ne[1]) {
-        vm->fail("VIS_MOE_REPLAY: the router weights of layer " + std::to_string(il) + " are not [1, k, n_tokens]; "
+        // a graph-build failure goes where the ops' failures go: to the context named by their userdata
+        vm->ud(il, 0, VIS_OP_REPLAY_IDS)->vm->fail("VIS_MOE_REPLAY: the router weights of layer " + std::to_string(il) + " are not [1, k, n_tokens]; "
                  "replay does not support this architecture");
         return;
     }

@@ -129,3 +129,15 @@ void vis_moe_lender::stats_print(const vis_moe_context & vm) const {
                      bytes_lent / 1048576.0 / (double) n_lent);
     }
 }
+
+void vis_moe_lender::stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed,
+                                  vis_stream_how how, const ggml_tensor * ids, const ggml_tensor * weights) {
+    (void) L;
+    (void) il;
+    (void) routed;
+    (void) ids;
+    (void) weights;
+    if (how == VIS_STREAM_MAPPED) {
+        vis_moe_lend_slabs(vm);
+    }
+}

@@ -38,6 +38,9 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { n_lent = bytes_lent = 0; }
+    // the first layer a ubatch streams through the mapping lends the slabs (tight plans: the page cache gets them)
+    void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
+                      const ggml_tensor * ids, const ggml_tensor * weights) override;
 };
 
 // at attach, after the plan, the slabs and the stager (auto never lends where streamed ubatches stage): whether streamed ubatches lend the slabs (adds vm.lend and logs

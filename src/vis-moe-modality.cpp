@@ -78,4 +78,5 @@ vis_modality_profile vis_modality_profile_load(const std::string & path, const l
 
 void vis_moe_modality::ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) {
     begin_ubatch(ub, (int64_t) vm.model->hparams.n_embd_inp());
+    vm.ub_image = has_image();
 }

@@ -295,3 +295,13 @@ void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_sta
     t.n_switches = vm.precision->controller().n_switches();
     t.share_pct  = (int32_t) std::lround(100.0 * vm.precision->rule().share);
 }
+
+void vis_moe_precision::plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run,
+                                   const ggml_tensor * ids, const ggml_tensor * weights) {
+    (void) il;
+    vis_moe_precision_plan(vm, L, run, ids, weights);  // which misses run from shadows (L.shadow.serve)
+}
+
+void vis_moe_precision::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    vis_moe_precision_refetch(vm, L, il);
+}

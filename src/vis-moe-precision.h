@@ -91,6 +91,9 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
+    void plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run, const ggml_tensor * ids,
+                    const ggml_tensor * weights) override;
+    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
 
 private:
     vis_moe_prec_settings cfg;

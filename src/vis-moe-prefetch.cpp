@@ -256,6 +256,43 @@ void vis_moe_prefetcher::stats_print(const vis_moe_context & vm) const {
     }
 }
 
+// after layer il routed (and, when managed, loaded what its ubatch needs): learn, predict the layers ahead and
+// read their experts in the background.  src[0]: the routed ids; src[1]: an ordering dependency; src[1 + d]:
+// the router logits of layer il + d (F32), or the ids again where the graph did not compute them;
+// src[VIS_PREDICT_SRC_HIDDEN] (mlp only): layer il's FFN input [n_embd, n_tokens].
+void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto & ud = *(vis_moe_op_ud *) userdata;
+    vis_moe_context & vm = *ud.vm;
+    const ggml_tensor * ids_t = dst->src[0];
+    vis_predict_input in;
+    in.il       = ud.il;
+    in.k        = (int) ids_t->ne[0];
+    in.n_tokens = ids_t->ne[1];
+    in.ids      = (const int32_t *) ids_t->data;
+    for (int d = 1; d <= VIS_MAX_LOOKAHEAD && 1 + d < VIS_PREDICT_SRC_HIDDEN; ++d) {
+        const ggml_tensor * lg = dst->src[1 + d];
+        if (lg && lg->type == GGML_TYPE_F32) {
+            in.logits[d] = (const float *) lg->data;
+            in.stride[d] = (int64_t) (lg->nb[1] / sizeof(float));
+        }
+    }
+    const ggml_tensor * h = VIS_PREDICT_SRC_HIDDEN < GGML_MAX_SRC ? dst->src[VIS_PREDICT_SRC_HIDDEN] : nullptr;
+    if (h && h->type == GGML_TYPE_F32 && h->ne[1] == in.n_tokens && h->nb[0] == sizeof(float)) {
+        in.hidden        = (const float *) h->data;
+        in.n_embd        = h->ne[0];
+        in.hidden_stride = (int64_t) (h->nb[1] / sizeof(float));
+    }
+    try {
+        vm.prefetch->step(vm, in);
+    } catch (const std::exception & e) {
+        vm.fail(e.what());
+    }
+}
+
 void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store) {
     int mode = s.predict.mode;
     if (mode == VIS_PRED_OFF || vm.n_managed == 0) {
@@ -321,4 +358,15 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
     LLAMA_LOG_INFO("vis-moe: prefetch (exact): --moe-predict %s, lookahead %d layer%s, budget %d experts per layer and "
                    "step, self-tuning %s%s; decode steps\n", vm.prefetch->name(), s.predict.lookahead,
                    s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off", seeded.c_str());
+}
+
+void vis_moe_prefetcher::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+                                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                                        int64_t n_pairs) {
+    (void) vm;
+    bool demand = false;  // a wait for a demand read is not the reads ahead's
+    for (const auto & d : done) {
+        demand = demand || !d.speculative;
+    }
+    collected(L, il, done, demand ? 0 : waited_us, ids, n_pairs);
 }

@@ -33,6 +33,7 @@
 #include <vector>
 
 struct llama_model;
+struct ggml_tensor;
 struct vis_moe_context;
 struct vis_moe_layer;
 struct vis_fetch_done;
@@ -70,6 +71,8 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { reset_stats(); }
+    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
 
 private:
     struct ahead_read {
@@ -97,6 +100,10 @@ private:
     std::vector<layer_state> layers;
     std::vector<float> score;  // scratch
 };
+
+// the predict op (a graph node after layer il's routing): learn from the layer's routing, read the layers ahead's
+// experts.  src[0] = ids, src[1] = ordering dependency, src[1 + d] = router logits of layer il + d or the ids again
+void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * ud);
 
 // the totals of every layer (zeros without prefetch), with the measured choice's state
 void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);

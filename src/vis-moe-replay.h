@@ -64,3 +64,7 @@ private:
     vis_ubatch_rows  rows;
     mutable std::atomic<bool> warned_own{ false };  // a row ran the router's own choice (said once)
 };
+
+// the replay ops (graph nodes replacing layer ud->il's routing): dst = the recorded ids (ud->kind VIS_OP_REPLAY_IDS)
+// or weights (VIS_OP_REPLAY_WEIGHTS); src[0] = the router's
+void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * ud);

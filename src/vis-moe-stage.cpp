@@ -379,3 +379,15 @@ void vis_moe_stager::stats_print(const vis_moe_context & vm) const {
                      cnt.wait_us / 1e6);
     }
 }
+
+void vis_moe_stager::stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed,
+                                  vis_stream_how how, const ggml_tensor * ids, const ggml_tensor * weights) {
+    if (how == VIS_STREAM_MAPPED) {
+        return;
+    }
+    const bool shadow = how == VIS_STREAM_STAGED_SHADOW;
+    begin_layer(vm, il, routed, shadow);  // our reads into a staging buffer in the slabs
+    if (shadow) {  // of the layer's shadows (--moe-precision): the precision stats count them
+        vis_moe_precision_staged(vm, L, ids, weights, (int64_t) routed.size());
+    }
+}

@@ -90,6 +90,8 @@ public:
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { reset_stats(); }
     bool streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const override;
+    void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
+                      const ggml_tensor * ids, const ggml_tensor * weights) override;
 
 private:
     void wait_ahead(vis_moe_context & vm, bool use);

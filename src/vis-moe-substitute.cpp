@@ -487,3 +487,27 @@ void vis_moe_substitute::stats_print(const vis_moe_context & vm) const {
                  t.bytes_saved / 1048576.0, vis_moe_stall_saved_us(vm, t.bytes_saved) / 1000.0);
 }
 
+void vis_moe_substitute::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+                                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                                        int64_t n_pairs) {
+    (void) vm;
+    (void) L;
+    (void) ids;
+    (void) n_pairs;
+    for (const auto & d : done) {
+        if (!d.speculative) {  // a demand background read was late (stand-ins' experts, precision's refetch)
+            layer_stats[il].bg_wait_us += waited_us;
+            return;
+        }
+    }
+}
+
+void vis_moe_substitute::plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
+                                    const ggml_tensor * weights, const ggml_tensor * scores) {
+    background = vis_moe_substitute_plan(vm, L, il, ids, weights, scores);
+}
+
+void vis_moe_substitute::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    vis_moe_substitute_fetch(vm, L, il, background);
+    background.clear();
+}

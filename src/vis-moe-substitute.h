@@ -87,8 +87,15 @@ public:
     const char * feature_name() const override { return "substitution"; }
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
+    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
+    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
+                    const ggml_tensor * scores) override;
+    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
+    bool wants_scores(const vis_moe_context &, int il) const override { return rules[il].mode == VIS_SUB_ROUTER; }
 
 private:
+    std::vector<int32_t> background;  // the experts the running layer's plan reads in the background
     vis_moe_sub_settings cfg;
     std::unique_ptr<vis_buddy_profile> profile;
     std::vector<vis_sub_rule> rules;  // per layer

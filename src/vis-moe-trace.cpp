@@ -109,3 +109,9 @@ void vis_moe_trace::ubatch_end(vis_moe_context & vm) {
         vm.fail(err);
     }
 }
+
+void vis_moe_trace::plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) {
+    if (vm.sub || L.sub_active) {  // the experts the passes run (SUB1, after the REC1)
+        record_sub(il, ids->ne[1], (int) ids->ne[0], L.exec.data(), L.outcome.data());
+    }
+}

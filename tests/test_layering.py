@@ -38,12 +38,11 @@ FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-prefetch", "vis-moe-prefetch-a
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
                    "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk"}
-# Core modules that still reach a feature by name: the graph and its ops call the features' graph nodes and pass-0
-# steps directly (issue #23 item 2, the plan value, removes them), and attach creates the features.  Only shrinks.
+# Core modules that still reach a feature by name: the graph builds the nodes of prefetch, replay and staging, the
+# ops run the shadow passes, and attach creates the features.  Only shrinks.
 KNOWN_CORE_FEATURE_INCLUDES = {
-    "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage", "vis-moe-substitute"},
-    "vis-moe-ops": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-precision", "vis-moe-prefetch",
-                    "vis-moe-replay", "vis-moe-shadow-slots", "vis-moe-stage", "vis-moe-substitute", "vis-moe-trace"},
+    "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage"},
+    "vis-moe-ops": {"vis-moe-precision", "vis-moe-shadow-slots"},
     "vis-moe-attach": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-precision", "vis-moe-prefetch",
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},
