@@ -34,7 +34,7 @@ CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-m
                 "vis-moe-fetch", "vis-moe-fetch-slots", "vis-moe-upload", "vis-moe-feature", "vis-moe-store",
                 "vis-moe-io-pool", "vis-moe-host-cache", "vis-moe-deferred"}
 # ... and the features: the mechanisms behind vis_moe_feature (src/vis-moe-feature.h) and the modules only they use
-FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
+FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
                    "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk"}
