@@ -3,6 +3,8 @@
 // the slabs, the paging tiers and what gets locked in memory.
 #include "vis-moe.h"
 #include "vis-moe-attach-plan.h"
+#include "vis-moe-attach-upload.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-context.h"
 #include "vis-moe-lend.h"
 #include "vis-moe-stage.h"
@@ -20,6 +22,7 @@
 #include "vis-moe-status.h"
 #include "vis-moe-telemetry.h"
 #include "vis-moe-topk.h"
+#include "vis-moe-trace.h"
 #include "vis-moe-upload.h"
 #include "vis-error.h"
 
@@ -367,8 +370,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     vm->layers.resize(hp.n_layer());
     if (replaying) {
-        vm->replay = std::make_unique<vis_moe_replay>(s.replay_path, ap.moe_layers, (int) hp.n_layer(), (int) hp.n_expert,
-                                                      (int) hp.n_expert_used_max(), n_used, llm_arch_name(model.arch));  // throws on a bad or mismatched trace
+        vm->replay = vm->add(std::make_unique<vis_moe_replay>(s.replay_path, ap.moe_layers, (int) hp.n_layer(),
+                                                              (int) hp.n_expert, (int) hp.n_expert_used_max(), n_used,
+                                                              llm_arch_name(model.arch)));  // throws on a bad or mismatched trace
     }
 
     ap.policy = s.policy;
@@ -377,7 +381,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         vis_tell_user(vis_moe_unpaged_line(model, ap));
     }
     // the sidecar first (header and tensor table only): with --moe-precision on its slots share the budget
-    vm->shadow = vis_moe_plan_shadow(model, s, ap);
+    vm->shadow = vm->add(vis_moe_plan_shadow(model, s, ap));
     vm->unified = s.tier.unified != 0 && ap.all_host_devices;
     size_slots(lctx, model, s, ap, *vm);
     bool locked = create_slabs(model, s, ap, *vm);
@@ -401,7 +405,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     getrusage(RUSAGE_SELF, &ru);
     vm->majflt0 = vm->majflt_last = ru.ru_majflt;
     if (tracing) {
-        vm->trace = std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used);
+        vm->trace = vm->add(std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used));
     }
     log_summary(s, ap, *vm, (int) hp.n_expert);
     if (s.sub.on() && !hp.no_alloc) {
@@ -454,9 +458,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         if (!s.csv_path.empty() && s.csv_path == s.trace_path) {
             throw std::runtime_error("--moe-csv: '" + s.csv_path + "' is also the --moe-trace file; give each its own file");
         }
-        vm->telemetry = std::make_unique<vis_moe_telemetry>(  // throws on a refused --moe-csv file
+        vm->telemetry = vm->add(std::make_unique<vis_moe_telemetry>(  // throws on a refused --moe-csv file
             s.csv_path, vis_moe_run_inputs(*vm, s), vis_moe_status_wanted(vm->params.print_stats != 0, STDERR_FILENO),
-            vis_moe_lossy_what(*vm), vis_moe_props_json(*vm, vis_moe_kv_bytes(lctx)), vis_moe_counters_now(*vm));
+            vis_moe_lossy_what(*vm), vis_moe_props_json(*vm, vis_moe_kv_bytes(lctx)), vis_moe_counters_now(*vm)));
     }
     return vm;
 }

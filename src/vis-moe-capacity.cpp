@@ -2,12 +2,15 @@
 #include "vis-moe-capacity.h"
 #include "vis-moe-context.h"
 #include "vis-moe-modality.h"
+#include "vis-moe-passes.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -147,16 +150,16 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
 
 void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
                            const ggml_tensor * weights, const ggml_tensor * scores) {
-    (void) il;
     if (!vm.capacity || !vm.modality || !vm.modality->has_image()) {
         return;
     }
     const int k = (int) ids->ne[0];
     const int64_t n_tokens = ids->ne[1], n_pairs = n_tokens * k;
-    vis_cap_rule rule = vm.capacity_rule;
-    rule.base = vm.capacity_rule.base > 0 ? vm.capacity_rule.base : L.n_slots;  // auto: one pass of slots
-    rule.drop = vm.capacity_rule.drop && L.cpu_passes;  // the gate weight is zeroed in the CPU's copy
-    rule.bias = vm.modality_profile ? vm.modality_profile->layer(il) : nullptr;
+    const vis_cap_rule & cr = vm.capacity->rule();
+    vis_cap_rule rule = cr;
+    rule.base = cr.base > 0 ? cr.base : L.n_slots;  // auto: one pass of slots
+    rule.drop = cr.drop && L.cpu_passes;  // the gate weight is zeroed in the CPU's copy
+    rule.bias = vm.capacity->profile() ? vm.capacity->profile()->layer(il) : nullptr;
     vis_cap_input in;
     in.ids      = L.run_ids((const int32_t *) ids->data);
     in.n_tokens = n_tokens;
@@ -182,15 +185,16 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
                 hits += resident[e];
             }
         }
-        rule.max_loads = std::max<int64_t>(0, (int64_t) vm.full_passes(L, n_pairs, true) * L.n_slots - hits);
+        rule.max_loads = std::max<int64_t>(0, (int64_t) vis_moe_full_passes(vm, L, n_pairs, true) * L.n_slots - hits);
     }
     std::vector<int32_t> exec(in.ids, in.ids + n_pairs);
     std::vector<uint8_t> dropped(n_pairs);
-    const int64_t over0 = L.cap_stats.n_overflow, forced0 = L.cap_stats.n_forced;
-    if (!vis_cap_decide(rule, L.n_expert, resident, in, exec.data(), dropped.data(), L.cap_stats)) {
+    llama_vis_moe_cap_stats & st = vm.capacity->stats(il);
+    const int64_t over0 = st.n_overflow, forced0 = st.n_forced;
+    if (!vis_cap_decide(rule, L.n_expert, resident, in, exec.data(), dropped.data(), st)) {
         return;
     }
-    L.cap_stats.bytes_saved += ((L.cap_stats.n_overflow - over0) - (L.cap_stats.n_forced - forced0)) * L.expert_bytes;
+    st.bytes_saved += ((st.n_overflow - over0) - (st.n_forced - forced0)) * L.expert_bytes;
     if (!vm.sub) {
         L.outcome.assign(n_pairs, 0);  // with substitution on, its outcomes of this ubatch stay (the trace's SUB1)
     }
@@ -205,12 +209,28 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
     }
 }
 
+vis_moe_capacity::vis_moe_capacity(const vis_cap_rule & rule, std::unique_ptr<vis_modality_profile> profile, int n_layer)
+    : cap_rule(rule), bias(std::move(profile)), layer_stats(n_layer) {}
+
+vis_moe_capacity::~vis_moe_capacity() = default;
+
+int vis_moe_capacity::image_pass_bound(const vis_moe_context & vm, const vis_moe_layer & L) const {
+    return vis_moe_capacity_passes(vm, L);
+}
+
+void vis_moe_capacity::stats_reset() {
+    for (auto & st : layer_stats) {
+        st = {};
+    }
+}
+
 int vis_moe_capacity_passes(const vis_moe_context & vm, const vis_moe_layer & L) {
-    if (!vm.capacity || !vm.capacity_rule.drop || !L.cpu_passes || L.n_slots <= 0) {
+    if (!vm.capacity || !vm.capacity->rule().drop || !L.cpu_passes || L.n_slots <= 0) {
         return 0;
     }
-    const int base = vm.capacity_rule.base > 0 ? vm.capacity_rule.base : L.n_slots;
-    const long cmax = std::max<long>(0, std::lround(base * (1.0 + vm.capacity_rule.rho * 0.5)));
+    const vis_cap_rule & cr = vm.capacity->rule();
+    const int base = cr.base > 0 ? cr.base : L.n_slots;
+    const long cmax = std::max<long>(0, std::lround(base * (1.0 + cr.rho * 0.5)));
     return 1 + (int) ((cmax + L.n_slots - 1) / L.n_slots);
 }
 
@@ -219,16 +239,17 @@ void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, co
     if (!c.on() || vm.n_managed == 0) {
         return;
     }
+    std::unique_ptr<vis_modality_profile> profile;
     if (!c.profile.empty()) {
-        vm.modality_profile = std::make_unique<vis_modality_profile>(vis_modality_profile_load(c.profile, model));
+        profile = std::make_unique<vis_modality_profile>(vis_modality_profile_load(c.profile, model));
     }
-    vm.capacity       = true;
-    vm.capacity_rule  = {};
-    vm.capacity_rule.base = c.capacity;  // 0: auto, resolved per layer
-    vm.capacity_rule.rho  = c.rho;
-    vm.capacity_rule.drop = c.drop != 0;
+    vis_cap_rule rule;
+    rule.base = c.capacity;  // 0: auto, resolved per layer
+    rule.rho  = c.rho;
+    rule.drop = c.drop != 0;
+    vm.capacity = vm.add(std::make_unique<vis_moe_capacity>(rule, std::move(profile), (int) vm.layers.size()));
     if (!vm.modality) {
-        vm.modality = std::make_unique<vis_moe_modality>(c.delta);
+        vm.modality = vm.add(std::make_unique<vis_moe_modality>(c.delta));
     }
     LLAMA_LOG_INFO("vis-moe: entropy-weighted capacity (lossy): --moe-capacity %s per managed layer and image ubatch, "
                    "rho %g, delta %g, drop %s%s%s\n", c.capacity == 0 ? "auto (its slots)" : std::to_string(c.capacity).c_str(),
@@ -238,8 +259,11 @@ void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, co
 
 void vis_moe_total_cap_stats(const vis_moe_context & vm, llama_vis_moe_cap_stats & t) {
     t = {};
-    for (const auto & L : vm.layers) {
-        const auto & s = L.cap_stats;
+    if (!vm.capacity) {
+        return;
+    }
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        const auto & s = vm.capacity->stats((int) il);
         t.n_ubatches += s.n_ubatches;
         t.capacity += s.capacity;
         t.rv_sum += s.rv_sum;
@@ -251,6 +275,27 @@ void vis_moe_total_cap_stats(const vis_moe_context & vm, llama_vis_moe_cap_stats
         t.n_dropped += s.n_dropped;
         t.bytes_saved += s.bytes_saved;
     }
+}
+
+static void print_cap_row(const std::string & label, const llama_vis_moe_cap_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8.1f %6.3f %8" PRId64 " %8" PRId64 " %8" PRId64 " %7" PRId64 " %9" PRId64
+                         " %8" PRId64 " %10.2f\n", label.c_str(), s.n_ubatches,
+                 s.n_ubatches ? (double) s.capacity / s.n_ubatches : 0.0, s.n_ubatches ? s.rv_sum / s.n_ubatches : 0.0,
+                 s.n_missing, s.n_loaded, s.n_overflow, s.n_forced, s.n_rerouted, s.n_dropped, s.bytes_saved / 1048576.0);
+}
+
+void vis_moe_capacity::stats_print(const vis_moe_context & vm) const {
+    std::fprintf(stderr, "vis-moe: entropy-weighted capacity (--moe-capacity): missing image-only experts per layer\n");
+    std::fprintf(stderr, "vis-moe: %5s %8s %8s %6s %8s %8s %8s %7s %9s %8s %10s\n", "layer", "ubatches", "cap avg",
+                 "R_v", "missing", "loaded", "overflow", "forced", "rerouted", "dropped", "MiB saved");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].stats.managed) {
+            print_cap_row(std::to_string(il), layer_stats[il]);
+        }
+    }
+    llama_vis_moe_cap_stats t;
+    vis_moe_total_cap_stats(vm, t);
+    print_cap_row("total", t);
 }
 
 int32_t llama_vis_moe_macs_weights(const float * embd, int64_t n_tokens, int64_t n_embd, float delta, float * out) {

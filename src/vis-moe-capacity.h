@@ -21,9 +21,11 @@
 #pragma once
 
 #include "llama-vis.h"
+#include "vis-moe-feature.h"
 #include "vis-moe-settings.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 struct vis_moe_context;
@@ -56,14 +58,44 @@ struct vis_cap_input {
 bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<uint8_t> & resident,
                     const vis_cap_input & in, int32_t * exec, uint8_t * dropped, llama_vis_moe_cap_stats & st);
 
-// context creation: the rule of --moe-capacity (and the modality profile of --moe-cap-profile), or nothing when off.
-// Throws std::runtime_error naming the flag (a bad profile).
-void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s);
+struct vis_modality_profile;
 
 // pass 0 of a managed layer, after substitution and before the precision policy: apply the capacity to this
 // ubatch's pairs (L.exec, L.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image tokens.
 void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
                            const ggml_tensor * weights, const ggml_tensor * scores);
+
+// the capacity of a context: its rule, the experts' modality bias, per layer what it rerouted and dropped
+class vis_moe_capacity : public vis_moe_feature {
+public:
+    vis_moe_capacity(const vis_cap_rule & rule, std::unique_ptr<vis_modality_profile> profile, int n_layer);
+    ~vis_moe_capacity() override;
+
+    const vis_cap_rule & rule() const { return cap_rule; }
+    const vis_modality_profile * profile() const { return bias.get(); }
+    llama_vis_moe_cap_stats & stats(int il) { return layer_stats[il]; }
+    const llama_vis_moe_cap_stats & stats(int il) const { return layer_stats[il]; }
+
+    // the feature (vis-moe-feature.h): the capacity table; an image ubatch's passes bounded (vis_moe_capacity_passes)
+    const char * feature_name() const override { return "capacity"; }
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override;
+    int  image_pass_bound(const vis_moe_context & vm, const vis_moe_layer & L) const override;
+    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
+                    const ggml_tensor * scores) override {
+        vis_moe_capacity_plan(vm, L, il, ids, weights, scores);  // image pairs over capacity rerouted
+    }
+    bool wants_scores(const vis_moe_context &, int) const override { return true; }  // reroutes choose by score
+
+private:
+    vis_cap_rule cap_rule;
+    std::unique_ptr<vis_modality_profile> bias;
+    std::vector<llama_vis_moe_cap_stats> layer_stats;
+};
+
+// context creation: the rule of --moe-capacity (and the modality profile of --moe-cap-profile), or nothing when off.
+// Throws std::runtime_error naming the flag (a bad profile).
+void vis_moe_capacity_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s);
 
 // the full-precision passes the capacity bounds an image ubatch of layer L to: the hits (at most its slots) and the
 // experts it may load, C at most round(N (1 + rho / 2)): 1 + ceil(C / slots).  0 when it bounds nothing (off, or

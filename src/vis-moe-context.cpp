@@ -1,18 +1,9 @@
 // vis-moe-context.cpp - lifetime of a context's expert cache: ownership by
 // llama_context (vis-owner.h), per-ubatch bookkeeping, failures.
+// The features (vis-moe-feature.h) are reached through their interface only: no feature header here.
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
-#include "vis-moe-lend.h"
-#include "vis-moe-passes.h"
-#include "vis-moe-stage.h"
-#include "vis-moe-prefetch.h"
-#include "vis-moe-precision.h"
-#include "vis-moe-replay.h"
-#include "vis-moe-modality.h"
-#include "vis-moe-shadow.h"
-#include "vis-moe-substitute.h"
-#include "vis-moe-telemetry.h"
 #include "vis-error.h"
 
 #include "llama-context.h"
@@ -31,8 +22,9 @@ void vis_deleter::operator()(vis_moe_context * p) const {
 }
 
 vis_moe_context::~vis_moe_context() {
-    fetch.reset();    // first: background reads in flight write into the slabs and staging blocks freed below
-    uploads.clear();  // then their copies on the upload streams (discrete GPU): each waits for its stream
+    fetch.reset();     // first: background reads in flight write into the slabs and staging blocks freed below
+    features.clear();  // then the features (a staged read in flight writes into the slabs too)
+    uploads.clear();   // then their copies on the upload streams (discrete GPU): each waits for its stream
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }
@@ -41,10 +33,10 @@ vis_moe_context::~vis_moe_context() {
     }
 }
 
-vis_moe_op_ud * vis_moe_context::ud(int il, int pass, vis_op_kind kind) {
+vis_moe_op_ud * vis_moe_op_uds::get(int il, int pass, vis_op_kind kind) {
     auto & p = uds[{ il, pass, (int) kind }];
     if (!p) {
-        p.reset(new vis_moe_op_ud{ this, il, pass, kind });
+        p.reset(new vis_moe_op_ud{ vm, il, pass, kind });
     }
     return p.get();
 }
@@ -66,9 +58,20 @@ vis_moe_context * vis_moe_of(const llama_context * lctx) {
     return lctx ? lctx->vis_moe.get() : nullptr;
 }
 
+int vis_moe_context::image_pass_bound(const vis_moe_layer & L) const {
+    int bound = 0;
+    for (const auto & f : features) {
+        const int b = f->image_pass_bound(*this, L);
+        bound = b > 0 && (bound == 0 || b < bound) ? b : bound;
+    }
+    return bound;
+}
+
 void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
-    if (vm && vm->telemetry) {
-        vm->telemetry->clear_status();  // the live line goes before the exit summary
+    if (vm) {
+        for (auto & f : vm->features) {
+            f->detach(*vm);  // telemetry: the live line goes before the exit summary
+        }
     }
     if (vm && vm->params.print_stats && vm->n_managed > 0) {
         llama_vis_moe_stats tot;
@@ -81,40 +84,6 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm) {
         vis_moe_print_notes(*vm);
     }
     vm.reset();
-}
-
-bool vis_moe_context::streams(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
-    if (stream_passes <= 0 || !L.can_stream() || (image && vis_moe_capacity_passes(*this, L) > 0)) {
-        return false;
-    }
-    // an image ubatch whose layers would stage their shadows (--moe-precision) streams as soon as it needs a
-    // second pass: staged shadows, read in the background, beat passes whose shadow reads the compute waits for
-    // (docs/precision-speed.md)
-    const int limit = image && stages_shadows(L, image) ? 1 : stream_passes;
-    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > limit;
-}
-
-bool vis_moe_context::stages_shadows(const vis_moe_layer & L, bool image) const {
-    return stage && stage->has_shadow((int) (&L - layers.data())) && vis_moe_precision_stages_shadows(*this, image);
-}
-
-int vis_moe_context::full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots);
-    const int cap = image ? vis_moe_capacity_passes(*this, L) : 0;
-    return cap > 0 ? std::min(n, cap) : n;
-}
-
-int vis_moe_context::shadow_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const {
-    if (!precision || !L.shadow.on()) {
-        return 0;
-    }
-    const int n = vis_shadow_max_passes(L, n_pairs);
-    if (image && vis_moe_capacity_passes(*this, L) > 0) {
-        // the capacity bounds the experts loaded to what the full passes hold: the shadows served are among them
-        const int64_t most = (int64_t) full_passes(L, n_pairs, image) * L.n_slots;
-        return std::min<int>(n, (int) ((most + L.shadow.n_slots - 1) / L.shadow.n_slots));
-    }
-    return n;
 }
 
 // the model files the layers' experts are read from
@@ -150,29 +119,15 @@ void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
         vm->n_prompt_ubatches = 0;
     }
     vm->in_prompt = !vm->ub_decode;
+    vm->ub_image  = false;
     vm->ub_t0_us  = ggml_time_us();
     for (auto & L : vm->layers) {
         if (L.managed) {
             L.slots.policy().begin_step();  // the step clock of a policy that decays (lfu)
         }
     }
-    if (vm->prefetch) {
-        vm->prefetch->begin_ubatch(vm->ub_decode);
-    }
-    if (vm->trace) {
-        vm->trace->begin_ubatch(ub);
-    }
-    if (vm->replay) {
-        vm->replay->begin_ubatch(ub);
-    }
-    if (vm->modality) {
-        vm->modality->begin_ubatch(ub, (int64_t) vm->model->hparams.n_embd_inp());
-    }
-    if (vm->precision) {
-        vm->precision->begin_ubatch();
-    }
-    if (vm->telemetry) {
-        vm->telemetry->begin_ubatch(vis_moe_counters_now(*vm), ub.n_tokens, vm->ub_decode);
+    for (auto & f : vm->features) {
+        f->ubatch_begin(*vm, ub);
     }
 }
 
@@ -189,26 +144,6 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
     if (!vm) {
         return true;
     }
-    if (vm->trace) {
-        const std::string err = vm->trace->end_ubatch();
-        if (!err.empty()) {
-            vm->fail(err);
-        }
-    }
-    if (vm->prefetch) {
-        vm->prefetch->end_ubatch();
-        for (auto & L : vm->layers) {
-            if (L.managed) {
-                L.slots.policy().end_step();  // speculative horizons count down; unused reads ahead go first
-            }
-        }
-    }
-    if (vm->stage) {
-        vm->stage->end_ubatch(*vm);  // a staged read still in flight: waited for, the buffers forgotten
-    }
-    if (vm->precision) {
-        vm->precision->end_ubatch(*vm, ggml_time_us() - vm->ub_t0_us);  // the controller sees the ubatch's stalls
-    }
     if (!vm->ub_decode) {
         vm->n_prompt_ubatches++;
         vm->ttft_us += ggml_time_us() - vm->ub_t0_us;
@@ -220,21 +155,17 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
         const int64_t d = ru.ru_majflt - vm->majflt_last;
         vm->majflt_last = ru.ru_majflt;
         if (vm->ub_streamed) {
-            vm->ub_streamed = false;
             drop_streamed_pages(*vm);
-            vis_moe_return_slabs(*vm);
         } else if (d >= 256 && !vm->warned_faults) {
             vm->warned_faults = true;
             LLAMA_LOG_WARN("vis-moe: %" PRId64 " major page faults in one ubatch: the system is paging our working set "
                            "(swap or evicted mmap pages); lower --moe-mem / --moe-slots / --moe-host-mib or use --moe-mem auto\n", d);
         }
     }
-    if (vm->telemetry) {
-        const std::string err = vm->telemetry->end_ubatch(vis_moe_counters_now(*vm));  // last: the whole ubatch
-        if (!err.empty()) {
-            vm->fail(err);
-        }
+    for (auto & f : vm->features) {
+        f->ubatch_end(*vm);  // slab lending returns the slabs here; telemetry (last) sees the whole ubatch
     }
+    vm->ub_streamed = false;
     std::lock_guard<std::mutex> lock(vm->err_mutex);
     if (vm->failed) {
         vis_set_last_error(vm->failure);

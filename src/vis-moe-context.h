@@ -12,12 +12,10 @@
 #pragma once
 
 #include "llama-vis.h"
+#include "vis-moe-feature.h"
 #include "vis-moe-slot-pool.h"
-#include "vis-moe-capacity.h"
-#include "vis-moe-shadow-slots.h"
 #include "vis-moe-store.h"
 #include "vis-moe-telemetry-types.h"
-#include "vis-moe-trace.h"
 #include "vis-moe-upload.h"
 
 #include "ggml.h"
@@ -34,17 +32,20 @@
 struct llama_model;
 struct llama_layer;
 struct llama_context;
-class vis_moe_substitute;
 class vis_moe_fetcher;
+struct vis_moe_settings;
+// the features (vis-moe-feature.h): the context holds typed, non-owning handles to them
+class vis_moe_substitute;
 class vis_moe_prefetcher;
 class vis_moe_stager;
 struct vis_moe_shadow;
 class vis_moe_precision;
+class vis_moe_capacity;
+class vis_moe_lender;
 class vis_moe_modality;
 class vis_moe_replay;
 class vis_moe_telemetry;
-struct vis_modality_profile;
-struct vis_moe_settings;
+class vis_moe_trace;
 
 // the expert tensors of a layer, in slab order
 enum { VIS_T_GATE = 0, VIS_T_UP, VIS_T_DOWN, VIS_T_GATE_UP, VIS_T_COUNT };
@@ -64,6 +65,19 @@ struct vis_moe_op_ud {
     int il;
     int pass;
     vis_op_kind kind;
+};
+
+// the userdata of a context's custom ops, stable for its lifetime.  The graph holds a const context and asks for
+// them (vis_moe_context::ud); each names the context it belongs to, given when the context was made: the ops
+// change the cache through their userdata, never through the graph's pointer.
+class vis_moe_op_uds {
+public:
+    explicit vis_moe_op_uds(vis_moe_context * owner) : vm(owner) {}
+    vis_moe_op_ud * get(int il, int pass, vis_op_kind kind);
+
+private:
+    vis_moe_context * vm;
+    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
 };
 
 struct vis_moe_layer {
@@ -93,15 +107,12 @@ struct vis_moe_layer {
 
     llama_vis_moe_stats stats = {};
 
-    // substitution (vis-moe-substitute.h) for the ubatch being computed: the expert each pair runs, and why
+    // the planners' choice for the ubatch being computed (substitution, capacity): the expert each pair runs, and why
     bool sub_active = false;          // some pair runs a stand-in: the ops read exec, not the routed ids
     std::vector<int32_t> exec;
     std::vector<uint8_t> outcome;
-    llama_vis_moe_sub_stats sub_stats = {};
-    // shadow experts (vis-moe-shadow-slots.h, --moe-precision): the shadow slots and what they served
+    // the shadow slots (--moe-precision; the second slot pool, vis-moe-slot-pool.h) and what they served
     vis_shadow_slots shadow;
-    llama_vis_moe_prec_stats prec_stats = {};
-    llama_vis_moe_cap_stats  cap_stats  = {};  // entropy-weighted capacity (vis-moe-capacity.h)
 
     // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
     const int32_t * run_ids(const int32_t * routed) const { return sub_active ? exec.data() : routed; }
@@ -135,9 +146,6 @@ struct vis_moe_context {
     const llama_model * model = nullptr;
     llama_vis_moe_params params = {};
     llama_vis_moe_tier_params tier = {};
-    std::unique_ptr<vis_moe_trace> trace;
-    std::unique_ptr<vis_moe_replay> replay;  // VIS_MOE_REPLAY (vis-moe-replay.h): a benchmark knob, else null
-    std::unique_ptr<vis_moe_telemetry> telemetry;  // --moe-csv, the status line, /metrics (vis-moe-telemetry.h)
 
     std::vector<vis_moe_layer> layers;  // indexed by layer
     int n_managed     = 0;
@@ -146,7 +154,7 @@ struct vis_moe_context {
 
     std::vector<ggml_context *>        ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
-    std::map<std::tuple<int, int, int>, std::unique_ptr<vis_moe_op_ud>> uds;
+    std::unique_ptr<vis_moe_op_uds>    op_uds = std::make_unique<vis_moe_op_uds>(this);  // never null
     // host bytes between a tier and a slab that the CPU cannot write: expert-sized blocks, pinned on a discrete GPU
     std::unique_ptr<vis_staging_pool> staging;
     vis_pin_budget pin;  // pinned host memory this context may hold (tier 2 + staging)
@@ -155,46 +163,43 @@ struct vis_moe_context {
     // paging tiers (vis-moe-store.h)
     std::unique_ptr<vis_io_pool>    io;
     std::unique_ptr<vis_host_cache> host;
+    // background reads into slots (vis-moe-fetch.h): substitution, precision refetches, prefetch, read-ahead
+    std::unique_ptr<vis_moe_fetcher> fetch;
     bool    host_exclusive = false;  // unified memory: tier 2 never holds what a slab holds
     bool    unified        = false;
     bool    locked         = false;
     int64_t slab_bytes     = 0;
     int64_t majflt0        = 0, majflt_last = 0;
     bool    warned_faults  = false;
-    int64_t n_slab_hits = 0, n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;
+    int64_t n_host_hits = 0, n_file_reads = 0, n_model_copies = 0;  // slab hits: the layers' stats.n_hits
+    // prefill streaming (docs/paging.md#prefill-streaming)
     int64_t n_streamed = 0, bytes_streamed = 0;
     int     stream_passes = 8;      // a ubatch that would need more passes than this in a layer streams it
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
     bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
-    // slab lending (vis-moe-lend.h): streamed ubatches give the slabs' pages to the page cache
-    bool    lend_slabs    = false;  // decided at attach
-    // staged streaming (vis-moe-stage.h): streamed layers read into staging buffers carved out of the slabs
-    std::unique_ptr<vis_moe_stager> stage;
-    bool    slabs_lent    = false;  // the current ubatch lent them
-    int64_t n_lent = 0, bytes_lent = 0;
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
+    bool    ub_image      = false;  // the current ubatch is image embeddings (the modality feature says so)
     // time to first token of the last prompt: the compute time of its ubatches (the prompt ubatches since the last
     // decode step), without the time between them
     int64_t ub_t0_us = 0, ttft_us = -1, n_prompt_ubatches = 0;
     bool    in_prompt = false;
 
-    // substitution on a miss (lossy, --moe-substitute): its rules, and the reads of what stand-ins replaced
-    std::unique_ptr<vis_moe_substitute> sub;
-    std::unique_ptr<vis_moe_fetcher>    fetch;
-    // lookahead prediction and prefetch (exact, --moe-predict): reads ahead through `fetch`
-    std::unique_ptr<vis_moe_prefetcher> prefetch;
-    // shadow experts (--moe-shadow, vis-moe-shadow.h): the sidecar, checked at attach; with --moe-precision on, the
-    // policy that serves misses from them (vis-moe-precision.h) and the bytes of the layers' shadow slabs
-    std::unique_ptr<vis_moe_shadow>    shadow;
-    std::unique_ptr<vis_moe_precision> precision;
-    int64_t shadow_slab_bytes = 0;
-    // the modality of the running ubatch (vis-moe-modality.h: image tokens, MACS weights), with precision or capacity
-    std::unique_ptr<vis_moe_modality>     modality;
-    // entropy-weighted capacity (--moe-capacity, vis-moe-capacity.h): on, its rule, the experts' modality bias
-    bool                                  capacity = false;
-    vis_cap_rule                          capacity_rule;
-    std::unique_ptr<vis_modality_profile> modality_profile;
+    // the features (vis-moe-feature.h), in attach order: the lifetime hooks loop over them
+    std::vector<std::unique_ptr<vis_moe_feature>> features;
+    // typed handles to them, null when off, for the graph and its ops (owned by `features`)
+    vis_moe_replay *     replay    = nullptr;  // VIS_MOE_REPLAY (vis-moe-replay.h): a benchmark knob
+    vis_moe_trace *      trace     = nullptr;  // --moe-trace (vis-moe-trace.h)
+    vis_moe_substitute * sub       = nullptr;  // --moe-substitute (vis-moe-substitute.h)
+    vis_moe_prefetcher * prefetch  = nullptr;  // --moe-predict (vis-moe-prefetch.h): reads ahead through `fetch`
+    vis_moe_shadow *     shadow    = nullptr;  // --moe-shadow: the sidecar (vis-moe-shadow.h)
+    vis_moe_precision *  precision = nullptr;  // --moe-precision (vis-moe-precision.h): misses from the shadow slots
+    vis_moe_modality *   modality  = nullptr;  // the running ubatch's image tokens (vis-moe-modality.h)
+    vis_moe_capacity *   capacity  = nullptr;  // --moe-capacity (vis-moe-capacity.h)
+    vis_moe_stager *     stage     = nullptr;  // staged streaming (vis-moe-stage.h)
+    vis_moe_lender *     lend      = nullptr;  // slab lending (vis-moe-lend.h)
+    vis_moe_telemetry *  telemetry = nullptr;  // --moe-csv, the status line, /metrics (vis-moe-telemetry.h)
+    int64_t shadow_slab_bytes = 0;             // bytes of the layers' shadow slabs
 
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
@@ -211,19 +216,21 @@ struct vis_moe_context {
 
     ~vis_moe_context();
 
-    // does a ubatch with n_pairs (token, expert) pairs stream layer L (more than stream_passes passes needed)?
-    // image: the ubatch is image embeddings (the entropy-weighted capacity may bound its experts: never streamed)
-    bool streams(const vis_moe_layer & L, int64_t n_pairs, bool image = false) const;
-    // when such a ubatch streams staged, does L read its shadows (the stager holds L's shadow stand-ins and the
-    // precision policy serves every routed expert, vis_moe_precision_stages_shadows)?
-    bool stages_shadows(const vis_moe_layer & L, bool image) const;
-    // the passes on L's full-precision slabs such a ubatch may need (the graph builds that many, pass 0 numbers
-    // the shadow passes after them), and the shadow passes after them (0 without shadow slots)
-    int full_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const;
-    int shadow_passes(const vis_moe_layer & L, int64_t n_pairs, bool image) const;
+    // own a feature (null: off, nothing added) and return its typed handle
+    template <typename T> T * add(std::unique_ptr<T> f) {
+        T * p = f.get();
+        if (p) {
+            features.push_back(std::move(f));
+        }
+        return p;
+    }
+    // the index of layer L in `layers`
+    int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
+    // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)
+    int image_pass_bound(const vis_moe_layer & L) const;
 
     // userdata of a custom op, stable for the context's lifetime
-    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind);
+    vis_moe_op_ud * ud(int il, int pass, vis_op_kind kind) const { return op_uds->get(il, pass, kind); }
     // what a tight budget costs: a warning now, repeated in the --moe-stats footer
     void note(const std::string & msg);
     // a load failed inside a graph op: the ubatch is reported as failed (first message kept)
@@ -239,9 +246,8 @@ void vis_moe_print_stats(const vis_moe_context & vm);
 // what a tight budget or a lossy setting costs (vis_moe_context::note), one line each: the footer of the stats table,
 // alone for a context without managed layers (--moe-topk without the cache)
 void vis_moe_print_notes(const vis_moe_context & vm);
-void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
-void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
-void vis_moe_print_prec_stats(const vis_moe_context & vm);
+// bytes not read before a layer could run, at the file read rate this context measured (0 before any read)
+int64_t vis_moe_stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved);
 
 // what telemetry reads out of the cache (vis-moe-telemetry-probe.cpp; vis-moe-telemetry.h): the counters now, the
 // lossy mechanisms on (space-separated, "" = exact), the mode and memory plan /props shows (JSON), the bytes of a

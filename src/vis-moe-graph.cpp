@@ -7,7 +7,6 @@
 #include "vis-moe-prefetch.h"
 #include "vis-moe-replay.h"
 #include "vis-moe-stage.h"
-#include "vis-moe-substitute.h"
 
 #include <algorithm>
 
@@ -32,7 +31,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vm->shadow_passes(L, pairs, false);
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vis_moe_shadow_passes(*vm, L, pairs, false);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
@@ -41,8 +40,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,
                                          ggml_tensor *& selected_experts, ggml_tensor *& weights_,
                                          ggml_tensor * scores_, ggml_tensor * cur, int64_t n_tokens, bool image_ubatch)
-    : ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
-    vm = const_cast<vis_moe_context *>(vm_);
+    : vm(vm_), ctx(ctx_), gf(gf_), il(il_), cur_in(cur) {
     if (!vm || il < 0 || il >= (int) vm->layers.size()) {
         vm = nullptr;
         return;
@@ -73,16 +71,18 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         return;
     }
     managed = true;
-    if ((vm->sub && vm->sub->rule(il).mode == VIS_SUB_ROUTER) || vm->capacity) {
-        scores = scores_;  // router substitution and capacity reroutes choose by router score
+    for (const auto & f : vm->features) {
+        if (f->wants_scores(*vm, il)) {
+            scores = scores_;  // router substitution and capacity reroutes choose by router score
+        }
     }
     const int64_t pairs = selected_experts->ne[0] * n_tokens;  // 0 on a last layer without output rows
-    n_pass = vm->full_passes(L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
+    n_pass = vis_moe_full_passes(*vm, L, pairs, image_ubatch);  // the capacity may bound an image ubatch's experts
     n_full = n_pass;
-    if (!vm->streams(L, pairs, image_ubatch)) {
-        n_pass += vm->shadow_passes(L, pairs, image_ubatch);  // the shadow passes follow the full-precision ones
+    if (!vis_moe_streams(*vm, L, pairs, image_ubatch)) {
+        n_pass += vis_moe_shadow_passes(*vm, L, pairs, image_ubatch);  // the shadow passes follow the full-precision ones
     }
-    if (vm->streams(L, pairs, image_ubatch)) {
+    if (vis_moe_streams(*vm, L, pairs, image_ubatch)) {
         // Prefill streaming: a ubatch that routes (nearly) every expert would need many small passes (tight budgets:
         // one slot per layer -> 128 passes, each re-running the layer's element-wise ops over all pairs).  Run
         // upstream's graph on the mapped tensors instead: the experts are read once, in file order, through the page
@@ -94,7 +94,7 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
         staged  = vis_moe_stage_ubatch(*vm, pairs, image_ubatch);
         // a streamed ubatch whose every routed expert runs from its shadow (--moe-precision all, or an image ubatch
         // under vision) stages the layer's shadows: fewer bytes, upstream's mul_mat_id on the shadow type
-        staged_shadow = staged && vm->stages_shadows(L, image_ubatch);
+        staged_shadow = staged && vis_moe_stages_shadows(*vm, L, image_ubatch);
         n_pass  = 1;
         n_full  = 1;
         ggml_tensor * t = ggml_map_custom2(ctx, ids_cont, weights, vis_moe_stream_op, 1,
@@ -111,7 +111,8 @@ vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_conte
 
 void vis_moe_layer_graph::add_replay(ggml_tensor *& ids, ggml_tensor *& w) {
     if (w->ne[0] != 1 || w->ne[1] != ids->ne[0] || w->ne[2] != ids->ne[1]) {
-        vm->fail("VIS_MOE_REPLAY: the router weights of layer " + std::to_string(il) + " are not [1, k, n_tokens]; "
+        // a graph-build failure goes where the ops' failures go: to the context named by their userdata
+        vm->ud(il, 0, VIS_OP_REPLAY_IDS)->vm->fail("VIS_MOE_REPLAY: the router weights of layer " + std::to_string(il) + " are not [1, k, n_tokens]; "
                  "replay does not support this architecture");
         return;
     }

@@ -2,12 +2,15 @@
 #include "vis-moe-lend.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-host-cache.h"
 #include "vis-moe-policy.h"
 
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <string>
 
 #include <unistd.h>
@@ -26,7 +29,6 @@ static bool slab_pages(ggml_backend_buffer_t buf, uintptr_t & a0, uintptr_t & a1
 }
 
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
-    vm.lend_slabs = false;
     if (mode == 0 || (mode < 0 && plan_free < 0) || vm.stream_passes <= 0 || vm.n_managed == 0) {
         return;
     }
@@ -44,7 +46,7 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     const int64_t need  = layer_bytes * (vm.stream_ahead ? 2 : 1);
     const int64_t slabs = vm.slab_bytes + vm.shadow_slab_bytes;  // what lending gives: the shadow slabs too
     if (mode > 0) {
-        vm.lend_slabs = true;
+        vm.lend = vm.add(std::make_unique<vis_moe_lender>());
         LLAMA_LOG_INFO("vis-moe: --moe-stream-lend on: streamed ubatches lend the slabs' %.0f MiB to the page cache and "
                        "refill them afterwards\n", slabs / 1048576.0);
         return;
@@ -52,7 +54,7 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     if (plan_free >= need || vm.stage) {
         return;  // room enough, or streamed ubatches stage their layers in the slabs (vis-moe-stage.h): no page cache
     }
-    vm.lend_slabs = true;
+    vm.lend = vm.add(std::make_unique<vis_moe_lender>());
     LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
                    "(%s): streamed ubatches lend the slabs' %.0f MiB to the page cache and refill them afterwards\n",
                    plan_free / 1048576.0, need / 1048576.0, vm.stream_ahead ? "two layers' experts, --moe-stream-ahead"
@@ -79,10 +81,10 @@ void vis_moe_empty_slots(vis_moe_context & vm) {
 }
 
 void vis_moe_lend_slabs(vis_moe_context & vm) {
-    if (!vm.lend_slabs || vm.slabs_lent) {
+    if (!vm.lend || vm.lend->lent) {
         return;
     }
-    vm.slabs_lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
+    vm.lend->lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
     vis_moe_empty_slots(vm);
     for (ggml_backend_buffer_t buf : vm.bufs) {
         uintptr_t a0, a1;
@@ -93,17 +95,17 @@ void vis_moe_lend_slabs(vis_moe_context & vm) {
             munlock((void *) a0, a1 - a0);
         }
         if (madvise((void *) a0, a1 - a0, MADV_DONTNEED) == 0) {
-            vm.bytes_lent += (int64_t) (a1 - a0);
+            vm.lend->bytes_lent += (int64_t) (a1 - a0);
         }
     }
-    vm.n_lent++;
+    vm.lend->n_lent++;
 }
 
 void vis_moe_return_slabs(vis_moe_context & vm) {
-    if (!vm.slabs_lent) {
+    if (!vm.lend || !vm.lend->lent) {
         return;
     }
-    vm.slabs_lent = false;
+    vm.lend->lent = false;
     if (!vm.locked) {
         return;  // the pages come back as the slots refill
     }
@@ -112,5 +114,30 @@ void vis_moe_return_slabs(vis_moe_context & vm) {
         if (slab_pages(buf, a0, a1)) {
             vis_mlock_region((void *) a0, a1 - a0, "the expert slabs");
         }
+    }
+}
+
+void vis_moe_lender::ubatch_end(vis_moe_context & vm) {
+    vis_moe_return_slabs(vm);  // lent only by a ubatch that streamed
+}
+
+void vis_moe_lender::stats_print(const vis_moe_context & vm) const {
+    (void) vm;
+    if (n_lent > 0) {
+        std::fprintf(stderr, "vis-moe: slab lending: %" PRId64 " streamed ubatches gave the slabs' %.2f MiB to the page "
+                             "cache (the slots emptied, refilled on demand)\n", n_lent,
+                     bytes_lent / 1048576.0 / (double) n_lent);
+    }
+}
+
+void vis_moe_lender::stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed,
+                                  vis_stream_how how, const ggml_tensor * ids, const ggml_tensor * weights) {
+    (void) L;
+    (void) il;
+    (void) routed;
+    (void) ids;
+    (void) weights;
+    if (how == VIS_STREAM_MAPPED) {
+        vis_moe_lend_slabs(vm);
     }
 }

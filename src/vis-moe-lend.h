@@ -20,11 +20,30 @@
 // were created with.  What is computed never changes, only what is resident.
 #pragma once
 
+#include "vis-moe-feature.h"
+
 #include <cstdint>
 
 struct vis_moe_context;
 
-// at attach, after the plan, the slabs and the stager (auto never lends where streamed ubatches stage): whether streamed ubatches lend the slabs (sets vm.lend_slabs and logs
+// the lending of a context that lends (vis_moe_lend_decide): whether the running ubatch lent the slabs, and how often
+class vis_moe_lender : public vis_moe_feature {
+public:
+    bool    lent       = false;  // the current ubatch lent them
+    int64_t n_lent     = 0;      // ubatches that lent them
+    int64_t bytes_lent = 0;
+
+    // the feature (vis-moe-feature.h): the slabs back at the end of a ubatch that lent them; the lending line
+    const char * feature_name() const override { return "lending"; }
+    void ubatch_end(vis_moe_context & vm) override;
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override { n_lent = bytes_lent = 0; }
+    // the first layer a ubatch streams through the mapping lends the slabs (tight plans: the page cache gets them)
+    void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
+                      const ggml_tensor * ids, const ggml_tensor * weights) override;
+};
+
+// at attach, after the plan, the slabs and the stager (auto never lends where streamed ubatches stage): whether streamed ubatches lend the slabs (adds vm.lend and logs
 // the reason).  mode: --moe-stream-lend (-1 auto: the rule above; 0 never; 1 whenever a layer can stream).
 // plan_free: budget bytes the plan left unplaced (< 0: no --moe-mem plan).
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free);

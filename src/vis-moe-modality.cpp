@@ -1,5 +1,6 @@
 // vis-moe-modality.cpp - image tokens, MACS weights and the modality profile (vis-moe-modality.h).
 #include "vis-moe-modality.h"
+#include "vis-moe-context.h"
 #include "vis-moe-profile.h"
 #include "vis-error.h"
 
@@ -73,4 +74,9 @@ vis_modality_profile vis_modality_profile_load(const std::string & path, const l
         p.bias[i] = lab[i] == 3 ? VIS_BIAS_VISUAL : lab[i] == 1 ? VIS_BIAS_TEXT : VIS_BIAS_SHARED;
     }
     return p;
+}
+
+void vis_moe_modality::ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) {
+    begin_ubatch(ub, (int64_t) vm.model->hparams.n_embd_inp());
+    vm.ub_image = has_image();
 }

@@ -11,6 +11,7 @@
 // a test holds the two equal.  Computed here from the ubatch itself, so every tool gets it, not only pyvis.
 #pragma once
 
+#include "vis-moe-feature.h"
 #include "llama-vis.h"
 
 #include <cstdint>
@@ -38,10 +39,13 @@ struct vis_modality_profile {
 vis_modality_profile vis_modality_profile_load(const std::string & path, const llama_model & model);
 
 // the modality of the ubatch being computed
-class vis_moe_modality {
+class vis_moe_modality : public vis_moe_feature {
 public:
     explicit vis_moe_modality(double delta_) : delta(delta_) {}
     void begin_ubatch(const llama_ubatch & ub, int64_t n_embd);
+    // the feature (vis-moe-feature.h): each ubatch's image tokens, before the planners of its layers read them
+    const char * feature_name() const override { return "modality"; }
+    void ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) override;
     // per token: 1 = image embedding; null when every token is text
     const uint8_t * image() const { return any_image ? image_tok.data() : nullptr; }
     // per token: MACS weight (text 1)

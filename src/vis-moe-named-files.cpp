@@ -2,6 +2,7 @@
 // (vis-moe-named-files.h).
 #include "vis-moe-named-files.h"
 #include "vis-moe-context.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-io-pool.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-profile.h"
@@ -36,7 +37,7 @@ void vis_moe_check_named_files(const vis_moe_settings & s, const llama_model & m
         vis_tell_user("--moe-predict-profile " + s.predict.profile + ": validated, not used: " +
                       (!s.predict.on() ? "--moe-predict is off" : cache ? "no prediction runs" : off));
     }
-    if (!s.cap.profile.empty() && !(vm && vm->modality_profile)) {
+    if (!s.cap.profile.empty() && !(vm && vm->capacity && vm->capacity->profile())) {
         vis_modality_profile_load(s.cap.profile, model);
         vis_tell_user("--moe-cap-profile " + s.cap.profile + ": validated, not used: " +
                       (!s.cap.on() ? "--moe-capacity is off" : off));

@@ -2,14 +2,10 @@
 #include "vis-moe-ops.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
-#include "vis-moe-lend.h"
-#include "vis-moe-stage.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-passes.h"
-#include "vis-moe-prefetch.h"
 #include "vis-moe-precision.h"
-#include "vis-moe-replay.h"
-#include "vis-moe-modality.h"
-#include "vis-moe-substitute.h"
+#include "vis-moe-shadow-slots.h"
 
 #include <cstring>
 #include <exception>
@@ -48,53 +44,52 @@ static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body b
     }
 }
 
-// the layer's background reads (substitution, reads ahead) before it plans: cancelled, waited for, resident
-static void collect_background(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * ids, int64_t n_pairs) {
-    int64_t waited = 0;
+// pass 0 of a managed layer (dep = the gate weights): plan the ubatch through the features' planning chain
+// (vis-moe-feature.h), split its experts into passes, load pass 0, then start the plan's background reads
+static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor * dep, const ggml_tensor * scores) {
+    vis_moe_context & vm = a.vm;
+    vis_moe_layer & L = a.L;
+    const int il = a.ud.il;
+    for (auto & f : vm.features) {
+        f->observe_routing(vm, il, ids_t, dep);  // pass 0 depends on the router weights
+    }
+    int64_t waited = 0;  // the layer's background reads (substitution, reads ahead): cancelled, waited for, resident
     const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, L, il, waited);
-    bool any_sub = false;
-    for (const auto & d : done) {
-        any_sub = any_sub || !d.speculative;
+    for (auto & f : vm.features) {
+        f->plan_collected(vm, L, il, done, waited, a.ids, a.n_pairs);
     }
-    if (any_sub) {
-        L.sub_stats.bg_wait_us += waited;
+    L.sub_active = false;  // the routed ids, unless a planner picks others
+    for (auto & f : vm.features) {
+        f->plan_route(vm, L, il, ids_t, dep, scores);  // stand-ins, then image pairs over capacity rerouted
     }
-    if (vm.prefetch) {
-        vm.prefetch->collected(L, il, done, any_sub ? 0 : waited, ids, n_pairs);
+    for (auto & f : vm.features) {
+        f->plan_routed(vm, L, il, ids_t);  // the experts the passes run (the trace's SUB1, after the REC1)
+    }
+    const int32_t * run = L.run_ids(a.ids);
+    for (auto & f : vm.features) {
+        f->plan_serve(vm, L, il, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
+    }
+    vis_moe_plan_passes(L, run, a.n_pairs, L.shadow.on() ? L.shadow.serve.data() : nullptr);
+    const int n_full = vis_moe_full_passes(vm, L, a.n_pairs, vm.ub_image);
+    vis_shadow_plan(L, n_full);  // numbered as the graph counts
+    if ((int) L.passes.size() > n_full || (int) L.shadow.passes.size() > vis_moe_shadow_passes(vm, L, a.n_pairs, vm.ub_image)) {
+        throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " planned " + std::to_string(L.passes.size()) +
+                                 " + " + std::to_string(L.shadow.passes.size()) + " passes, more than its graph has "
+                                 "(plan bug): the ubatch is not computed");
+    }
+    vis_moe_run_pass(vm, L, il, 0, run, a.n_pairs, a.out);
+    for (auto & f : vm.features) {
+        f->plan_background(vm, L, il);  // stand-ins' experts, precision's refetch
     }
 }
 
-// pass p of a managed layer; pass 0 (dep = the gate weights) also plans the ubatch
+// pass p of a managed layer; pass 0 also plans the ubatch
 static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, const ggml_tensor * scores,
                     void * userdata) {
     ids_op a(dst, ids_t, userdata);
     guarded(a.vm, a.out, a.n_pairs, [&]() {
         if (a.ud.pass == 0) {
-            if (a.vm.trace) {
-                a.vm.trace->record(a.ud.il, ids_t, dep);  // pass 0 depends on the router weights
-            }
-            collect_background(a.vm, a.L, a.ud.il, a.ids, a.n_pairs);
-            const std::vector<int32_t> background = vis_moe_substitute_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);
-            vis_moe_capacity_plan(a.vm, a.L, a.ud.il, ids_t, dep, scores);  // image pairs over capacity rerouted
-            if (a.vm.trace && (a.vm.sub || a.L.sub_active)) {  // the experts the passes run (SUB1, after the REC1)
-                a.vm.trace->record_sub(a.ud.il, ids_t->ne[1], (int) ids_t->ne[0], a.L.exec.data(), a.L.outcome.data());
-            }
-            const int32_t * run = a.L.run_ids(a.ids);
-            vis_moe_precision_plan(a.vm, a.L, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
-            vis_moe_plan_passes(a.L, run, a.n_pairs, a.L.shadow.on() ? a.L.shadow.serve.data() : nullptr);
-            const bool image = a.vm.modality && a.vm.modality->has_image();
-            const int n_full = a.vm.full_passes(a.L, a.n_pairs, image);
-            vis_shadow_plan(a.L, n_full);  // numbered as the graph counts
-            if ((int) a.L.passes.size() > n_full ||
-                (int) a.L.shadow.passes.size() > a.vm.shadow_passes(a.L, a.n_pairs, image)) {
-                throw std::runtime_error("vis-moe: layer " + std::to_string(a.ud.il) + " planned " +
-                                         std::to_string(a.L.passes.size()) + " + " +
-                                         std::to_string(a.L.shadow.passes.size()) + " passes, more than its graph has "
-                                         "(plan bug): the ubatch is not computed");
-            }
-            vis_moe_run_pass(a.vm, a.L, a.ud.il, 0, run, a.n_pairs, a.out);
-            vis_moe_substitute_fetch(a.vm, a.L, a.ud.il, background);
-            vis_moe_precision_refetch(a.vm, a.L, a.ud.il);
+            plan_ubatch(a, ids_t, dep, scores);
             return;
         }
         vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
@@ -125,7 +120,8 @@ void vis_moe_shadow_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const 
     }
     ids_op a(dst, ids_t, userdata);
     guarded(a.vm, a.out, a.n_pairs, [&]() {
-        vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
+        vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out,
+                            a.vm.precision->stats(a.ud.il));
     }, [&](int64_t) { return a.L.cpu_passes ? -1 : a.L.shadow.n_slots; });
 }
 
@@ -149,8 +145,8 @@ void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_t
         return;
     }
     ids_op a(dst, ids_t, userdata);
-    if (a.vm.trace) {
-        a.vm.trace->record(a.ud.il, ids_t, weights);
+    for (auto & f : a.vm.features) {
+        f->observe_routing(a.vm, a.ud.il, ids_t, weights);
     }
     std::memcpy(a.out, a.ids, a.n_pairs * sizeof(int32_t));
 }
@@ -211,13 +207,13 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
     }
     ids_op a(dst, ids_t, userdata);
     vis_moe_context & vm = a.vm;
-    const vis_moe_layer & L = a.L;
+    vis_moe_layer & L = a.L;
     const int64_t n_pairs = a.n_pairs;
     const int32_t * ids = a.ids;
     std::memcpy(a.out, ids, n_pairs * sizeof(int32_t));
     guarded(vm, a.out, n_pairs, [&]() {
-        if (vm.trace) {
-            vm.trace->record(a.ud.il, ids_t, weights);
+        for (auto & f : vm.features) {
+            f->observe_routing(vm, a.ud.il, ids_t, weights);
         }
         std::vector<bool> seen(L.n_expert, false);
         std::vector<int>  routed;  // the distinct experts of the ubatch, in first-use order
@@ -233,14 +229,14 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         if (const vis_gguf_file * f = L.any_file()) {
             f->check_unchanged();  // never compute on a file replaced under us
         }
-        if (a.ud.pass >= 1) {  // staged (vis-moe-stage.h): our reads into a staging buffer in the slabs
-            vm.stage->begin_layer(vm, a.ud.il, routed, shadow);
-            if (shadow) {  // 2: of the layer's shadows (--moe-precision); the precision stats count them
-                vis_moe_precision_staged(vm, a.L, ids_t, weights, (int64_t) routed.size());
-            }
+        // 0: through the mapping (slab lending gives the page cache the slabs' memory first, under tight plans);
+        // 1, 2: staged (vis-moe-stage.h), the stager reads into a staging buffer in the slabs (2: the shadows)
+        for (auto & f : vm.features) {
+            f->stream_layer(vm, L, a.ud.il, routed, (vis_stream_how) a.ud.pass, ids_t, weights);
+        }
+        if (a.ud.pass >= 1) {
             return;
         }
-        vis_moe_lend_slabs(vm);  // tight plans: the page cache gets the slabs' memory for this ubatch
         stream_advise(L, true);
         vm.ub_streamed = true;
         if (vm.stream_ahead) {
@@ -271,54 +267,5 @@ void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth,
     if (ith == 0) {
         auto * ud = (vis_moe_op_ud *) userdata;
         stream_advise(ud->vm->layers[ud->il], false);
-    }
-}
-
-// after layer il routed (and, when managed, loaded what its ubatch needs): learn, predict the layers ahead and
-// read their experts in the background.  src[0]: the routed ids; src[1]: an ordering dependency; src[1 + d]:
-// the router logits of layer il + d (F32), or the ids again where the graph did not compute them;
-// src[VIS_PREDICT_SRC_HIDDEN] (mlp only): layer il's FFN input [n_embd, n_tokens].
-void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    auto & ud = *(vis_moe_op_ud *) userdata;
-    vis_moe_context & vm = *ud.vm;
-    const ggml_tensor * ids_t = dst->src[0];
-    vis_predict_input in;
-    in.il       = ud.il;
-    in.k        = (int) ids_t->ne[0];
-    in.n_tokens = ids_t->ne[1];
-    in.ids      = (const int32_t *) ids_t->data;
-    for (int d = 1; d <= VIS_MAX_LOOKAHEAD && 1 + d < VIS_PREDICT_SRC_HIDDEN; ++d) {
-        const ggml_tensor * lg = dst->src[1 + d];
-        if (lg && lg->type == GGML_TYPE_F32) {
-            in.logits[d] = (const float *) lg->data;
-            in.stride[d] = (int64_t) (lg->nb[1] / sizeof(float));
-        }
-    }
-    const ggml_tensor * h = VIS_PREDICT_SRC_HIDDEN < GGML_MAX_SRC ? dst->src[VIS_PREDICT_SRC_HIDDEN] : nullptr;
-    if (h && h->type == GGML_TYPE_F32 && h->ne[1] == in.n_tokens && h->nb[0] == sizeof(float)) {
-        in.hidden        = (const float *) h->data;
-        in.n_embd        = h->ne[0];
-        in.hidden_stride = (int64_t) (h->nb[1] / sizeof(float));
-    }
-    try {
-        vm.prefetch->step(vm, in);
-    } catch (const std::exception & e) {
-        vm.fail(e.what());
-    }
-}
-
-void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    const auto & ud = *(const vis_moe_op_ud *) userdata;
-    const std::string failure = ud.vm->replay->fill(ud.il, dst, ud.kind == VIS_OP_REPLAY_WEIGHTS);
-    if (!failure.empty()) {
-        ud.vm->fail(failure);  // the first message of the ubatch is kept
     }
 }

@@ -6,8 +6,8 @@
 
 #include "ggml.h"
 
-// ids -> slot ids of pass ud->pass; the first pass (dep = the gate weights) plans the ubatch, with substitution
-// when it is on (and records the trace)
+// ids -> slot ids of pass ud->pass; the first pass (dep = the gate weights) plans the ubatch through the features'
+// planning chain (vis-moe-feature.h)
 void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * dep, int ith, int nth, void * ud);
 // the first pass with router substitution: scores = the router's scores [n_expert, n_tokens]
 void vis_moe_pass0_scored_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * weights,
@@ -23,11 +23,7 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_te
 // in place: copy the rows of the pairs pass ud->pass owns from b into a (CPU passes)
 void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * ids, int ith,
                       int nth, void * ud);
-// lookahead prediction (vis-moe-prefetch.h): learn from the layer's routing, read the layers ahead's experts
-// (src[0] = ids, src[1] = ordering dependency, src[1 + d] = router logits of layer il + d or the ids again)
-void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * ud);
-// VIS_MOE_REPLAY (vis-moe-replay.h): dst = the recorded ids (ud->kind VIS_OP_REPLAY_IDS) or weights
-// (VIS_OP_REPLAY_WEIGHTS) of layer ud->il; src[0] = the router's
-void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * ud);
+// (the ops of features that add graph nodes of their own are theirs: vis_moe_predict_op in vis-moe-prefetch.h,
+// vis_moe_replay_op in vis-moe-replay.h)
 // prefill streaming: after the layer, drop the streamed pages
 void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud);

@@ -12,6 +12,36 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
     return std::max(1, (int) ((std::min<int64_t>(n_expert, n_pairs) + n_slots - 1) / n_slots));
 }
 
+int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots);
+    const int cap = image ? vm.image_pass_bound(L) : 0;
+    return cap > 0 ? std::min(n, cap) : n;
+}
+
+int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    if (!vm.precision || !L.shadow.on()) {
+        return 0;
+    }
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.shadow.n_slots);
+    if (image && vm.image_pass_bound(L) > 0) {
+        // the capacity bounds the experts loaded to what the full passes hold: the shadows served are among them
+        const int64_t most = (int64_t) vis_moe_full_passes(vm, L, n_pairs, image) * L.n_slots;
+        return std::min<int>(n, (int) ((most + L.shadow.n_slots - 1) / L.shadow.n_slots));
+    }
+    return n;
+}
+
+bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    if (vm.stream_passes <= 0 || !L.can_stream() || (image && vm.image_pass_bound(L) > 0)) {
+        return false;
+    }
+    bool early = false;
+    for (const auto & f : vm.features) {
+        early = early || f->streams_early(vm, L, image);
+    }
+    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > (early ? 1 : vm.stream_passes);
+}
+
 void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip) {
     std::fill(L.pass_of.begin(), L.pass_of.end(), -1);
     std::vector<int32_t> hits, misses;
@@ -65,7 +95,6 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         if (s >= 0) {
             L.slots.policy().touch(s, e);
             L.stats.n_hits++;
-            vm.n_slab_hits++;
         }
     }
     std::vector<std::pair<int, int>> misses;  // (expert, slot)

@@ -21,6 +21,14 @@ struct vis_moe_layer;
 // passes a ubatch of n_pairs (token, expert) pairs needs at most, with n_slots slots of n_expert experts
 int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 
+// passes a ubatch of n_pairs pairs needs at most in layer L's full-precision slabs, and in its shadow slots after
+// them (0 without shadow slots).  image: the ubatch is image embeddings (a feature may bound its passes:
+// --moe-capacity, vis_moe_feature::image_pass_bound).  The graph builds that many; pass 0 plans within them.
+int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
+int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
+// does such a ubatch stream layer L (more than --moe-stream-passes passes needed, or more than one when a feature
+// streams the layer early: vis_moe_feature::streams_early)?  A pass-bounded image ubatch never streams.
+bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image = false);
 // split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first); experts with
 // skip[e] set (served from shadows, vis-moe-shadow-slots.h) are left out, with pass_of -1
 void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip = nullptr);

@@ -2,6 +2,7 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-shadow-slots.h"
@@ -9,6 +10,8 @@
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -114,7 +117,7 @@ vis_prec_rule vis_moe_precision::rule() const {
 static int64_t total_load_us(const vis_moe_context & vm) {
     int64_t us = 0;
     for (const auto & L : vm.layers) {
-        us += L.stats.load_us + L.prec_stats.load_us;
+        us += L.stats.load_us + (vm.precision ? vm.precision->stats(vm.index_of(L)).load_us : 0);
     }
     return us;
 }
@@ -125,6 +128,45 @@ void vis_moe_precision::end_ubatch(vis_moe_context & vm, int64_t ubatch_us) {
         ctl.update(now - stall0_us, ubatch_us);
     }
     stall0_us = now;
+}
+
+void vis_moe_precision::ubatch_end(vis_moe_context & vm) {
+    end_ubatch(vm, ggml_time_us() - vm.ub_t0_us);  // the controller sees the ubatch's stalls
+}
+
+void vis_moe_precision::stats_reset() {
+    for (auto & st : layer_stats) {
+        st = {};
+    }
+}
+
+static void print_prec_row(const std::string & label, const llama_vis_moe_prec_stats & s) {
+    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %10.2f %10.2f %8" PRId64
+                         " %9.2f %7" PRId64 "\n", label.c_str(), s.n_eligible, s.n_shadow, s.n_shadow_pairs, s.n_shadow_hits,
+                 s.n_shadow_reads, s.bytes_shadow / 1048576.0, s.bytes_saved / 1048576.0, s.n_refetch, s.load_us / 1000.0,
+                 s.n_vision_ubatches);
+}
+
+void vis_moe_precision::stats_print(const vis_moe_context & vm) const {
+    std::fprintf(stderr, "vis-moe: precision (--moe-precision %s, %s shadows): misses served from shadow experts\n",
+                 mode_name(), ggml_type_name(vm.shadow->type));
+    std::fprintf(stderr, "vis-moe: %5s %8s %8s %8s %8s %8s %10s %10s %8s %9s %7s\n", "layer", "eligibl", "shadow", "pairs",
+                 "sh hits", "sh reads", "MiB read", "MiB saved", "refetch", "stall ms", "vision");
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        if (vm.layers[il].shadow.on()) {
+            print_prec_row(std::to_string(il), layer_stats[il]);
+        }
+    }
+    llama_vis_moe_prec_stats t;
+    vis_moe_total_prec_stats(vm, t);
+    print_prec_row("total", t);
+    std::fprintf(stderr, "vis-moe: precision: %" PRId64 " of %" PRId64 " eligible misses ran from shadows (%" PRId64
+                         " pairs); %.2f MiB of full-precision reads left off the critical path%s",
+                 t.n_shadow, t.n_eligible, t.n_shadow_pairs, t.bytes_saved / 1048576.0,
+                 cfg.mode == VIS_PREC_AUTO ? "" : "\n");
+    if (cfg.mode == VIS_PREC_AUTO) {
+        std::fprintf(stderr, "; controller: share %d %%, %" PRId64 " switches\n", t.share_pct, t.n_switches);
+    }
 }
 
 void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, int n_shadow_slots, bool file_store) {
@@ -140,9 +182,9 @@ void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, 
     if (!vm.shadow) {
         return;  // no managed layer: the shadow loader said so
     }
-    vm.precision = std::make_unique<vis_moe_precision>(c);
+    vm.precision = vm.add(std::make_unique<vis_moe_precision>(c, (int) vm.layers.size()));
     if (!vm.modality) {
-        vm.modality = std::make_unique<vis_moe_modality>(s.cap.delta);  // which tokens are image tokens
+        vm.modality = vm.add(std::make_unique<vis_moe_modality>(s.cap.delta));  // which tokens are image tokens
     }
     vis_shadow_slots_create(vm, n_shadow_slots);
     if (!vm.io) {
@@ -183,9 +225,10 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
     for (int e = 0; e < L.n_expert; ++e) {
         resident[e] = L.slots.resident(e) ? 1 : 0;
     }
-    const int64_t before = L.prec_stats.n_eligible;
-    vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, L.shadow.serve, L.prec_stats);
-    vm.precision->eligible_seen = vm.precision->eligible_seen || L.prec_stats.n_eligible > before;
+    llama_vis_moe_prec_stats & st = vm.precision->stats(vm.index_of(L));
+    const int64_t before = st.n_eligible;
+    vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, L.shadow.serve, st);
+    vm.precision->eligible_seen = vm.precision->eligible_seen || st.n_eligible > before;
 }
 
 bool vis_moe_precision_stages_shadows(const vis_moe_context & vm, bool image_ubatch) {
@@ -204,7 +247,7 @@ void vis_moe_precision_staged(vis_moe_context & vm, vis_moe_layer & L, const ggm
     }
     const int32_t * ids = (const int32_t *) ids_t->data;
     vis_moe_precision_plan(vm, L, ids, ids_t, weights);
-    auto & st = L.prec_stats;
+    auto & st = vm.precision->stats(vm.index_of(L));
     for (int64_t j = 0; j < ggml_nelements(ids_t); ++j) {
         st.n_shadow_pairs += ids[j] >= 0 && ids[j] < L.n_expert && L.shadow.serve[ids[j]] ? 1 : 0;
     }
@@ -226,15 +269,18 @@ void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il) 
             if (r == VIS_FETCH_NO_SLOT) {
                 return;  // every slot serves this pass
             }
-            L.prec_stats.n_refetch++;
+            vm.precision->stats(il).n_refetch++;
         }
     }
 }
 
 void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_stats & t) {
     t = {};
-    for (const auto & L : vm.layers) {
-        const auto & s = L.prec_stats;
+    if (!vm.precision) {
+        return;
+    }
+    for (size_t il = 0; il < vm.layers.size(); ++il) {
+        const auto & s = vm.precision->stats((int) il);
         t.n_eligible += s.n_eligible;
         t.n_shadow += s.n_shadow;
         t.n_shadow_pairs += s.n_shadow_pairs;
@@ -246,8 +292,16 @@ void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_sta
         t.load_us += s.load_us;
         t.n_vision_ubatches += s.n_vision_ubatches;
     }
-    if (vm.precision) {
-        t.n_switches = vm.precision->controller().n_switches();
-        t.share_pct  = (int32_t) std::lround(100.0 * vm.precision->rule().share);
-    }
+    t.n_switches = vm.precision->controller().n_switches();
+    t.share_pct  = (int32_t) std::lround(100.0 * vm.precision->rule().share);
+}
+
+void vis_moe_precision::plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run,
+                                   const ggml_tensor * ids, const ggml_tensor * weights) {
+    (void) il;
+    vis_moe_precision_plan(vm, L, run, ids, weights);  // which misses run from shadows (L.shadow.serve)
+}
+
+void vis_moe_precision::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    vis_moe_precision_refetch(vm, L, il);
 }

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "llama-vis.h"
+#include "vis-moe-feature.h"
 #include "vis-moe-settings.h"
 
 #include <cstdint>
@@ -67,10 +68,10 @@ private:
     int64_t switches = 0;
 };
 
-// the precision state of a context: its settings, the image tokens of the running ubatch, the controller
-class vis_moe_precision {
+// the precision state of a context: its settings, the controller, per layer what the shadow slots served
+class vis_moe_precision : public vis_moe_feature {
 public:
-    explicit vis_moe_precision(const vis_moe_prec_settings & s) : cfg(s), ctl(s.target) {}
+    vis_moe_precision(const vis_moe_prec_settings & s, int n_layer) : cfg(s), ctl(s.target), layer_stats(n_layer) {}
     const vis_moe_prec_settings & settings() const { return cfg; }
     const char * mode_name() const;
     vis_prec_rule rule() const;
@@ -80,11 +81,25 @@ public:
     void end_ubatch(vis_moe_context & vm, int64_t ubatch_us);
     const vis_prec_controller & controller() const { return ctl; }
     bool eligible_seen = false;  // some layer of the running ubatch had eligible misses
+    // per layer: misses served from shadows (llama_vis_moe_get_prec_stats)
+    llama_vis_moe_prec_stats & stats(int il) { return layer_stats[il]; }
+    const llama_vis_moe_prec_stats & stats(int il) const { return layer_stats[il]; }
+
+    // the feature (vis-moe-feature.h): the controller sees each ubatch's stall share; the precision table
+    const char * feature_name() const override { return "precision"; }
+    void ubatch_begin(vis_moe_context &, const llama_ubatch &) override { begin_ubatch(); }
+    void ubatch_end(vis_moe_context & vm) override;
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override;
+    void plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run, const ggml_tensor * ids,
+                    const ggml_tensor * weights) override;
+    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
 
 private:
     vis_moe_prec_settings cfg;
     vis_prec_controller   ctl;
     int64_t               stall0_us = 0;  // the layers' load time at the start of the ubatch
+    std::vector<llama_vis_moe_prec_stats> layer_stats;
 };
 
 // context creation, after the slabs and --moe-shadow's loader: the shadow slots and the precision state, or nothing

@@ -27,15 +27,18 @@
 #include "vis-moe-settings.h"
 
 #include <cstdint>
+#include "vis-moe-feature.h"
+
 #include <memory>
 #include <vector>
 
 struct llama_model;
+struct ggml_tensor;
 struct vis_moe_context;
 struct vis_moe_layer;
 struct vis_fetch_done;
 
-class vis_moe_prefetcher {
+class vis_moe_prefetcher : public vis_moe_feature {
 public:
     vis_moe_prefetcher(const vis_moe_predict_settings & s, std::unique_ptr<vis_moe_predictor> pred, int n_layer,
                        int budget);
@@ -60,6 +63,16 @@ public:
     // counters of layer il (saved_us is left to the stats code, which knows the read rate)
     const llama_vis_moe_prefetch_stats & stats(int il) const { return layers[il].st; }
     void reset_stats();
+
+    // the feature (vis-moe-feature.h): the measured on/off choice times each ubatch; after it, the policies'
+    // speculative horizons count down; the prefetch table of --moe-stats
+    const char * feature_name() const override { return "prefetch"; }
+    void ubatch_begin(vis_moe_context & vm, const llama_ubatch &) override;
+    void ubatch_end(vis_moe_context & vm) override;
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override { reset_stats(); }
+    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
 
 private:
     struct ahead_read {
@@ -87,6 +100,15 @@ private:
     std::vector<layer_state> layers;
     std::vector<float> score;  // scratch
 };
+
+// the predict op (a graph node after layer il's routing): learn from the layer's routing, read the layers ahead's
+// experts.  src[0] = ids, src[1] = ordering dependency, src[1 + d] = router logits of layer il + d or the ids again
+void vis_moe_predict_op(ggml_tensor * dst, int ith, int nth, void * ud);
+
+// the totals of every layer (zeros without prefetch), with the measured choice's state
+void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & out);
+// estimate: the bytes of used reads ahead at this context's demand read rate, less the time waited for them
+int64_t vis_moe_prefetch_saved_us(const vis_moe_context & vm, const llama_vis_moe_prefetch_stats & s);
 
 // context creation (vis-moe-attach.cpp): the prefetcher of --moe-predict, and the background reader it needs.
 // Logs what it chose; nothing when prediction is off or the experts are not read from the file.

@@ -1,6 +1,7 @@
 // vis-moe-replay.cpp - VIS_MOE_REPLAY: a recorded routing trace replayed in place of the routers
 // (vis-moe-replay.h).
 #include "vis-moe-replay.h"
+#include "vis-moe-context.h"
 
 #include "ggml.h"
 
@@ -149,4 +150,16 @@ std::string vis_moe_replay::fill(int il, ggml_tensor * dst, bool weights) const 
         }
     }
     return failure;
+}
+
+void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto & ud = *(const vis_moe_op_ud *) userdata;
+    const std::string failure = ud.vm->replay->fill(ud.il, dst, ud.kind == VIS_OP_REPLAY_WEIGHTS);
+    if (!failure.empty()) {
+        ud.vm->fail(failure);  // the first message of the ubatch is kept
+    }
 }

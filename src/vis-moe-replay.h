@@ -23,13 +23,15 @@
 #include "vis-moe-route-csv.h"
 #include "vis-moe-ubatch-rows.h"
 
+#include "vis-moe-feature.h"
+
 #include <atomic>
 #include <string>
 #include <vector>
 
 struct ggml_tensor;
 
-class vis_moe_replay {
+class vis_moe_replay : public vis_moe_feature {
 public:
     // the trace at `path`, checked against the model: moe_layers = its layers with routed experts (in order),
     // n_layer its layers, n_expert, k_model its top-k, k_used the experts per token it runs (k_model, or
@@ -39,6 +41,10 @@ public:
                    int k_model, int k_used, const std::string & arch);
 
     void begin_ubatch(const llama_ubatch & ub) { rows.begin(ub); }
+
+    // the feature (vis-moe-feature.h): the rows of each ubatch
+    const char * feature_name() const override { return "replay"; }
+    void ubatch_begin(vis_moe_context &, const llama_ubatch & ub) override { begin_ubatch(ub); }
 
     // does model layer il replay (a MoE layer)?
     bool replays(int il) const { return il >= 0 && il < (int) trace_layer.size() && trace_layer[il] >= 0; }
@@ -63,3 +69,7 @@ private:
     vis_ubatch_rows  rows;
     mutable std::atomic<bool> warned_own{ false };  // a row ran the router's own choice (said once)
 };
+
+// the replay ops (graph nodes replacing layer ud->il's routing): dst = the recorded ids (ud->kind VIS_OP_REPLAY_IDS)
+// or weights (VIS_OP_REPLAY_WEIGHTS); src[0] = the router's
+void vis_moe_replay_op(ggml_tensor * dst, int ith, int nth, void * ud);

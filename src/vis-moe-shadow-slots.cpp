@@ -12,10 +12,6 @@
 #include <map>
 #include <stdexcept>
 
-int vis_shadow_max_passes(const vis_moe_layer & L, int64_t n_pairs) {
-    return L.shadow.on() ? vis_moe_max_passes(L.n_expert, n_pairs, L.shadow.n_slots) : 0;
-}
-
 void vis_shadow_plan(vis_moe_layer & L, int first_pass) {
     vis_shadow_slots & S = L.shadow;
     S.passes.clear();
@@ -52,9 +48,8 @@ static void shadow_slab_write(vis_shadow_slots & S, int s, const uint8_t * packe
 }
 
 void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp, const int32_t * ids, int64_t n_pairs,
-                         int32_t * out) {
+                         int32_t * out, llama_vis_moe_prec_stats & st) {
     vis_shadow_slots & S = L.shadow;
-    auto & st = L.prec_stats;
     const auto t0 = std::chrono::steady_clock::now();
     static const std::vector<int32_t> none;
     const std::vector<int32_t> & experts = sp < (int) S.passes.size() ? S.passes[sp] : none;

@@ -15,7 +15,8 @@
 // (the same bound with the shadow slots); the pass index of a shadow pass is first_pass + its number.
 #pragma once
 
-#include "vis-moe-slot-pool.h"
+#include "llama-vis.h"
+#include "vis-moe-slot-pool.h"  // vis_shadow_slots
 
 #include "ggml.h"
 
@@ -29,24 +30,7 @@ struct vis_moe_layer;
 struct vis_shadow_tensor;
 struct llama_model;
 
-struct vis_shadow_slots {
-    int     n_slots      = 0;      // 0: the layer serves nothing from shadows
-    int64_t expert_bytes = 0;      // bytes of one shadow expert (all its tensors)
-    bool    host_write   = false;  // the slabs are host memory the compute thread writes directly
-    std::array<ggml_tensor *, 4>             slab = {};  // [ne0, ne1, n_slots (+ staging)] of the shadow type
-    std::array<const vis_shadow_tensor *, 4> src  = {};  // the sidecar's tensors, in VIS_T_* order
-    vis_slot_pool pool;              // which shadow slot holds which expert, and who is evicted (vis-moe-slot-pool.h)
 
-    // the ubatch being computed
-    std::vector<uint8_t> serve;                  // expert -> 1: its pairs run from its shadow
-    std::vector<std::vector<int32_t>> passes;    // the served experts, in passes of at most n_slots
-    int first_pass = 0;                          // graph index of shadow pass 0
-
-    bool on() const { return n_slots > 0; }
-};
-
-// shadow passes a ubatch of n_pairs pairs may need in layer L (0 without shadow slots)
-int vis_shadow_max_passes(const vis_moe_layer & L, int64_t n_pairs);
 
 // after the full-precision plan: the experts with L.shadow.serve set go into shadow passes (shadow hits first),
 // numbered from first_pass; their L.pass_of is set accordingly
@@ -55,8 +39,9 @@ void vis_shadow_plan(vis_moe_layer & L, int first_pass);
 // shadow pass sp of the ubatch: its experts made resident in the shadow slots (LRU; misses read from the sidecar
 // through the I/O pool) and the id of every pair written (pairs of other passes: -1 on CPU, else the staging slot).
 // Throws vis_io_error on a failed read, with the slot table left consistent.
+// st: the precision stats of the layer (hits, reads, bytes, time)
 void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp, const int32_t * ids, int64_t n_pairs,
-                         int32_t * out);
+                         int32_t * out, llama_vis_moe_prec_stats & st);
 
 // context creation: n_slots shadow slots for every managed layer (clamped to the expert count), slabs allocated
 // in the buffer type of the layer's slabs.  Throws std::runtime_error when they cannot be allocated.

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "vis-moe-deferred.h"
+#include "vis-moe-feature.h"
 
 #include "ggml.h"
 
@@ -41,7 +42,10 @@ struct vis_shadow_tensor {
     int64_t   ne0 = 0, ne1 = 0;
 };
 
-struct vis_moe_shadow {
+// a feature (vis-moe-feature.h) without hooks: the context owns the sidecar with the other features
+struct vis_moe_shadow : public vis_moe_feature {
+    const char * feature_name() const override { return "shadow"; }
+
     std::string path;
     ggml_type   type = GGML_TYPE_COUNT;
     std::shared_ptr<vis_gguf_file> file;

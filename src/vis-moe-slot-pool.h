@@ -10,6 +10,9 @@
 
 #include "vis-moe-policy.h"
 
+#include "ggml.h"
+
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -48,4 +51,25 @@ private:
     std::vector<int32_t> slot_of_;    // expert -> slot, -1 if not resident
     std::vector<int32_t> expert_of_;  // slot -> expert, -1 if empty
     std::unique_ptr<vis_moe_policy> policy_;
+};
+
+struct vis_shadow_tensor;
+
+// the shadow slots of a managed layer (docs/precision.md, --moe-precision): the second slot pool, whose slabs hold
+// low-bit shadow experts (the --moe-shadow sidecar, vis-moe-shadow.h); the shadow passes that run from them are in
+// vis-moe-shadow-slots.h
+struct vis_shadow_slots {
+    int     n_slots      = 0;      // 0: the layer serves nothing from shadows
+    int64_t expert_bytes = 0;      // bytes of one shadow expert (all its tensors)
+    bool    host_write   = false;  // the slabs are host memory the compute thread writes directly
+    std::array<ggml_tensor *, 4>             slab = {};  // [ne0, ne1, n_slots (+ staging)] of the shadow type
+    std::array<const vis_shadow_tensor *, 4> src  = {};  // the sidecar's tensors, in VIS_T_* order
+    vis_slot_pool pool;              // which shadow slot holds which expert, and who is evicted (vis-moe-slot-pool.h)
+
+    // the ubatch being computed
+    std::vector<uint8_t> serve;                  // expert -> 1: its pairs run from its shadow
+    std::vector<std::vector<int32_t>> passes;    // the served experts, in passes of at most n_slots
+    int first_pass = 0;                          // graph index of shadow pass 0
+
+    bool on() const { return n_slots > 0; }
 };

@@ -2,7 +2,10 @@
 #include "vis-moe-stage.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-lend.h"
+#include "vis-moe-passes.h"
+#include "vis-moe-precision.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-shadow-slots.h"
 
@@ -11,6 +14,8 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <chrono>
 #include <string>
 
@@ -184,7 +189,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
             }
         }
     }
-    vm.stage = std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(shtens), std::move(buf_of));
+    vm.stage = vm.add(std::make_unique<vis_moe_stager>(n_buf, ctx, std::move(tens), std::move(shtens), std::move(buf_of)));
     if (n_buf == 2 && !vm.fetch) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(std::max(1, s.tier.io_threads), s.tier.direct_io);
     }
@@ -202,7 +207,7 @@ bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool imag
         if (!L.managed) {
             continue;
         }
-        if (!vm.streams(L, n_pairs, image)) {
+        if (!vis_moe_streams(vm, L, n_pairs, image)) {
             return false;
         }
     }
@@ -352,4 +357,37 @@ void vis_moe_stager::end_ubatch(vis_moe_context & vm) {
     }
     holds = { -1, -1 };
     ubatch_started = false;
+}
+
+bool vis_moe_stages_shadows(const vis_moe_context & vm, const vis_moe_layer & L, bool image) {
+    return vm.stage && vm.stage->has_shadow((int) (&L - vm.layers.data())) && vis_moe_precision_stages_shadows(vm, image);
+}
+
+bool vis_moe_stager::streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const {
+    // staged shadows, read in the background, beat passes whose shadow reads the compute waits for
+    // (docs/precision-speed.md)
+    return image && vis_moe_stages_shadows(vm, L, image);
+}
+
+void vis_moe_stager::stats_print(const vis_moe_context & vm) const {
+    (void) vm;
+    if (cnt.layers > 0) {
+        std::fprintf(stderr, "vis-moe: staged streaming: %" PRId64 " layers from %d staging buffer%s in the slabs (%" PRId64
+                             " read ahead while the layer before computed: %" PRId64 " routed experts found there, %"
+                             PRId64 " expert tensor reads dropped unstarted), %.2f MiB read, %.2f s waited\n",
+                     cnt.layers, n_buf, n_buf == 2 ? "s" : "", cnt.ahead, cnt.used, cnt.cancelled, cnt.bytes / 1048576.0,
+                     cnt.wait_us / 1e6);
+    }
+}
+
+void vis_moe_stager::stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed,
+                                  vis_stream_how how, const ggml_tensor * ids, const ggml_tensor * weights) {
+    if (how == VIS_STREAM_MAPPED) {
+        return;
+    }
+    const bool shadow = how == VIS_STREAM_STAGED_SHADOW;
+    begin_layer(vm, il, routed, shadow);  // our reads into a staging buffer in the slabs
+    if (shadow) {  // of the layer's shadows (--moe-precision): the precision stats count them
+        vis_moe_precision_staged(vm, L, ids, weights, (int64_t) routed.size());
+    }
 }

@@ -28,6 +28,7 @@
 // all of which were read for this layer; the result is upstream's, bit for bit.
 #pragma once
 
+#include "vis-moe-feature.h"
 #include "vis-moe-io-pool.h"
 #include "vis-moe-settings.h"
 
@@ -41,7 +42,7 @@
 struct vis_moe_context;
 struct vis_moe_layer;
 
-class vis_moe_stager {
+class vis_moe_stager : public vis_moe_feature {
 public:
     // n_buffers: 1 or 2; the staging tensors of every streamable layer live in ctx, their data in the slab buffers;
     // buf_of: per layer, the buffer its tensors use (-1: not staged)
@@ -82,6 +83,16 @@ public:
     const counters & stats() const { return cnt; }
     void reset_stats() { cnt = {}; }
 
+    // the feature (vis-moe-feature.h): the end of each ubatch, the staged-streaming line of --moe-stats, and an
+    // image ubatch whose layers stage their shadows streams them as soon as it needs a second pass
+    const char * feature_name() const override { return "staging"; }
+    void ubatch_end(vis_moe_context & vm) override { end_ubatch(vm); }
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override { reset_stats(); }
+    bool streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const override;
+    void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
+                      const ggml_tensor * ids, const ggml_tensor * weights) override;
+
 private:
     void wait_ahead(vis_moe_context & vm, bool use);
     std::vector<vis_read_req> reqs(const vis_moe_layer & L, int il, const std::vector<int> & experts, bool shadow) const;
@@ -108,3 +119,7 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s);
 // does the ubatch with n_pairs (token, expert) pairs per layer stream every managed layer from staging buffers?
 // (every managed layer must stream: a layer served from the slabs would overwrite the staged experts)
 bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool image = false);
+
+// when a ubatch streams layer L staged, does it read L's shadows: the stager holds L's shadow stand-ins and the
+// precision policy serves every routed expert (vis_moe_precision_stages_shadows)?
+bool vis_moe_stages_shadows(const vis_moe_context & vm, const vis_moe_layer & L, bool image);

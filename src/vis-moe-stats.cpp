@@ -1,11 +1,12 @@
 // vis-moe-stats.cpp - per-layer and per-tier stats of the expert cache, and the
 // --moe-stats table (stderr), behind the stats half of the C API (llama-vis.h).
+// Each feature prints and resets its own section (vis_moe_feature::stats_print, stats_reset); the C getters of
+// a feature's struct ask that feature (its totals function), zeros when it is off.
 #include "vis-moe-context.h"
-#include "vis-moe-stage.h"
-#include "vis-moe-substitute.h"
-#include "vis-moe-prefetch.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-precision.h"
-#include "vis-moe-shadow.h"
+#include "vis-moe-prefetch.h"
+#include "vis-moe-substitute.h"
 #include "vis-error.h"
 
 #include <algorithm>
@@ -50,7 +51,9 @@ static int64_t rss_peak_bytes() {
 
 static llama_vis_moe_io_stats io_stats(const vis_moe_context & vm) {
     llama_vis_moe_io_stats st = {};
-    st.slab_hits    = vm.n_slab_hits;
+    for (const auto & L : vm.layers) {
+        st.slab_hits += L.stats.n_hits;  // one counter: the layers' hits
+    }
     st.host_hits    = vm.n_host_hits;
     st.file_reads   = vm.n_file_reads;
     st.model_copies = vm.n_model_copies;
@@ -79,177 +82,13 @@ static llama_vis_moe_io_stats io_stats(const vis_moe_context & vm) {
     return st;
 }
 
-void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & tot) {
-    tot = {};
-    for (const auto & L : vm.layers) {
-        const auto & s = L.sub_stats;
-        tot.n_tokens += s.n_tokens;
-        tot.n_tokens_substituted += s.n_tokens_substituted;
-        tot.n_missing += s.n_missing;
-        for (int i = 0; i < LLAMA_VIS_SUB_N_OUTCOMES; ++i) {
-            tot.outcomes[i] += s.outcomes[i];
-        }
-        tot.bytes_saved += s.bytes_saved;
-        tot.bg_fetches += s.bg_fetches;
-        tot.bg_wait_us += s.bg_wait_us;
-    }
-}
-
 // bytes not read before a layer could run, at the file read rate this context measured (0 before any read)
-static int64_t stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) {
+int64_t vis_moe_stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) {
     if (!vm.io || vm.io->counters().bytes_read <= 0) {
         return 0;
     }
     const auto & c = vm.io->counters();
     return (int64_t) ((double) bytes_saved * (double) c.wait_us / (double) c.bytes_read);
-}
-
-static void print_sub_row(const std::string & label, const llama_vis_moe_sub_stats & s) {
-    const int64_t * o = s.outcomes;
-    std::fprintf(stderr, "vis-moe: %5s %9" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64
-                         " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %6" PRId64 " %10.2f %7" PRId64 " %8.2f\n",
-                 label.c_str(), s.n_tokens, s.n_missing, o[LLAMA_VIS_SUB_SUBSTITUTED], o[LLAMA_VIS_SUB_DROPPED], o[LLAMA_VIS_SUB_BLOCKED_TAE],
-                 o[LLAMA_VIS_SUB_BLOCKED_MARGIN], o[LLAMA_VIS_SUB_BLOCKED_BETA], o[LLAMA_VIS_SUB_BLOCKED_BUDGET],
-                 o[LLAMA_VIS_SUB_BLOCKED_WEIGHT], o[LLAMA_VIS_SUB_BLOCKED_RANK], o[LLAMA_VIS_SUB_NO_CANDIDATE], o[LLAMA_VIS_SUB_NEEDED_ANYWAY],
-                 o[LLAMA_VIS_SUB_NOT_ELIGIBLE], s.bytes_saved / 1048576.0, s.bg_fetches, s.bg_wait_us / 1000.0);
-}
-
-static void print_sub_stats(const vis_moe_context & vm) {
-    std::fprintf(stderr, "vis-moe: substitution (--moe-substitute %s): missing (token, expert) pairs by outcome\n",
-                 vm.sub->mode_name());
-    std::fprintf(stderr, "vis-moe: %5s %9s %8s %8s %8s %6s %6s %6s %6s %6s %6s %6s %6s %6s %10s %7s %8s\n", "layer",
-                 "tokens", "missing", "subst", "dropped", "tae", "margin", "beta", "budget", "weight", "rank", "nocand", "anyway", "prefil",
-                 "MiB saved", "bg read", "bg wait");
-    for (size_t il = 0; il < vm.layers.size(); ++il) {
-        if (vm.layers[il].stats.managed) {
-            print_sub_row(std::to_string(il), vm.layers[il].sub_stats);
-        }
-    }
-    llama_vis_moe_sub_stats t;
-    vis_moe_total_sub_stats(vm, t);
-    print_sub_row("total", t);
-    const bool drop = vm.sub->rule_mode() == VIS_SUB_DROP;
-    std::fprintf(stderr, "vis-moe: %s: %" PRId64 " of %" PRId64 " token-layers %s (%.2f per token "
-                         "and layer); %.2f MiB not read before their layer, ~%.1f ms of reads at this run's rate\n",
-                 drop ? "drop" : "substitution", t.n_tokens_substituted, t.n_tokens,
-                 drop ? "dropped an expert" : "ran a stand-in",
-                 t.n_tokens ? (double) t.outcomes[drop ? LLAMA_VIS_SUB_DROPPED : LLAMA_VIS_SUB_SUBSTITUTED] / t.n_tokens : 0.0,
-                 t.bytes_saved / 1048576.0, stall_saved_us(vm, t.bytes_saved) / 1000.0);
-}
-
-void vis_moe_total_prefetch_stats(const vis_moe_context & vm, llama_vis_moe_prefetch_stats & tot) {
-    tot = {};
-    if (!vm.prefetch) {
-        return;
-    }
-    for (size_t il = 0; il < vm.layers.size(); ++il) {
-        const auto & s = vm.prefetch->stats((int) il);
-        tot.n_steps += s.n_steps;
-        tot.n_predicted += s.n_predicted;
-        tot.n_pred_hits += s.n_pred_hits;
-        tot.n_routed += s.n_routed;
-        tot.n_issued += s.n_issued;
-        tot.n_used += s.n_used;
-        tot.n_wasted += s.n_wasted;
-        tot.n_late += s.n_late;
-        tot.n_cancelled += s.n_cancelled;
-        tot.bytes_read += s.bytes_read;
-        tot.bytes_wasted += s.bytes_wasted;
-        tot.wait_us += s.wait_us;
-        tot.n_off_steps += s.n_off_steps;
-        tot.enabled += vm.layers[il].managed ? s.enabled : 0;
-    }
-    const auto & ab = vm.prefetch->ab_result();
-    tot.ab_probes     = ab.probes;
-    tot.ab_on_us      = ab.median_on_us;
-    tot.ab_off_us     = ab.median_off_us;
-    tot.ab_chose_on   = ab.chose_on;
-    tot.ab_running_on = ab.running_on;
-}
-
-// estimate: the bytes of used reads ahead at this context's demand read rate, less the time waited for them
-static int64_t prefetch_saved_us(const vis_moe_context & vm, const llama_vis_moe_prefetch_stats & s) {
-    return stall_saved_us(vm, s.bytes_read - s.bytes_wasted) - s.wait_us;
-}
-
-static void print_prefetch_row(const vis_moe_context & vm, const std::string & label, const llama_vis_moe_prefetch_stats & s) {
-    std::fprintf(stderr, "vis-moe: %5s %7" PRId64 " %7.1f%% %7.1f%% %8" PRId64 " %8" PRId64 " %8" PRId64 " %6" PRId64
-                         " %6" PRId64 " %9.2f %9.2f %8.2f %9.2f %6" PRId64 " %3d\n",
-                 label.c_str(), s.n_steps, s.n_routed ? 100.0 * s.n_pred_hits / s.n_routed : 0.0,
-                 s.n_predicted ? 100.0 * s.n_pred_hits / s.n_predicted : 0.0, s.n_issued, s.n_used, s.n_wasted, s.n_late,
-                 s.n_cancelled, s.bytes_read / 1048576.0, s.bytes_wasted / 1048576.0, s.wait_us / 1000.0,
-                 prefetch_saved_us(vm, s) / 1000.0, s.n_off_steps, s.enabled);
-}
-
-static void print_prefetch_stats(const vis_moe_context & vm) {
-    std::fprintf(stderr, "vis-moe: prefetch (--moe-predict %s, lookahead %d, budget %d): the next layer's prediction "
-                         "and the reads ahead\n", vm.prefetch->name(), vm.prefetch->lookahead(), vm.prefetch->budget());
-    std::fprintf(stderr, "vis-moe: %5s %7s %8s %8s %8s %8s %8s %6s %6s %9s %9s %8s %9s %6s %3s\n", "layer", "steps",
-                 "recall", "prec", "issued", "used", "wasted", "late", "cancel", "MiB read", "MiB waste", "wait ms",
-                 "saved ms", "off", "on");
-    for (size_t il = 0; il < vm.layers.size(); ++il) {
-        if (vm.layers[il].stats.managed) {
-            print_prefetch_row(vm, std::to_string(il), vm.prefetch->stats((int) il));
-        }
-    }
-    llama_vis_moe_prefetch_stats t;
-    vis_moe_total_prefetch_stats(vm, t);
-    print_prefetch_row(vm, "total", t);
-    if (t.ab_probes > 0) {
-        std::fprintf(stderr, "vis-moe: prefetch measured: last probe %.2f ms per decode step with reads ahead, %.2f ms "
-                             "without; %d of %d probes chose reads ahead; now %s\n", t.ab_on_us / 1000.0,
-                     t.ab_off_us / 1000.0, t.ab_chose_on, t.ab_probes, t.ab_running_on ? "on" : "off");
-    }
-}
-
-static void print_prec_row(const std::string & label, const llama_vis_moe_prec_stats & s) {
-    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %8" PRId64 " %10.2f %10.2f %8" PRId64
-                         " %9.2f %7" PRId64 "\n", label.c_str(), s.n_eligible, s.n_shadow, s.n_shadow_pairs, s.n_shadow_hits,
-                 s.n_shadow_reads, s.bytes_shadow / 1048576.0, s.bytes_saved / 1048576.0, s.n_refetch, s.load_us / 1000.0,
-                 s.n_vision_ubatches);
-}
-
-void vis_moe_print_prec_stats(const vis_moe_context & vm) {
-    std::fprintf(stderr, "vis-moe: precision (--moe-precision %s, %s shadows): misses served from shadow experts\n",
-                 vm.precision->mode_name(), ggml_type_name(vm.shadow->type));
-    std::fprintf(stderr, "vis-moe: %5s %8s %8s %8s %8s %8s %10s %10s %8s %9s %7s\n", "layer", "eligibl", "shadow", "pairs",
-                 "sh hits", "sh reads", "MiB read", "MiB saved", "refetch", "stall ms", "vision");
-    for (size_t il = 0; il < vm.layers.size(); ++il) {
-        if (vm.layers[il].shadow.on()) {
-            print_prec_row(std::to_string(il), vm.layers[il].prec_stats);
-        }
-    }
-    llama_vis_moe_prec_stats t;
-    vis_moe_total_prec_stats(vm, t);
-    print_prec_row("total", t);
-    std::fprintf(stderr, "vis-moe: precision: %" PRId64 " of %" PRId64 " eligible misses ran from shadows (%" PRId64
-                         " pairs); %.2f MiB of full-precision reads left off the critical path%s",
-                 t.n_shadow, t.n_eligible, t.n_shadow_pairs, t.bytes_saved / 1048576.0,
-                 vm.precision->settings().mode == VIS_PREC_AUTO ? "" : "\n");
-    if (vm.precision->settings().mode == VIS_PREC_AUTO) {
-        std::fprintf(stderr, "; controller: share %d %%, %" PRId64 " switches\n", t.share_pct, t.n_switches);
-    }
-}
-
-static void print_cap_row(const std::string & label, const llama_vis_moe_cap_stats & s) {
-    std::fprintf(stderr, "vis-moe: %5s %8" PRId64 " %8.1f %6.3f %8" PRId64 " %8" PRId64 " %8" PRId64 " %7" PRId64 " %9" PRId64
-                         " %8" PRId64 " %10.2f\n", label.c_str(), s.n_ubatches,
-                 s.n_ubatches ? (double) s.capacity / s.n_ubatches : 0.0, s.n_ubatches ? s.rv_sum / s.n_ubatches : 0.0,
-                 s.n_missing, s.n_loaded, s.n_overflow, s.n_forced, s.n_rerouted, s.n_dropped, s.bytes_saved / 1048576.0);
-}
-
-static void print_cap_stats(const vis_moe_context & vm) {
-    std::fprintf(stderr, "vis-moe: entropy-weighted capacity (--moe-capacity): missing image-only experts per layer\n");
-    std::fprintf(stderr, "vis-moe: %5s %8s %8s %6s %8s %8s %8s %7s %9s %8s %10s\n", "layer", "ubatches", "cap avg",
-                 "R_v", "missing", "loaded", "overflow", "forced", "rerouted", "dropped", "MiB saved");
-    for (size_t il = 0; il < vm.layers.size(); ++il) {
-        if (vm.layers[il].stats.managed) {
-            print_cap_row(std::to_string(il), vm.layers[il].cap_stats);
-        }
-    }
-    llama_vis_moe_cap_stats t;
-    vis_moe_total_cap_stats(vm, t);
-    print_cap_row("total", t);
 }
 
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
@@ -270,17 +109,8 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     llama_vis_moe_stats t;
     vis_moe_total_stats(vm, t);
     print_row("total", "", t);
-    if (vm.sub) {
-        print_sub_stats(vm);
-    }
-    if (vm.prefetch) {
-        print_prefetch_stats(vm);
-    }
-    if (vm.precision) {
-        vis_moe_print_prec_stats(vm);
-    }
-    if (vm.capacity) {
-        print_cap_stats(vm);
+    for (const auto & f : vm.features) {
+        f->stats_print(vm);  // each feature's own section
     }
     if (vm.ttft_us >= 0) {
         std::fprintf(stderr, "vis-moe: time to first token: %.1f ms (the last prompt: %" PRId64 " ubatch%s computed)\n",
@@ -303,19 +133,6 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                              " layers (%.2f MiB) read ahead while the layer before them computed\n",
                      io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes, vm.n_stream_ahead,
                      vm.bytes_stream_ahead / 1048576.0);
-    }
-    if (vm.stage && vm.stage->stats().layers > 0) {
-        const auto & c = vm.stage->stats();
-        std::fprintf(stderr, "vis-moe: staged streaming: %" PRId64 " layers from %d staging buffer%s in the slabs (%" PRId64
-                             " read ahead while the layer before computed: %" PRId64 " routed experts found there, %"
-                             PRId64 " expert tensor reads dropped unstarted), %.2f MiB read, %.2f s waited\n",
-                     c.layers, vm.stage->n_buffers(), vm.stage->n_buffers() == 2 ? "s" : "", c.ahead, c.used,
-                     c.cancelled, c.bytes / 1048576.0, c.wait_us / 1e6);
-    }
-    if (vm.n_lent > 0) {
-        std::fprintf(stderr, "vis-moe: slab lending: %" PRId64 " streamed ubatches gave the slabs' %.2f MiB to the page "
-                             "cache (the slots emptied, refilled on demand)\n", vm.n_lent,
-                     vm.bytes_lent / 1048576.0 / (double) vm.n_lent);
     }
     std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
                          "peak RSS %.2f MiB, major faults %" PRId64 "\n",
@@ -388,21 +205,25 @@ static int32_t get_layer_stats(const char * fn, const llama_context * ctx, int32
 
 int32_t llama_vis_moe_get_sub_stats(const llama_context * ctx, int32_t il, llama_vis_moe_sub_stats * out) {
     const int32_t r = get_layer_stats("llama_vis_moe_get_sub_stats", ctx, il, out,
-        [](const vis_moe_context & vm, int l) { return vm.layers[l].sub_stats; }, vis_moe_total_sub_stats);
+        [](const vis_moe_context & vm, int l) { return vm.sub ? vm.sub->stats(l) : llama_vis_moe_sub_stats{}; }, vis_moe_total_sub_stats);
     if (r == 0) {
-        out->stall_saved_us = stall_saved_us(*vis_moe_of(ctx), out->bytes_saved);
+        out->stall_saved_us = vis_moe_stall_saved_us(*vis_moe_of(ctx), out->bytes_saved);
     }
     return r;
 }
 
 int32_t llama_vis_moe_get_prec_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prec_stats * out) {
     return get_layer_stats("llama_vis_moe_get_prec_stats", ctx, il, out,
-        [](const vis_moe_context & vm, int l) { return vm.layers[l].prec_stats; }, vis_moe_total_prec_stats);
+        [](const vis_moe_context & vm, int l) {
+            return vm.precision ? vm.precision->stats(l) : llama_vis_moe_prec_stats{};
+        }, vis_moe_total_prec_stats);
 }
 
 int32_t llama_vis_moe_get_cap_stats(const llama_context * ctx, int32_t il, llama_vis_moe_cap_stats * out) {
     return get_layer_stats("llama_vis_moe_get_cap_stats", ctx, il, out,
-        [](const vis_moe_context & vm, int l) { return vm.layers[l].cap_stats; }, vis_moe_total_cap_stats);
+        [](const vis_moe_context & vm, int l) {
+            return vm.capacity ? vm.capacity->stats(l) : llama_vis_moe_cap_stats{};
+        }, vis_moe_total_cap_stats);
 }
 
 int32_t llama_vis_moe_get_prefetch_stats(const llama_context * ctx, int32_t il, llama_vis_moe_prefetch_stats * out) {
@@ -412,7 +233,7 @@ int32_t llama_vis_moe_get_prefetch_stats(const llama_context * ctx, int32_t il, 
         }, vis_moe_total_prefetch_stats);
     if (r == 0) {
         const vis_moe_context & vm = *vis_moe_of(ctx);
-        out->saved_us = vm.prefetch ? prefetch_saved_us(vm, *out) : 0;
+        out->saved_us = vm.prefetch ? vis_moe_prefetch_saved_us(vm, *out) : 0;
     }
     return r;
 }
@@ -433,15 +254,14 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     if (!vm) {
         return;
     }
-    vm->n_slab_hits = vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
+    vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
     vm->n_streamed = vm->bytes_streamed = 0;
     vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
-    vm->n_lent = vm->bytes_lent = 0;
     vm->ttft_us = -1;
     vm->n_prompt_ubatches = 0;
     vm->in_prompt = false;
-    if (vm->stage) {
-        vm->stage->reset_stats();
+    for (auto & f : vm->features) {
+        f->stats_reset();
     }
     if (vm->io) {
         vm->io->reset_counters();
@@ -452,15 +272,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     for (auto & up : vm->uploads) {
         up->reset_counters();
     }
-    if (vm->prefetch) {
-        vm->prefetch->reset_stats();
-    }
     for (auto & L : vm->layers) {
         const int32_t n_slots = L.stats.n_slots, managed = L.stats.managed;
         L.stats = {};
-        L.sub_stats = {};
-        L.prec_stats = {};
-        L.cap_stats = {};
         L.stats.n_slots = n_slots;
         L.stats.managed = managed;
     }

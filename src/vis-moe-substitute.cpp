@@ -2,6 +2,7 @@
 #include "vis-moe-substitute.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
+#include "vis-moe-fetch-slots.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-transfer.h"
 
@@ -9,6 +10,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -269,7 +271,7 @@ void vis_sub_apply_drops(float * weights, int64_t w_tok, int64_t w_rank, int64_t
 
 vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const llama_model & model,
                                        const std::vector<int> & managed)
-    : cfg(s) {
+    : cfg(s), layer_stats(model.hparams.n_layer()) {
     const int n_layer = (int) model.hparams.n_layer();
     if (!s.profile.empty()) {
         profile = std::make_unique<vis_buddy_profile>(vis_buddy_profile_load(s.profile, model));
@@ -339,7 +341,7 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
                        "within 1 %% perplexity on the testbed; choose router or buddy and its gates explicitly)\n");
         return;
     }
-    vm.sub = std::make_unique<vis_moe_substitute>(s.sub, model, managed);
+    vm.sub = vm.add(std::make_unique<vis_moe_substitute>(s.sub, model, managed));
     if (file_store) {
         vm.fetch = std::make_unique<vis_moe_fetcher>(1, s.tier.direct_io);
     }
@@ -402,12 +404,12 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     if (rule.mode == VIS_SUB_ROUTER && !in.scores) {
         throw std::runtime_error("vis-moe: router substitution without router scores (graph bug)");
     }
-    L.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, L.exec.data(), L.outcome.data(), background, L.sub_stats);
+    L.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, L.exec.data(), L.outcome.data(), background, vm.sub->stats(il));
     if (L.sub_active && drop) {
         vis_sub_apply_drops((float *) weights->data, in.w_tok, in.w_rank, in.n_tokens, in.k, L.outcome.data(),
                             vm.sub->settings().renorm != 0);
     }
-    L.sub_stats.bytes_saved += (int64_t) background.size() * L.expert_bytes;
+    vm.sub->stats(il).bytes_saved += (int64_t) background.size() * L.expert_bytes;
     return background;
 }
 
@@ -423,6 +425,31 @@ void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, c
         if (r == VIS_FETCH_NO_SLOT) {
             return;  // every slot serves this pass
         }
-        L.sub_stats.bg_fetches += r == VIS_FETCH_QUEUED ? 1 : 0;
+        vm.sub->stats(il).bg_fetches += r == VIS_FETCH_QUEUED ? 1 : 0;
     }
+}
+
+void vis_moe_substitute::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+                                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                                        int64_t n_pairs) {
+    (void) vm;
+    (void) L;
+    (void) ids;
+    (void) n_pairs;
+    for (const auto & d : done) {
+        if (!d.speculative) {  // a demand background read was late (stand-ins' experts, precision's refetch)
+            layer_stats[il].bg_wait_us += waited_us;
+            return;
+        }
+    }
+}
+
+void vis_moe_substitute::plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
+                                    const ggml_tensor * weights, const ggml_tensor * scores) {
+    background = vis_moe_substitute_plan(vm, L, il, ids, weights, scores);
+}
+
+void vis_moe_substitute::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    vis_moe_substitute_fetch(vm, L, il, background);
+    background.clear();
 }

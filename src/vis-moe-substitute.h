@@ -8,6 +8,7 @@
 // pairs got a stand-in are read in the background (vis-moe-fetch.h) so later tokens hit.
 #pragma once
 
+#include "vis-moe-feature.h"
 #include "llama-vis.h"
 #include "vis-moe-profile.h"
 #include "vis-moe-settings.h"
@@ -68,8 +69,8 @@ bool vis_sub_decide(const vis_sub_rule & rule, int n_expert, const std::vector<u
 void vis_sub_apply_drops(float * weights, int64_t w_tok, int64_t w_rank, int64_t n_tokens, int k, const uint8_t * outcome,
                          bool renorm);
 
-// the substitution state of a context: its settings, per-layer rules, the profile
-class vis_moe_substitute {
+// the substitution state of a context: its settings, per-layer rules, the profile, per layer what it did
+class vis_moe_substitute : public vis_moe_feature {
 public:
     // throws std::runtime_error naming the flag on a bad combination (buddy without a profile, ...)
     vis_moe_substitute(const vis_moe_sub_settings & s, const llama_model & model, const std::vector<int> & managed);
@@ -78,11 +79,27 @@ public:
     const vis_sub_rule & rule(int il) const { return rules[il]; }
     const char * mode_name() const;
     int rule_mode() const { return cfg.mode; }
+    // per layer: missing pairs by outcome, background reads (llama_vis_moe_get_sub_stats)
+    llama_vis_moe_sub_stats & stats(int il) { return layer_stats[il]; }
+    const llama_vis_moe_sub_stats & stats(int il) const { return layer_stats[il]; }
+
+    // the feature (vis-moe-feature.h): the substitution table of --moe-stats
+    const char * feature_name() const override { return "substitution"; }
+    void stats_print(const vis_moe_context & vm) const override;
+    void stats_reset() override;
+    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
+                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
+    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
+                    const ggml_tensor * scores) override;
+    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
+    bool wants_scores(const vis_moe_context &, int il) const override { return rules[il].mode == VIS_SUB_ROUTER; }
 
 private:
+    std::vector<int32_t> background;  // the experts the running layer's plan reads in the background
     vis_moe_sub_settings cfg;
     std::unique_ptr<vis_buddy_profile> profile;
     std::vector<vis_sub_rule> rules;  // per layer
+    std::vector<llama_vis_moe_sub_stats> layer_stats;
 };
 
 // context creation (vis-moe-attach.cpp): the substitution state of vm's managed layers, and the background
@@ -95,5 +112,8 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
 // scores [n_expert, n_tokens] or null.  Returns the experts to read in the background.
 std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
                                              const ggml_tensor * weights, const ggml_tensor * scores);
+// the totals of every layer (zeros without substitution)
+void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
+
 // after pass 0 loaded what it needs: start the background reads of `experts` into slots no pair uses
 void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts);

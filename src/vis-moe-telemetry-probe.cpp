@@ -2,7 +2,9 @@
 // counters, its lossy mechanisms, its memory plan for /props, the files its run reads.  Declared in
 // vis-moe-context.h beside the stats; the telemetry files themselves never see a vis_moe_context.
 #include "vis-moe-context.h"
+#include "vis-moe-capacity.h"
 #include "vis-moe-precision.h"
+#include "vis-moe-prefetch.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-substitute.h"

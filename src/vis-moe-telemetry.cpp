@@ -1,11 +1,13 @@
 // vis-moe-telemetry.cpp - per-ubatch telemetry of the expert cache (vis-moe-telemetry.h).
 #include "vis-moe-telemetry.h"
+#include "vis-moe-context.h"
 
 #include "vis-moe-csv.h"
 #include "vis-moe-metrics.h"
 #include "vis-moe-status.h"
 
 #include "ggml.h"
+#include "llama-batch.h"
 
 #include <stdexcept>
 
@@ -80,5 +82,16 @@ std::string vis_moe_telemetry::end_ubatch(const vis_moe_counters & now) {
 void vis_moe_telemetry::clear_status() {
     if (status) {
         status->clear();
+    }
+}
+
+void vis_moe_telemetry::ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) {
+    begin_ubatch(vis_moe_counters_now(vm), ub.n_tokens, vm.ub_decode);
+}
+
+void vis_moe_telemetry::ubatch_end(vis_moe_context & vm) {
+    const std::string err = end_ubatch(vis_moe_counters_now(vm));
+    if (!err.empty()) {
+        vm.fail(err);
     }
 }

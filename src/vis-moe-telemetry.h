@@ -5,6 +5,7 @@
 // the cache's own counters (vis_moe_counters_now, vis-moe-telemetry-probe.cpp), one at each end of the ubatch.
 #pragma once
 
+#include "vis-moe-feature.h"
 #include "vis-moe-telemetry-types.h"
 
 #include <memory>
@@ -17,7 +18,7 @@ class vis_moe_status_line;
 // "exact", or "lossy:" and the mechanisms joined by '+' ("lossy:topk=6+substitute=router"): no comma, no space
 std::string vis_moe_mode_label(const std::string & lossy_what);
 
-class vis_moe_telemetry {
+class vis_moe_telemetry : public vis_moe_feature {
 public:
     // csv_path: --moe-csv ("" = none), refused (std::runtime_error naming the flag and the file) when it is one of
     // `inputs`, a model or any file but an earlier --moe-csv; status: draw the live line (vis_moe_status_wanted);
@@ -31,6 +32,13 @@ public:
     std::string end_ubatch(const vis_moe_counters & now);
     // the status line is cleared (before the exit summary)
     void clear_status();
+
+    // the feature (vis-moe-feature.h), attached last: the counters of the whole ubatch at both ends, the status
+    // line cleared at detach
+    const char * feature_name() const override { return "telemetry"; }
+    void ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) override;
+    void ubatch_end(vis_moe_context & vm) override;
+    void detach(vis_moe_context &) override { clear_status(); }
 
 private:
     int64_t          t0_us    = 0;

@@ -1,5 +1,6 @@
 // vis-moe-trace.cpp - routing trace writer (vis-moe-trace.h).
 #include "vis-moe-trace.h"
+#include "vis-moe-context.h"
 #include "vis-output-file.h"
 
 #include "ggml.h"
@@ -100,4 +101,17 @@ std::string vis_moe_trace::end_ubatch() {
     }
     return error.empty() ? "" : "--moe-trace: writing '" + file_path + "' failed: " + error +
                                 " (the trace is incomplete; free space or choose another file)";
+}
+
+void vis_moe_trace::ubatch_end(vis_moe_context & vm) {
+    const std::string err = end_ubatch();
+    if (!err.empty()) {
+        vm.fail(err);
+    }
+}
+
+void vis_moe_trace::plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) {
+    if (vm.sub || L.sub_active) {  // the experts the passes run (SUB1, after the REC1)
+        record_sub(il, ids->ne[1], (int) ids->ne[0], L.exec.data(), L.outcome.data());
+    }
 }

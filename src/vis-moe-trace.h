@@ -2,6 +2,7 @@
 // docs/residency.md#routing-trace, reader pyvis.runtime.trace).
 #pragma once
 
+#include "vis-moe-feature.h"
 #include "vis-moe-ubatch-rows.h"
 
 #include <cstdint>
@@ -11,7 +12,7 @@
 
 struct ggml_tensor;
 
-class vis_moe_trace {
+class vis_moe_trace : public vis_moe_feature {
 public:
     // Opens `path` and writes the header.  Refuses (std::runtime_error naming the flag) a path that
     // holds anything but an earlier trace - a model, any other file - so an input is never overwritten.
@@ -31,6 +32,15 @@ public:
     std::string end_ubatch();
 
     const std::string & path() const { return file_path; }
+
+    // the feature (vis-moe-feature.h): begin_ubatch, end_ubatch (a write error fails the ubatch)
+    const char * feature_name() const override { return "trace"; }
+    void ubatch_begin(vis_moe_context &, const llama_ubatch & ub) override { begin_ubatch(ub); }
+    void ubatch_end(vis_moe_context & vm) override;
+    void observe_routing(vis_moe_context &, int il, const ggml_tensor * ids, const ggml_tensor * weights) override {
+        record(il, ids, weights);
+    }
+    void plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) override;
 
 private:
     void write(const void * p, size_t size, size_t n);

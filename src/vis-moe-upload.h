@@ -141,26 +141,9 @@ private:
     counters cnt;
 };
 
-// ---- attach (vis-moe-attach.cpp): how the slabs are written ----------------------------
-
-struct vis_moe_context;
-struct llama_model;
+// ---- how the slabs are written (the rest of attach: vis-moe-attach-upload.h) ----------------
 
 // Jetson: an integrated GPU whose buffers are CUDA managed memory (GGML_CUDA_ENABLE_UNIFIED_MEMORY=1)
 bool vis_igpu_unified(ggml_backend_dev_t dev);
 // is the memory behind buffer `buf` (on device `dev`) writable by the CPU?
 bool vis_cpu_writable(ggml_backend_buffer_t buf, ggml_backend_dev_t dev);
-// one line: the --moe-unified mode in force (asked: -1 auto, 0 off, 1 on) and why (jetson/README.md, Orin rules)
-void vis_moe_log_unified(const llama_model & model, const std::vector<int> & managed, int32_t asked,
-                         bool all_host_devices, const vis_moe_context & vm);
-
-// After the slabs: dev_of[il] is the device of layer il's slabs when the CPU cannot write them (discrete GPU),
-// else null.  Gives those layers the upload stream of their device (one uploader per device), sets the pinned
-// budget from --moe-pin-mib (pin_mib) and creates vm.staging (blocks of block_bytes; pinned ahead for a decode
-// step on a discrete GPU).  CPU and unified memory: no uploader, nothing pinned, staging made on demand.
-void vis_moe_attach_uploads(vis_moe_context & vm, const std::vector<ggml_backend_dev_t> & dev_of, int64_t pin_mib,
-                            size_t block_bytes, bool no_alloc);
-// tier 2 of budget_bytes in blocks of block_bytes: pinned within vm.pin on a discrete GPU, with one log line
-// saying how much was pinned, under which cap, and why not more; else today's anonymous arena
-std::unique_ptr<vis_host_cache> vis_moe_make_host_cache(vis_moe_context & vm, size_t budget_bytes, size_t block_bytes,
-                                                        bool lock);

@@ -79,7 +79,7 @@ private:
     // VIS_MOE_REPLAY (vis-moe-replay.h): ids and weights become the replay ops' outputs
     void add_replay(ggml_tensor *& ids, ggml_tensor *& weights);
 
-    vis_moe_context * vm = nullptr;
+    const vis_moe_context * vm = nullptr;  // the ops change the cache through their userdata (vis_moe_op_ud)
     ggml_context    * ctx;
     ggml_cgraph     * gf;
     int               il;

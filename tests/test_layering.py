@@ -7,9 +7,9 @@ fix for a circle is a module both sides can import, or a protocol, not hiding th
 from its ``__init__``); the implicit import of a module's parent packages is not counted (every submodule has it).
 
 src/: modules are file stems (``vis-moe-context.h`` and ``.cpp`` are one module), joined by ``#include "..."``.
-The cache core still has circles that only its redesign (issue #23 items 1, 2, 5) can remove, so today's
-strongly-connected components are an explicit allow-list: a circle may shrink or vanish (then shrink the list),
-but no module may join one and no new circle may appear.
+The strongly-connected components left are an explicit allow-list: a circle may shrink or vanish (then shrink
+the list), but no module may join one and no new circle may appear.  The cache core knows its features only
+through the feature interface (src/vis-moe-feature.h): no core module includes a feature's header.
 """
 from __future__ import annotations
 
@@ -22,14 +22,32 @@ RULE = ("docs/architecture.md, \"Dependencies\": dependencies point one way (api
         "pool/policy -> store/io; in pyvis, cli -> parts -> runtime); break a circle by moving the shared piece "
         "into a module both sides import")
 
-# src/ modules in an include circle today (issue #23: "13 modules of src/ sit in one dependency cycle").
-# Only the core redesign may change this list, and only by shrinking it.
+# src/ modules in an include circle today (issue #23 had 13 modules in one; the feature interface removed it).
+# This list may only shrink.
 KNOWN_SRC_CIRCLES = [
-    {"vis-moe-capacity", "vis-moe-context", "vis-moe-fetch", "vis-moe-lend", "vis-moe-passes", "vis-moe-precision",
-     "vis-moe-prefetch", "vis-moe-shadow", "vis-moe-shadow-slots", "vis-moe-stage", "vis-moe-substitute",
-     "vis-moe-transfer", "vis-moe-upload"},
     {"vis-moe-predict", "vis-moe-predict-mlp"},
 ]
+
+# The cache core (docs/architecture.md, "Dependencies": api -> context -> features -> pool/policy -> store/io) ...
+CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-moe-policy", "vis-moe-graph",
+                "vis-moe-ops", "vis-moe-attach", "vis-moe-attach-plan", "vis-moe-attach-upload", "vis-moe-transfer",
+                "vis-moe-fetch", "vis-moe-fetch-slots", "vis-moe-upload", "vis-moe-feature", "vis-moe-store",
+                "vis-moe-io-pool", "vis-moe-host-cache", "vis-moe-deferred"}
+# ... and the features: the mechanisms behind vis_moe_feature (src/vis-moe-feature.h) and the modules only they use
+FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
+                   "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
+                   "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
+                   "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk"}
+# Core modules that still reach a feature by name: the graph builds the nodes of prefetch, replay and staging, the
+# ops run the shadow passes, and attach creates the features.  Only shrinks.
+KNOWN_CORE_FEATURE_INCLUDES = {
+    "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage"},
+    "vis-moe-ops": {"vis-moe-precision", "vis-moe-shadow-slots"},
+    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-precision", "vis-moe-prefetch",
+                       "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
+                       "vis-moe-topk", "vis-moe-trace"},
+    "vis-moe-attach-plan": {"vis-moe-shadow"},
+}
 
 
 # --------------------------------------------------------------------------
@@ -165,6 +183,31 @@ def test_src_include_circles_only_shrink():
                       "KNOWN_SRC_CIRCLES so that they cannot fall back into one")
 
 
+def core_feature_includes(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """core module -> the feature modules whose headers it includes (only those that include any)."""
+    return {m: graph[m] & FEATURE_MODULES for m in sorted(CORE_MODULES & set(graph)) if graph[m] & FEATURE_MODULES}
+
+
+def test_the_core_includes_no_feature():
+    graph = include_graph(ROOT)
+    assert CORE_MODULES <= set(graph) and FEATURE_MODULES <= set(graph), (
+        f"unknown modules named: {sorted((CORE_MODULES | FEATURE_MODULES) - set(graph))}")
+    assert not CORE_MODULES & FEATURE_MODULES
+    found = core_feature_includes(graph)
+    for m, feats in found.items():
+        extra = feats - KNOWN_CORE_FEATURE_INCLUDES.get(m, set())
+        assert not extra, (f"{m} (cache core) includes feature headers {sorted(extra)}: reach a feature through "
+                           f"vis_moe_feature (src/vis-moe-feature.h) instead. {RULE}")
+    for m, feats in KNOWN_CORE_FEATURE_INCLUDES.items():
+        gone = feats - found.get(m, set())
+        assert not gone, (f"{m} no longer includes {sorted(gone)}: good, remove them from "
+                          "KNOWN_CORE_FEATURE_INCLUDES so that they cannot come back")
+    # the context itself, and the pool, policy and passes below it, include none at all
+    for m in ("vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-moe-policy", "vis-moe-transfer",
+              "vis-moe-fetch", "vis-moe-fetch-slots"):
+        assert m not in found, f"{m} includes feature headers {sorted(found[m])}. {RULE}"
+
+
 # --------------------------------------------------------------------------
 # the checkers see what they must
 # --------------------------------------------------------------------------
@@ -192,3 +235,14 @@ def test_the_include_checker_joins_header_and_source(tmp_path):
     graph = include_graph(tmp_path)
     assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [{"a", "b", "c"}]
+
+
+def test_the_core_check_sees_a_feature_include(tmp_path):
+    (tmp_path / "src").mkdir()
+    for name, text in {"vis-moe-context.h": '#include "vis-moe-feature.h"\n', "vis-moe-feature.h": "",
+                       "vis-moe-context.cpp": '#include "vis-moe-context.h"\n#include "vis-moe-lend.h"\n',
+                       "vis-moe-lend.h": "", "vis-moe-lend.cpp": '#include "vis-moe-context.h"\n'}.items():
+        (tmp_path / "src" / name).write_text(text)
+    graph = include_graph(tmp_path)
+    assert core_feature_includes(graph) == {"vis-moe-context": {"vis-moe-lend"}}
+    assert circles(graph) == [{"vis-moe-context", "vis-moe-lend"}]
