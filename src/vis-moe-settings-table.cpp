@@ -190,8 +190,8 @@ const flag_row ROWS[] = {
           else if (v == "buddy")  s.sub.mode = VIS_SUB_BUDDY;
           else if (v == "drop")   s.sub.mode = VIS_SUB_DROP;
           else if (v == "auto")   s.sub.mode = VIS_SUB_AUTO;
-          else throw vis_error(w + ": expected off, router, buddy, drop or auto, got '" + v + "'");
-          s.sub.mode_given = true; }, LLAMA_VIS_MOE_SCOPE_USER },
+          else throw vis_error(w + ": expected off, router, buddy, drop or auto, got '" + v + "'"); },
+      LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-sub-profile", "VIS_MOE_SUB_PROFILE", "FILE",
       "vis-moe: buddy lists and routing-entropy percentiles of this model, from\n"
       "pyvis calibrate buddies -m MODEL --out FILE (needed by --moe-substitute buddy and --moe-sub-tae pN)",
@@ -346,9 +346,9 @@ const flag_row ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.topk = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = off)"); }, LLAMA_VIS_MOE_SCOPE_USER },
     { "--moe-mode", "VIS_MOE_MODE", "exact|fast",
-      "vis-moe: exact = the model's output (default); fast = lossy: skip missing experts that carry little of a\n"
-      "token's gate weight (--moe-substitute drop), the set measured in docs/mode.md; a flag given with it wins.\n"
-      "The run logs one line with what fast turned on",
+      "vis-moe: exact = the model's output (default); fast = lossy: each token runs its ceil(2k/3)\n"
+      "highest-weighted of the model's k experts (--moe-topk), the set measured in docs/mode.md; a --moe-topk\n"
+      "given with it wins. The run logs one line with what fast turned on",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "exact") s.mode = VIS_MODE_EXACT;
           else if (v == "fast")  s.mode = VIS_MODE_FAST;
