@@ -139,8 +139,8 @@ def answer(llm, prompt: str, n_predict: int, stream_to=None) -> dict:
 
 def run_paged(model: Path, prompt: str, n_predict: int, budget_mib: int, n_ctx: int, n_ubatch: int, threads: int,
               pinned: int, kv_overrides: dict | None, stream_to) -> dict:
-    from .runtime import moe
-    llm = moe.load(str(model), mem=budget_mib, pinned_layers=pinned, n_ctx=n_ctx, n_batch=n_ubatch,
+    from . import moe
+    llm = moe.load(str(model), moe.MoeConfig(mem=budget_mib, pinned_layers=pinned), n_ctx=n_ctx, n_batch=n_ubatch,
                    n_ubatch=n_ubatch, n_threads=threads, kv_overrides=kv_overrides, verbose=False)
     try:
         res = answer(llm, prompt, n_predict, stream_to)
@@ -155,9 +155,9 @@ def run_paged(model: Path, prompt: str, n_predict: int, budget_mib: int, n_ctx: 
 
 def run_resident(model: Path, prompt: str, n_predict: int, n_ctx: int, n_ubatch: int, threads: int,
                  kv_overrides: dict | None) -> dict:
-    from .runtime import moe
-    llm = moe.load(str(model), slots=0, mem=0, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=threads,
-                   kv_overrides=kv_overrides, verbose=False)
+    from . import moe
+    llm = moe.load(str(model), moe.MoeConfig(slots=0, mem="off"), n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch,
+                   n_threads=threads, kv_overrides=kv_overrides, verbose=False)
     try:
         return answer(llm, prompt, n_predict)
     finally:

@@ -95,6 +95,20 @@ LLAMA_API int32_t llama_vis_moe_cli_apply(const char * flag, const char * value)
 // a struct (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error().
 LLAMA_API int32_t llama_vis_moe_thread_apply(const char * flag, const char * value);
 
+// Set the calling thread's override in one step: the process-wide settings with these n flags of the table applied
+// in order (values[i] NULL: the row's built-in value, e.g. no file, --moe-substitute not given; a flag without a
+// value takes on|off), checked once at the end (so --moe-slots 8 --moe-cache-mib 0 is fine whatever was in force).
+// pyvis applies a whole configuration so (pyvis.moe.MoeConfig).  0, or -1 with llama_vis_last_error() naming the
+// flag; the thread keeps what it had then.
+LLAMA_API int32_t llama_vis_moe_thread_set(int32_t n, const char * const * flags, const char * const * values);
+
+// The value of one setting, spelled as its flag takes it ("8", "auto", "on", "0.5", a path), so that applying it
+// gives back the same setting: the value in force on the calling thread (builtin = 0: its override, else the
+// process-wide settings), or the table's built-in default (builtin = 1).  "" when the setting is unset (a file:
+// none; --moe-substitute: not given).  NULL for an unknown flag, with llama_vis_last_error().  Valid until the next
+// call on this thread.
+LLAMA_API const char * llama_vis_moe_get_value(const char * flag, int32_t builtin);
+
 // Who decides a setting: a user flag, listed in every tool's --help (or only in the tools that take images), or an
 // engine knob, set through its VIS_MOE_* variable and documented in docs/knobs.md with the measurement behind its
 // default; a knob's old --moe-* spelling still parses for one release, with a deprecation line.
@@ -104,6 +118,18 @@ enum llama_vis_moe_scope {
     LLAMA_VIS_MOE_SCOPE_VISION = 2,  // the tools that take images (upstream's --mmproj tools: llama-mtmd-cli, llama-server, llama-cli)
 };
 
+// What a setting's value is (llama_vis_moe_get_value spells it so; pyvis.moe.MoeConfig types its field by it).
+enum llama_vis_moe_value_type {
+    LLAMA_VIS_MOE_VALUE_SWITCH      = 0,  // on | off (also 1/0, true/false)
+    LLAMA_VIS_MOE_VALUE_INT         = 1,  // an integer in a range
+    LLAMA_VIS_MOE_VALUE_REAL        = 2,  // a number in a range
+    LLAMA_VIS_MOE_VALUE_WORD        = 3,  // one of the words of value_hint
+    LLAMA_VIS_MOE_VALUE_INT_OR_WORD = 4,  // an integer, or one of the words of value_hint ("auto|off|MIB")
+    LLAMA_VIS_MOE_VALUE_REAL_OR_WORD = 5, // a number, or one of the words of value_hint ("off|G")
+    LLAMA_VIS_MOE_VALUE_TEXT        = 6,  // a form of its own, given by value_hint ("off|TAU|pN")
+    LLAMA_VIS_MOE_VALUE_FILE        = 7,  // a file path
+};
+
 // One row of the settings table: every --moe-* setting.
 struct llama_vis_moe_flag {
     const char * name;        // "--moe-slots"
@@ -111,6 +137,7 @@ struct llama_vis_moe_flag {
     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
     const char * help;        // help text (several lines, '\n'-separated; no env note)
     int32_t      scope;       // enum llama_vis_moe_scope
+    int32_t      value_type;  // enum llama_vis_moe_value_type
 };
 LLAMA_API int32_t llama_vis_moe_n_flags(void);
 // Row i (0 <= i < llama_vis_moe_n_flags()). Returns 0, or -1 if i is out of range.
@@ -416,6 +443,63 @@ struct llama_vis_moe_plan {
                                // cache (not locked; re-read from the file under pressure, as upstream's mmap)
 };
 LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
+
+// The marginal-value configurator (src/vis-moe-configure.cpp, docs/planning.md): within one budget, the ubatch
+// size and the expert slots that give the lowest predicted latency of a request, with KV held at the admission
+// floor (the asked context x parallel sequences: plan.kv_bytes).  Each candidate ubatch (the asked one, halved down
+// to n_ubatch_min) is planned by llama_vis_moe_plan with its compute-buffer estimate; the cost model below prices
+// each plan, so the chosen one is where a byte moved between compute buffer and slots saves no more latency.
+struct llama_vis_moe_cost {
+    double  read_bps;          // bytes/s of expert reads from the model file (llama_vis_moe_cost_default)
+    double  mem_bps;           // bytes/s of reading weights from memory (a memory-bound matmul)
+    double  pass_s;            // seconds one extra pass of one managed layer costs ...
+    double  pass_token_s;      // ... plus this per token of its ubatch (a pass re-runs the layer's element-wise ops
+                               // over every pair of the ubatch)
+    double  token_s;           // seconds of compute per prompt token in a large batch (all layers); <= 0: from mem_bps
+    int32_t stream_passes;     // a ubatch needing more passes than this in a layer streams it (VIS_MOE_STREAM_PASSES;
+                               // 0 = never): its experts are read once, sequentially, with no passes
+    int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
+    int32_t gen_tokens;        // ... and generated tokens (decode)
+};
+struct llama_vis_moe_configure_request {
+    struct llama_vis_moe_plan_request plan;  // the --moe-mem request; reserve_bytes is replaced by the estimate at
+                                             // each candidate ubatch (llama_vis_moe_estimate_reserve)
+    int64_t n_vocab;           // the model's shape, for the reserve estimate
+    int64_t n_embd;
+    int64_t n_ff_exp;
+    int32_t n_ubatch;          // the ubatch asked for: the largest candidate
+    int32_t n_ubatch_min;      // the smallest candidate; <= 0: the runtime's, 16 (whether outputs stay bit-identical
+                               // at another ubatch depends on the weight types: docs/planning.md#outputs)
+    const float * miss_curve;  // NULL: the uniform prior k (1 - s / n); else [n_managed_layers][n_expert + 1]: expected
+                               // misses per decode token of each managed layer with s = 0..n_expert slots (a trace)
+    int32_t * layer_slots;     // optional out [n_managed_layers]: the same slab bytes split per layer by marginal value
+    struct llama_vis_moe_cost cost;
+};
+struct llama_vis_moe_configuration {
+    int32_t ok;                // 1: a plan fits (else the reason is in llama_vis_last_error(), plan.min_budget says
+                               // the smallest budget at n_ubatch_min)
+    int32_t n_ubatch;          // the chosen ubatch (<= the asked)
+    struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch: equal slots per layer, what the runtime runs
+    double  decode_tps;        // predicted tokens/s of decode and prefill with this plan ...
+    double  prefill_tps;
+    double  asked_decode_tps;  // ... and with the plan at the asked ubatch (today's fixed-rule plan)
+    double  asked_prefill_tps;
+    int32_t asked_n_slots;
+    double  mv_slot;           // seconds saved per request per MiB by the last slot row (one slot in every layer)
+    double  mv_next_slot;      // ... that the next slot row would save (0: every expert has a slot)
+    double  mv_ubatch_down;    // ... that the last ubatch doubling (n_ubatch / 2 -> n_ubatch) saves (0: none)
+    double  mv_ubatch_up;      // ... that the next doubling would save (0: at the asked ubatch)
+    int32_t n_pinned;          // leading managed layers that layer_slots gives every expert (--moe-pinned-layers)
+    double  layer_decode_tps;  // predicted decode tokens/s with layer_slots (0: not asked)
+};
+LLAMA_API int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * req,
+                                          struct llama_vis_moe_configuration * out);
+// The cost model --moe-mem runs the configurator with: the bandwidths measured by expert-sized O_DIRECT reads of
+// the file at path (page-cache reads with the pages dropped where O_DIRECT is refused) and a memcpy, probed once
+// per device and cached in ~/.cache/vis-moe/bandwidth (XDG_CACHE_HOME respected); VIS_MOE_READ_MBPS overrides the
+// read number, VIS_MOE_PASS_US the pass cost, VIS_MOE_PLAN_PROMPT / VIS_MOE_PLAN_GEN the request priced; token_s 0
+// (the prior).  0 on success.
+LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);
 
 // The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes),
 // from the model's shape: bytes.  pyvis plan calls it too, so plan and runtime agree.

@@ -5,6 +5,7 @@
 // create, measured by upstream's own code on a no-alloc dry run.
 #include "vis-moe.h"
 #include "vis-moe-attach-plan.h"
+#include "vis-moe-configure.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-shadow.h"
 #include "vis-error.h"
@@ -57,7 +58,7 @@ std::string mib_up(int64_t b) {
 
 } // namespace
 
-void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, const llama_cparams & cp) {
+void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, llama_cparams & cp) {
     const auto & hp = model.hparams;
     if (hp.no_alloc || hp.vocab_only || hp.n_expert == 0) {
         return;  // the --fit probe; no model; a model without routed experts (the --moe-* options are ignored)
@@ -84,6 +85,8 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
         }
         return rq;
     };
+    // the configurator first: a lower ubatch where it buys slots (or the smallest, for the refusal's numbers)
+    vis_moe_configure_ubatch(model, s, ap, cp, kv_bytes_at(model, pm, cp, cp.n_ctx_seq));
     struct llama_vis_moe_plan plan;
     const llama_vis_moe_plan_request rq = plan_at(cp.n_ctx_seq, plan);
     if (plan.ok) {

@@ -357,16 +357,24 @@ int32_t llama_vis_moe_thread_params_active(void) {
     return t_override ? 1 : 0;
 }
 
+// the row of `flag`, or nullptr with the last error set
+static const flag_row * known_row(const char * flag) {
+    const flag_row * r = find_row(flag ? flag : "");
+    if (!r) {
+        vis_set_last_error(std::string("unknown vis-moe flag '") + (flag ? flag : "") + "'");
+    }
+    return r;
+}
+
 // apply `flag` with `value` to s; the row, or nullptr with the last error set (unknown flag, bad value)
 static const flag_row * apply_flag(vis_moe_settings & s, const char * flag, const char * value) {
-    const std::string name = flag ? flag : "";
-    const flag_row * r = find_row(name);
+    const flag_row * r = known_row(flag);
     if (!r) {
-        vis_set_last_error("unknown vis-moe flag '" + name + "'");
         return nullptr;
     }
+    const std::string name = r->name;
     try {
-        r->apply(s, name, r->hint ? (value ? value : "") : "");
+        r->apply(s, name, value ? value : "");  // a flag without a value: "" = on, or on|off as its variable takes
     } catch (const std::exception & e) {
         vis_set_last_error(e.what());
         return nullptr;
@@ -404,6 +412,42 @@ int32_t llama_vis_moe_thread_apply(const char * flag, const char * value) {
         return -1;
     }
     return set_override(s);
+}
+
+int32_t llama_vis_moe_thread_set(int32_t n, const char * const * flags, const char * const * values) {
+    vis_clear_last_error();
+    vis_moe_settings s;
+    if (n < 0 || (n > 0 && (!flags || !values))) {
+        vis_set_last_error("llama_vis_moe_thread_set: n = " + std::to_string(n) + " flags without their arrays");
+        return -1;
+    }
+    if (!override_base(s, false)) {
+        return -1;
+    }
+    const vis_moe_settings builtin = vis_moe_settings_builtin();
+    for (int32_t i = 0; i < n; ++i) {
+        const flag_row * r = values[i] ? apply_flag(s, flags[i], values[i]) : known_row(flags[i]);
+        if (!r) {
+            return -1;
+        }
+        if (!values[i] && r->clear) {
+            r->clear(s);
+        } else if (!values[i] && !apply_flag(s, r->name, r->show(builtin).c_str())) {  // the built-in value, spelled
+            return -1;
+        }
+    }
+    return set_override(s);
+}
+
+const char * llama_vis_moe_get_value(const char * flag, int32_t builtin) {
+    vis_clear_last_error();
+    static thread_local std::string out;
+    const flag_row * r = known_row(flag);
+    if (!r) {
+        return nullptr;
+    }
+    out = r->show(builtin ? vis_moe_settings_builtin() : effective());
+    return out.c_str();
 }
 
 int32_t llama_vis_moe_n_flags(void) {
@@ -464,5 +508,6 @@ int32_t llama_vis_moe_get_flag(int32_t i, llama_vis_moe_flag * out) {
     out->value_hint = r.hint;
     out->help       = r.help;
     out->scope      = r.scope;
+    out->value_type = r.type;
     return 0;
 }

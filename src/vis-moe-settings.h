@@ -35,6 +35,7 @@ struct vis_moe_sub_settings {
     double      drop_share = 0.5;      // drop: only experts whose share is < drop_share / k (a fraction of an even split)
     int32_t     renorm   = 0;          // drop: scale the token's remaining weights back to their sum before the drop
     int32_t     drop_read = 1;         // drop: read the dropped expert in the background (so later tokens may hit it)
+    bool        mode_given = false;    // --moe-substitute was given (its getter shows "" when it was not)
 
     bool on() const { return mode != VIS_SUB_OFF; }
 };
@@ -89,6 +90,17 @@ struct vis_moe_cap_settings {
     bool on() const { return capacity >= 0; }
 };
 
+// the --moe-mem configurator (vis-moe-configure.cpp, docs/planning.md): its switch and its cost model's knobs
+struct vis_moe_plan_settings {
+    int32_t configure = -1;           // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots:
+                                      // -1 auto (only where outputs stay bit-identical: F32 weights), 1 on, 0 off
+    double  read_mbps = 0;            // VIS_MOE_READ_MBPS: expert read bandwidth, MiB/s (0 = probed and cached)
+    double  pass_us   = 10000;        // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds ...
+    double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
+    int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
+    int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
+};
+
 struct vis_moe_settings {
     llama_vis_moe_params      params = {};  // params.trace_path is not used here: see trace_path
     llama_vis_moe_tier_params tier   = {};
@@ -107,6 +119,7 @@ struct vis_moe_settings {
     vis_moe_cap_settings  cap;              // --moe-capacity, --moe-cap-*
     int32_t     topk = 0;                   // --moe-topk: experts each token runs (lossy), 0 = the model's k
     int32_t     mode = VIS_MODE_EXACT;      // --moe-mode (resolved into the fields above at context creation)
+    vis_moe_plan_settings plan;             // VIS_MOE_CONFIGURE, VIS_MOE_READ_MBPS, VIS_MOE_PASS_US, VIS_MOE_PLAN_*
 
     // is the expert cache asked for (any of slots, cache budget, memory budget)?
     bool cache_on() const { return params.n_slots > 0 || params.cache_mib > 0 || tier.mem_mib != 0; }
@@ -116,14 +129,20 @@ struct vis_moe_settings {
 // one --moe-* setting: its flag, variable, value hint (nullptr: a flag without a value, its variable takes on/off),
 // help, the strict parser that applies a value (throws std::invalid_argument naming `what` and the range), and who
 // decides it (llama-vis.h, LLAMA_VIS_MOE_SCOPE_*): a user flag shown in the tools' --help, or an engine knob set by
-// its VIS_MOE_* variable (docs/knobs.md; its old flag spelling still parses, with a deprecation line)
+// its VIS_MOE_* variable (docs/knobs.md; its old flag spelling still parses, with a deprecation line); what its value
+// is (LLAMA_VIS_MOE_VALUE_*); the value of a settings value spelled as the flag takes it (apply(show(s)) gives the
+// same setting; "" = unset); and, for a row whose value may be unset (a file, --moe-substitute not given), what makes
+// it unset
 struct vis_moe_flag_row {
     const char * name;
     const char * env;
     const char * hint;
     const char * help;
     void (*apply)(vis_moe_settings & s, const std::string & what, const std::string & value);
-    int32_t scope = LLAMA_VIS_MOE_SCOPE_KNOB;
+    int32_t scope;
+    int32_t type;
+    std::string (*show)(const vis_moe_settings & s);
+    void (*clear)(vis_moe_settings & s) = nullptr;
 };
 const vis_moe_flag_row * vis_moe_flag_rows(int & n);
 // a variable without a flag (benchmark knobs: never on a command line, so no tool parses them as options;

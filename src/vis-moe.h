@@ -30,8 +30,9 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm);
 // Before upstream creates (and clears) the KV cache of a context (patch 0002): under --moe-mem, runs the memory
 // plan the attach will run (llama_vis_moe_plan, as `pyvis plan` asks it) with the KV cache these parameters create,
 // and throws std::runtime_error when it does not fit, naming the smallest budget for this context and the largest
-// context for this budget.
-void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, const llama_cparams & cp);
+// context for this budget.  First the configurator may lower cp.n_ubatch where a smaller compute buffer buys expert
+// slots worth more (vis-moe-configure.h; before upstream reserves the compute buffers).
+void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, llama_cparams & cp);
 
 // Record the ubatch about to be computed (positions, sequences, modality for the trace).
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);

@@ -23,11 +23,13 @@ LOGITS_KW = dict(n_ctx=256, n_batch=512, n_ubatch=512, logits_all=True, n_thread
 
 
 def greedy_logits(path, prompt: str, n_decode: int, **moe_kw):
-    """Logits of a prompt and n_decode greedy steps, and the Llama: through pyvis.moe.load with these --moe-*
-    keywords, or upstream's path without any."""
+    """Logits of a prompt and n_decode greedy steps, and the Llama: through pyvis.moe.load with a MoeConfig of these
+    fields, or upstream's path without any."""
     import numpy as np
-    from pyvis.runtime import moe, native
-    llm = moe.load(path, **moe_kw, **LOGITS_KW) if moe_kw else native.llama_cpp.Llama(str(path), **LOGITS_KW)
+    from pyvis import moe
+    from pyvis.runtime import native
+    llm = moe.load(path, moe.MoeConfig(**moe_kw),
+                   **LOGITS_KW) if moe_kw else native.llama_cpp.Llama(str(path), **LOGITS_KW)
     llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
     for _ in range(n_decode):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -182,7 +184,7 @@ def lowlevel_greedy(path, prompt: bytes, n_decode: int, extra_bufts: bool = True
     pyvis' applied(...)) around the load; and the cache's (stats, io stats), None when no cache ran."""
     import numpy as np
     import llama_cpp as L
-    from pyvis.runtime import moe
+    from pyvis import moe
     from pyvis.runtime import native as _native
     with settings or contextlib.nullcontext():
         mp = L.llama_model_default_params()

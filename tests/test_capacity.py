@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import pyvis  # noqa: F401
-from pyvis.runtime import moe, native
+from pyvis import moe
+from pyvis.runtime import native
 from pyvis.runtime import trace as vtrace
 from pyvis.runtime.cachesim import lru_misses
 from pyvis.runtime.native import VisError
@@ -131,7 +132,8 @@ def test_modality_profile_and_errors(bindir, fixture_dir, tmp_path):
                  "--moe-slots", "2", *extra], timeout=60)
         assert r.returncode != 0 and says in r.stdout + r.stderr, (extra, (r.stdout + r.stderr)[-1500:])
     with pytest.raises(VisError, match="--moe-cap-rho"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, capacity=2, cap_rho=9.0, n_ctx=128, verbose=False)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=2, capacity=2, cap_rho=9.0),
+                 n_ctx=128, verbose=False)
 
 
 def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
@@ -151,7 +153,8 @@ def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
     assert "precision (--moe-precision vision, q4_0 shadows)" in r.stderr and _cap_total(r.stderr)["ubatches"] > 0
     r = run([sys.executable, "-m", "pyvis", "chat", "-m", model, "--mmproj", mmproj, "--image", image,
              "--moe-slots", "4", "--moe-prec-gate", "2"], timeout=60)
-    assert r.returncode == 1 and "error: --moe-prec-gate: expected a number in 0..1" in r.stderr   # the C table's check
+    # the C table's check, naming the field and the flag
+    assert r.returncode == 1 and "error: MoeConfig prec_gate: --moe-prec-gate: expected a number in 0..1" in r.stderr
     with vlm.Session(model, mmproj, n_ctx=512, moe=MoeParams(slots=4), n_threads=2,
                      precision=PrecisionParams(str(shadow), "vision"), capacity=CapacityParams(3)) as s:
         p = s.prepare("Describe the image.", [image], keep_ratio=1.0, method="none")

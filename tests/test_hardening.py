@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import native as _native
 from conftest import run
 
@@ -118,7 +118,7 @@ def test_trace_disk_full_during_decode_fails_the_run(bindir, fixture_dir, tmp_pa
 def test_file_rewritten_in_place_with_mtime_restored_is_detected(fixture_dir, tmp_path):
     model = tmp_path / "m.gguf"
     shutil.copy(fixture_dir / "qwen3moe.gguf", model)
-    llm = moe.load(model, slots=4, n_ctx=128, n_threads=2, verbose=False)
+    llm = moe.load(model, moe.MoeConfig(slots=4), n_ctx=128, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"Experts", add_bos=True))
     st = os.stat(model)
     data = model.read_bytes()
@@ -151,7 +151,8 @@ def test_logits_identical_when_the_model_fits(fixture_dir):
     toks = None
     out = []
     for mem in (0, 4096):
-        llm = moe.load(fixture_dir / "deepseek2.gguf", mem=mem, **kw) if mem else _native.llama_cpp.Llama(
+        llm = moe.load(fixture_dir / "deepseek2.gguf", moe.MoeConfig(mem=mem),
+                       **kw) if mem else _native.llama_cpp.Llama(
             str(fixture_dir / "deepseek2.gguf"), **kw)
         toks = toks or llm.tokenize(b"Fits in memory", add_bos=True)
         llm.eval(toks)
@@ -231,8 +232,8 @@ def test_bad_variable_is_an_error_through_python_too(fixture_dir, monkeypatch):
     """pyvis applies its settings as a thread override built on the environment: a bad variable is not skipped."""
     monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "many")
     with pytest.raises(_native.VisError) as e:
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=4, n_ctx=64, verbose=False)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4), n_ctx=64, verbose=False)
     assert "VIS_MOE_STREAM_PASSES: expected an integer in 0..65536 (0 = never), got 'many'" in str(e.value)
     monkeypatch.delenv("VIS_MOE_STREAM_PASSES")
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, n_ctx=64, verbose=False)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4), n_ctx=64, verbose=False)
     assert _native.moe_n_managed(llm) > 0

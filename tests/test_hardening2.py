@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import plan as vplan
 from pyvis.runtime import predict_profile as pp
 from pyvis.runtime import profile as prof
@@ -178,7 +178,7 @@ def test_fault_read_hook_still_fails_the_named_expert(bindir, fixture_dir):
 # 6. pyvis.moe.load: unknown keywords and wrong types
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, needle", [
-    (dict(slotz=3), "unknown keyword argument(s) slotz"),
+    (dict(slotz=3), "MoeConfig has no field 'slotz'"),
     (dict(mlock="no"), "mlock (--moe-mlock) must be True or False, got 'no'"),
     (dict(slots=True), "slots (--moe-slots) must be an integer, got True"),
     (dict(sub_beta="1"), "sub_beta (--moe-sub-beta) must be a number, got '1'"),
@@ -186,13 +186,17 @@ def test_fault_read_hook_still_fails_the_named_expert(bindir, fixture_dir):
 ])
 def test_load_refuses_unknown_names_and_wrong_types(fixture_dir, kw, needle):
     with pytest.raises(TypeError) as e:
-        moe.load(fixture_dir / "qwen3moe.gguf", n_ctx=64, verbose=False, **kw)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(**kw), n_ctx=64, verbose=False)
     assert needle in str(e.value)
+    # not a llama_cpp.Llama keyword either
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) slotz"):
+        moe.load(fixture_dir / "qwen3moe.gguf", slotz=3, n_ctx=64, verbose=False)
 
 
 def test_load_still_takes_llama_keywords_and_paths(fixture_dir, tmp_path):
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=np.int64(4), n_ctx=64, n_threads=2, verbose=False,
-                   trace=tmp_path / "t.trace")
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=np.int64(4), trace=tmp_path / "t.trace"),
+                   n_ctx=64,
+                   n_threads=2, verbose=False)
     assert moe.stats(llm).n_slots == 4
 
 

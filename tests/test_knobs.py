@@ -27,7 +27,7 @@ def test_help_lists_the_user_flags_only(bindir):
                        ("llama-server", user | vision)]:
         listed, text = _listed(bindir, tool)
         assert sorted(listed) == sorted(want), tool             # each once, no knob, the vision ones where images go
-        assert len(listed) <= 16, (tool, len(listed))         # 16: --moe-csv and --moe-mode (#27)
+        assert len(listed) <= 14, (tool, len(listed))         # issue #23 item 6: a dozen or so user flags
         for f in rows:
             if f.name in want:
                 assert f"(env: {f.env})" in text, (tool, f.env)
@@ -74,3 +74,20 @@ def test_a_flag_does_not_hide_a_bad_variable_of_its_group(bindir, fixture_dir):
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "--moe-mem", "4000", "-p", "hi", "-n", "1",
              "-st", "--no-warmup"], extra_env={"VIS_MOE_MEM": "lots"}, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_profiles_demoted_to_knobs_still_take_effect_by_flag_and_variable(bindir, fixture_dir):
+    """Issue #23 item 6: --moe-sub-profile and --moe-cap-profile left --help (the lossy switches' finer settings);
+    their old spelling says it is deprecated and still opens the file (a missing one is the error naming it), and so
+    does the variable."""
+    base = [bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "--moe-slots", "4", "-p", "hi", "-n", "1", "-st",
+            "-c", "128", "--no-warmup"]
+    for flag, env in [("--moe-sub-profile", "VIS_MOE_SUB_PROFILE"), ("--moe-cap-profile", "VIS_MOE_CAP_PROFILE")]:
+        assert next(f for f in native.flags() if f.name == flag).knob
+        r = run([*base, flag, "/nonexistent/p.gguf"], timeout=120)
+        assert f"warning: {flag} is deprecated as a flag: it is an engine knob now; set {env}=/nonexistent/p.gguf" \
+            in r.stderr
+        assert f"{flag} /nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr
+        r = run(base, extra_env={env: "/nonexistent/p.gguf"}, timeout=120)
+        assert "deprecated" not in r.stderr
+        assert f"{flag} /nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr

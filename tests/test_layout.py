@@ -15,7 +15,7 @@ import pytest
 
 import pyvis  # noqa: F401
 from pyvis import fixtures as fx
-from pyvis.runtime.settings import MoeParams, applied
+from pyvis.runtime.config import MoeConfig, applied
 from conftest import lowlevel_greedy
 
 SPEC = fx.ModelSpec(name="repack", arch="qwen3moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
@@ -34,7 +34,7 @@ def repack_model(fixture_dir):
 
 def _logits(path, extra_bufts=True, **moe_kw):
     """Logits of every prompt token (conftest.lowlevel_greedy: llama_cpp.Llama takes no use_extra_bufts)."""
-    return lowlevel_greedy(path, PROMPT, 0, extra_bufts, applied(MoeParams(**moe_kw)) if moe_kw else None)[0]
+    return lowlevel_greedy(path, PROMPT, 0, extra_bufts, applied(MoeConfig(**moe_kw)) if moe_kw else None)[0]
 
 
 def _same(a, b):

@@ -167,7 +167,7 @@ def test_an_option_that_cannot_take_effect_says_why_without_v(bindir, fixture_di
 def test_pyvis_load_raises_the_refusal(medium_model):
     """pyvis.moe.load: the refusal before the KV cache is a VisError with its text (before: llama_cpp's bare
     "Failed to create llama_context")."""
-    from pyvis.runtime import moe
+    from pyvis import moe
     from pyvis.runtime.native import VisError
     with pytest.raises(VisError, match=r"--moe-mem 250: .*smallest budget for this 65536-token context: \d+ MiB"):
-        moe.load(medium_model, mem=250, n_ctx=65536, n_threads=2, verbose=False)
+        moe.load(medium_model, moe.MoeConfig(mem=250), n_ctx=65536, n_threads=2, verbose=False)

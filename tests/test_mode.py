@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe, settings
+from pyvis import moe
+from pyvis.runtime import settings
 from pyvis.runtime import trace as vtrace
 from conftest import greedy_logits, later_hits
 from test_substitution import PROMPT, _cli, _generated
@@ -164,9 +165,9 @@ def test_unknown_mode_is_refused(bindir, fixture_dir):
     r, out = _cli(bindir, model, "--moe-slots", "8", n=1, env={"VIS_MOE_MODE": "Fast"})
     assert r.returncode != 0 and "VIS_MOE_MODE: expected exact or fast, got 'Fast'" in out, out[-1500:]
     with pytest.raises(moe.VisError, match="--moe-mode: expected exact or fast, got 'turbo'"):
-        moe.load(model, slots=8, mode="turbo", n_ctx=64, verbose=False)
+        moe.load(model, moe.MoeConfig(slots=8, mode="turbo"), n_ctx=64, verbose=False)
     with pytest.raises(settings.VisTypeError, match=r"mode \(--moe-mode\) must be a string"):
-        moe.load(model, slots=8, mode=1, n_ctx=64, verbose=False)
+        moe.load(model, moe.MoeConfig(slots=8, mode=1), n_ctx=64, verbose=False)
 
 
 def test_a_knob_given_with_fast_wins(bindir, fixture_dir, tmp_path):

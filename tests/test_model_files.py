@@ -20,7 +20,7 @@ import pytest
 
 from pyvis import fixtures as fx
 from pyvis.runtime import native as _native
-from pyvis.runtime.settings import MoeParams, TierParams, applied
+from pyvis.runtime.config import MoeConfig, applied
 from conftest import lowlevel_greedy, paging_configs, rewrite_gguf, run, write_split
 
 PROMPT = "Quantised experts of mixed types must page exactly like the rest."
@@ -81,9 +81,7 @@ def _configs(spec) -> list[dict]:
 
 def _greedy(path, extra_bufts: bool, cfg: dict | None):
     """conftest.lowlevel_greedy with the cache settings `cfg` (None: upstream's plain path)."""
-    moe_keys = {f.name for f in dataclasses.fields(MoeParams)}
-    cm = applied(MoeParams(**{k: v for k, v in cfg.items() if k in moe_keys}),
-                 TierParams(**{k: v for k, v in cfg.items() if k not in moe_keys})) if cfg else None
+    cm = applied(MoeConfig(**cfg)) if cfg else None
     return lowlevel_greedy(path, PROMPT.encode(), N_DECODE, extra_bufts, cm)
 
 

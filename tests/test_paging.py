@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import native as _native
-from pyvis.runtime.settings import MoeParams, applied
+from pyvis.runtime.config import MoeConfig, applied
 from pyvis import fixtures as fx
 from conftest import LOGITS_KW, MEDIUM, greedy_logits, paging_configs, run
 
@@ -80,7 +80,7 @@ def test_store_model_copies_instead_of_reading(fixture_dir, reference):
 def test_deferred_layers_stay_served_when_the_context_has_no_cache(fixture_dir, reference):
     """A model loaded with deferred experts, then a context created with the cache off: every expert gets a slot."""
     from pyvis.runtime.native import llama_cpp
-    with applied(MoeParams(slots=8)):
+    with applied(MoeConfig(slots=8)):
         mp = llama_cpp.llama_model_default_params()
         model = llama_cpp.llama_model_load_from_file(str(fixture_dir / "qwen3moe.gguf").encode(), mp)
     cp = llama_cpp.llama_context_default_params()
@@ -128,13 +128,13 @@ def test_read_error_in_python_raises_and_names_the_expert(bindir, fixture_dir, t
     path = fixture_dir / "mixtral.gguf"
     # the faulted expert is one this prompt routes at layer 1: read from a trace of the same (deterministic) run
     tr = tmp_path / "x.trace"
-    llm = moe.load(path, slots=2, n_ctx=64, n_threads=2, verbose=False, trace=str(tr))
+    llm = moe.load(path, moe.MoeConfig(slots=2, trace=str(tr)), n_ctx=64, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"x y z", add_bos=True))
     del llm                                                      # closes the trace
     e = int(vtrace.read(tr).for_layer(1).ids[0, 0])
     code = (
-        "import numpy as np\nfrom pyvis.runtime import moe\n"
-        f"llm = moe.load({str(path)!r}, slots=2, n_ctx=64, n_threads=2, verbose=False)\n"
+        "import numpy as np\nfrom pyvis import moe\n"
+        f"llm = moe.load({str(path)!r}, moe.MoeConfig(slots=2), n_ctx=64, n_threads=2, verbose=False)\n"
         "try:\n"
         "    llm.eval(llm.tokenize(b'x y z', add_bos=True))\n"
         "except Exception as e:\n"
@@ -151,7 +151,7 @@ def test_file_truncated_after_load(fixture_dir, tmp_path):
     src = fixture_dir / "qwen3moe.gguf"
     path = tmp_path / "shrinking.gguf"
     shutil.copy(src, path)
-    llm = moe.load(path, slots=8, n_ctx=64, n_threads=2, verbose=False, use_mmap=False)
+    llm = moe.load(path, moe.MoeConfig(slots=8), n_ctx=64, n_threads=2, verbose=False, use_mmap=False)
     os.truncate(path, path.stat().st_size - 4096)
     with pytest.raises(Exception):
         llm.eval(llm.tokenize(b"the file shrank under us", add_bos=True))
@@ -256,8 +256,9 @@ def test_deferred_experts_are_never_loaded(medium_model):
     peaks = {}
     for store in ("model", "file"):
         code = (
-            "from pyvis.runtime import moe\n"
-            f"llm = moe.load({str(medium_model)!r}, slots={slots}, store={store!r}, n_ctx=128, n_threads=2, "
+            "from pyvis import moe\n"
+            f"llm = moe.load({str(medium_model)!r}, moe.MoeConfig(slots={slots}, store={store!r}), n_ctx=128, "
+            "n_threads=2, "
             "verbose=False, use_mmap=False)\n"
             "llm.eval(llm.tokenize(b'memory', add_bos=True))\n"
             "print('PEAK', moe.io_stats(llm)['rss_peak'])\n")

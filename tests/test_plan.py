@@ -17,7 +17,8 @@ from conftest import run
 def test_plan_reserve_is_the_runtimes(fixture_dir, name):
     """pyvis plan's compute reserve equals the one the runtime's --moe-mem plan used for the same model."""
     path = fixture_dir / f"{name}.gguf"
-    llm = moe.load(path, mem=4096, slots=2, n_ctx=256, n_threads=2, verbose=False)  # explicit slots: a managed plan
+    llm = moe.load(path, moe.MoeConfig(mem=4096, slots=2),
+                   n_ctx=256, n_threads=2, verbose=False)  # explicit slots: a managed plan
     used = native.context_reserve(llm)
     assert used is not None and used > 0
     shape = vplan.read_shape(path)

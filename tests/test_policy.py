@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe, policies
+from pyvis import moe
+from pyvis.runtime import policies
 from pyvis.runtime.cachesim import belady_misses, layer_requests, policy_misses
 from pyvis.runtime.trace import read
 
@@ -44,7 +45,8 @@ def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatc
     spec = fx.FIXTURES["qwen3moe"]()
     path = tmp_path / f"{policy}.trace"
     slots = 12
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=slots, trace=str(path), n_ctx=160, n_threads=2, verbose=False)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=slots, trace=str(path)),
+                   n_ctx=160, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
     for _ in range(12):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -83,7 +85,7 @@ def test_policies_are_byte_identical(fixture_dir, reference, monkeypatch, name):
 def test_bad_policy_is_a_clear_error(bindir, fixture_dir, monkeypatch):
     monkeypatch.setenv("VIS_MOE_POLICY", "mru")
     with pytest.raises(moe.VisError, match=r"VIS_MOE_POLICY: expected lru, lfu or lfu-adapt, got 'mru'"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, **LOGITS_KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8), **LOGITS_KW)
     r = run([bindir / "llama-cli", "-m", fixture_dir / "qwen3moe.gguf", "-p", "Hi", "-n", "2", "-st", "-c", "64",
              "-t", "2", "--moe-slots", "8", "--moe-policy", "lfu-2"], timeout=120)
     assert r.returncode != 0 and "--moe-policy: expected lru, lfu or lfu-adapt, got 'lfu-2'" in r.stdout + r.stderr

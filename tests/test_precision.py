@@ -21,11 +21,12 @@ import pytest
 
 import pyvis  # noqa: F401
 import pyvis.fixtures as fx
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import shadow as sh
 from pyvis.runtime import trace as vtrace
 from pyvis.runtime.native import VisError
-from pyvis.runtime.settings import MoeParams, PrecisionParams, applied
+from pyvis.runtime.config import MoeConfig, applied
+from pyvis.runtime.settings import MoeParams, PrecisionParams
 from conftest import run
 
 PROMPT = b"Shadow experts stand in for the missing ones while the full weights are read"
@@ -53,7 +54,7 @@ def _greedy(path, extra_bufts=True, moe=None, prec=None, prompt=PROMPT, n_decode
     the context (None without a cache)."""
     import llama_cpp as L
     from pyvis.runtime import native
-    cm = applied(moe, precision=prec) if moe else contextlib.nullcontext()
+    cm = applied(MoeConfig.of(moe, prec)) if moe else contextlib.nullcontext()
     with cm:
         mp = L.llama_model_default_params()
         mp.use_extra_bufts = extra_bufts
@@ -313,9 +314,10 @@ def test_bad_settings_are_clear_errors(bindir, fixture_dir, extra, says):
 
 def test_bad_settings_through_python(fixture_dir):
     with pytest.raises(VisError, match="add --moe-shadow FILE"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, precision="gate", n_ctx=128, verbose=False)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=2, precision="gate"), n_ctx=128, verbose=False)
     with pytest.raises(VisError, match="--moe-prec-gate"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=2, precision="gate", prec_gate=2.0, n_ctx=128, verbose=False)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=2, precision="gate", prec_gate=2.0),
+                 n_ctx=128, verbose=False)
 
 
 def test_failed_shadow_read_fails_the_decode(bindir, shadows):
@@ -336,7 +338,8 @@ def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
     budget, L = 300, 4
 
     def slots(**kw):
-        llm = moe.load(medium_model, mem=budget, n_ctx=256, n_ubatch=512, n_threads=2, verbose=False, **kw)
+        llm = moe.load(medium_model, moe.MoeConfig(mem=budget, **kw),
+                       n_ctx=256, n_ubatch=512, n_threads=2, verbose=False)
         n = moe.layer_stats(llm, 0).n_slots
         del llm
         return n

@@ -164,24 +164,25 @@ def test_calibrate_predictor_mlp_end_to_end(calibrated):
 
 
 def test_runtime_mlp_errors(tmp_path, calibrated, fixture_dir):
-    from pyvis.runtime import moe
+    from pyvis import moe
     from pyvis.runtime.native import VisError
     from conftest import LOGITS_KW
     with pytest.raises(VisError, match=r"--moe-predict mlp needs --moe-predict-profile.*--mlp"):
-        moe.load(FIXTURE, slots=8, predict="mlp", **LOGITS_KW)
+        moe.load(FIXTURE, moe.MoeConfig(slots=8, predict="mlp"), **LOGITS_KW)
     q = pp.read_predictor_profile(calibrated[0])
     plain = pp.write_predictor_profile(tmp_path / "plain.gguf", prof.model_fingerprint(FIXTURE), q.freq, q.coact,
                                        q.k, q.n_tokens, "t", model_path=FIXTURE)
     with pytest.raises(VisError, match=r"plain.gguf holds no MLP.*calibrate predictor .*--mlp"):
-        moe.load(FIXTURE, slots=8, predict="mlp", predict_profile=str(plain), **LOGITS_KW)
+        moe.load(FIXTURE, moe.MoeConfig(slots=8, predict="mlp", predict_profile=str(plain)), **LOGITS_KW)
     with pytest.raises(VisError, match=r"another model"):
-        moe.load(fixture_dir / "deepseek2.gguf", slots=8, predict="mlp", predict_profile=str(calibrated[0]),
+        moe.load(fixture_dir / "deepseek2.gguf", moe.MoeConfig(slots=8, predict="mlp", predict_profile=str(calibrated[0])),
                  **LOGITS_KW)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(calibrated[0].read_bytes()[:-100])
     with pytest.raises(VisError, match=r"--moe-predict-profile .*cut.gguf: cannot read it as GGUF"):
-        moe.load(FIXTURE, slots=8, predict="mlp", predict_profile=str(cut), **LOGITS_KW)
-    llm = moe.load(FIXTURE, slots=8, predict="mlp", predict_profile=str(calibrated[0]), lookahead=2, **LOGITS_KW)
+        moe.load(FIXTURE, moe.MoeConfig(slots=8, predict="mlp", predict_profile=str(cut)), **LOGITS_KW)
+    llm = moe.load(FIXTURE, moe.MoeConfig(slots=8, predict="mlp", predict_profile=str(calibrated[0]), lookahead=2),
+                   **LOGITS_KW)
     llm.eval(llm.tokenize(b"Experts ahead", add_bos=True))
     for _ in range(4):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -195,7 +196,7 @@ def test_runtime_mlp_predicts_what_its_weights_score_on_the_captured_states(tmp_
     of MlpWeights.scores on the FFN inputs captured for the same tokens (top-B, ties to the lower id) against the
     routing of the run's trace.  Another row, stride, layer or tensor fed to the MLP changes its predictions."""
     from conftest import greedy_logits
-    from pyvis.runtime import moe
+    from pyvis import moe
     from pyvis.runtime import trace as vtrace
     from pyvis.testbed import _llm
     fp = prof.model_fingerprint(FIXTURE)

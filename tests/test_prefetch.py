@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import native as _native
 from pyvis.runtime.native import VisError
-from pyvis.runtime.settings import MoeParams, PredictParams, TierParams, applied
+from pyvis.runtime.config import MoeConfig, applied
 from conftest import LOGITS_KW, greedy_logits, run
 
 ARCHS = ["qwen3moe", "deepseek2", "gptoss", "mixtral"]
@@ -124,8 +124,8 @@ SEQ_PROMPTS = [b"The first sequence talks about caches", b"A second one, about d
 def _parallel_logits(path, steps=16, moe_kw=None, pred_kw=None):
     """Prefill three sequences, then decode them together (one token each per batch); the logits of every step."""
     import llama_cpp as L
-    cm = applied(MoeParams(**moe_kw.get("moe", {})), TierParams(**moe_kw.get("tier", {})),
-                 predict=PredictParams(**(pred_kw or {}))) if moe_kw else contextlib.nullcontext()
+    cm = applied(MoeConfig(**moe_kw.get("moe", {}), **moe_kw.get("tier", {}), **(pred_kw or {}))) if moe_kw \
+        else contextlib.nullcontext()
     with cm:
         mp = L.llama_model_default_params()
         model = L.llama_model_load_from_file(str(path).encode(), mp)
@@ -239,8 +239,8 @@ def test_self_tuning_decides_per_layer(fixture_dir):
     TUNE_WINDOW (16) judged reads ahead in which it wasted more than it used, and never otherwise; while it is off it
     issues nothing and counts its off steps; after TUNE_OFF (32) off steps it is on again."""
     spec = fx.FIXTURES["qwen3moe"]()
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=spec.n_expert_used + 2, predict="random",
-                   prefetch_budget=spec.n_expert, **KW)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=spec.n_expert_used + 2, predict="random",
+                                                                prefetch_budget=spec.n_expert), **KW)
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
     layers = list(range(1, spec.n_layer))                 # the layers read ahead for (layer 0 has none before it)
     win = {il: [0, 0] for il in layers}                   # used, wasted since the layer's last judgement
@@ -309,9 +309,9 @@ def test_bad_values_are_clear_errors(bindir, fixture_dir, flag, value, expect):
 
 def test_bad_values_through_python(fixture_dir):
     with pytest.raises(VisError, match="--moe-lookahead"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="coact", lookahead=9, **KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8, predict="coact", lookahead=9), **KW)
     with pytest.raises(VisError, match="--moe-predict"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, predict="psychic", **KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8, predict="psychic"), **KW)
 
 
 def test_prefill_read_ahead_of_streamed_layers(bindir, fixture_dir):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import predict as pr
 from pyvis.runtime import predict_profile as pp
 from pyvis.runtime import profile as vprof
@@ -154,9 +154,9 @@ def test_bad_profiles_through_python(fixture_dir, tmp_path):
     model = fixture_dir / "qwen3moe.gguf"
     for path, says in _bad_profiles(fixture_dir, tmp_path):
         with pytest.raises(VisError) as e:
-            moe.load(model, slots=8, predict="freq", predict_profile=path, n_ctx=128, verbose=False)
+            moe.load(model, moe.MoeConfig(slots=8, predict="freq", predict_profile=path), n_ctx=128, verbose=False)
         assert f"--moe-predict-profile {path}: {says}" in str(e.value) and FIX in str(e.value), str(e.value)
     # the right model accepts its profile
-    llm = moe.load(model, slots=8, predict="coact", predict_profile=_bad_profiles(fixture_dir, tmp_path)[0][0]
-                   .with_name("qwen.gguf"), n_ctx=128, verbose=False)
+    profile = _bad_profiles(fixture_dir, tmp_path)[0][0].with_name("qwen.gguf")
+    llm = moe.load(model, moe.MoeConfig(slots=8, predict="coact", predict_profile=profile), n_ctx=128, verbose=False)
     assert llm is not None

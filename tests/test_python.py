@@ -134,9 +134,14 @@ def test_documented_python_names_resolve():
 
 
 def test_documented_entry_points_are_the_runtime_modules():
+    """One name per module: pyvis.moe is the module that defines load (there is no second name for it), and
+    pyvis._native is pyvis.runtime.native."""
+    import importlib.util
     import pyvis.moe
     import pyvis.vlm
     from pyvis import _native as documented
-    from pyvis.runtime import moe, native
-    assert documented is native and pyvis.moe is moe
+    from pyvis.runtime import native
+    assert documented is native
+    assert pyvis.moe.load.__module__ == "pyvis.moe" and importlib.util.find_spec("pyvis.runtime.moe") is None
+    assert pyvis.moe.MoeConfig.__module__ == "pyvis.runtime.config"    # re-exported: the settings are runtime's
     assert callable(pyvis.moe.load) and callable(pyvis.vlm.prepare) and callable(documented.moe_info)

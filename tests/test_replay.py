@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import run
-from pyvis.runtime import moe, native as _native, trace as vtrace
+from pyvis import moe
+from pyvis.runtime import native as _native, trace as vtrace
 
 HEADER = "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes"
 PROMPT = b"replay the routing of a real model"
@@ -49,7 +50,7 @@ def random_routing(P, L, E, K, seed=0):
 
 def greedy(model, n_decode=N_DECODE, **moe_kw):
     """Logits of PROMPT (one ubatch, every row an output) and n_decode greedy steps; the Llama."""
-    llm = moe.load(model, logits_all=True, **moe_kw, **KW)
+    llm = moe.load(model, moe.MoeConfig(**moe_kw), logits_all=True, **KW)
     llm.eval(llm.tokenize(PROMPT, add_bos=True))
     for _ in range(n_decode):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])

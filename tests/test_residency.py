@@ -11,9 +11,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import native as _native, trace as vtrace
-from pyvis.runtime.settings import MoeParams, applied
+from pyvis.runtime.config import MoeConfig, applied
+from pyvis.runtime.settings import MoeParams
 from pyvis import fixtures as fx
 from conftest import run
 
@@ -37,8 +38,8 @@ def _pinned_configs(spec) -> list[int]:
 def _run(path, params: MoeParams | None, n_ubatch: int = 512):
     """Prefill PROMPT, then greedy-decode N_DECODE tokens; return (all logits, tokens, stats, llm)."""
     kw = dict(n_ctx=256, n_batch=512, n_ubatch=n_ubatch, logits_all=True, n_threads=2, verbose=False, seed=1)
-    llm = moe.load(path, **(dict(slots=params.slots, cache_mib=params.cache_mib,
-                                 pinned_layers=params.pinned_layers) if params else {}), **kw)
+    llm = moe.load(path, moe.MoeConfig(slots=params.slots, cache_mib=params.cache_mib,
+                                       pinned_layers=params.pinned_layers) if params else None, **kw)
     toks = llm.tokenize(PROMPT.encode(), add_bos=True)
     llm.eval(toks)
     out = []
@@ -104,7 +105,8 @@ def test_overflowing_prefill_uses_passes_and_stays_exact(fixture_dir, reference)
 def test_stats_add_up(fixture_dir):
     spec = fx.FIXTURES["qwen3moe"]()
     k = spec.n_expert_used
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=12, n_ctx=256, n_threads=2, verbose=False, logits_all=True)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=12),
+                   n_ctx=256, n_threads=2, verbose=False, logits_all=True)
     info = _native.moe_info(llm)
     llm.eval(llm.tokenize(b"stats must add up", add_bos=True))
     before = [moe.layer_stats(llm, il) for il in range(spec.n_layer)]
@@ -127,7 +129,7 @@ def test_stats_add_up(fixture_dir):
 
 def _decode_two_sequences(path, slots):
     """One batch holding two sequences (as parallel server slots do); logits of each last token."""
-    with applied(MoeParams(slots=slots)):
+    with applied(MoeConfig(slots=slots)):
         mp = llama_cpp.llama_model_default_params()
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         cp = llama_cpp.llama_context_default_params()
@@ -169,11 +171,11 @@ def test_two_sequences_share_the_cache_exactly(fixture_dir):
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(pinned_layers=7, slots=8), "--moe-pinned-layers 7 exceeds the model's 3 MoE layers"),
-    (dict(cache_mib=0, slots=-2), "--moe-slots must be in 0..65536"),
+    (dict(cache_mib=0, slots=-2), "MoeConfig slots: --moe-slots: expected an integer in 0..65536"),
 ])
 def test_bad_configuration_is_a_clear_error(fixture_dir, kw, needle):
     with pytest.raises(_native.VisError) as e:
-        moe.load(fixture_dir / "qwen3moe.gguf", n_ctx=64, verbose=False, **kw)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(**kw), n_ctx=64, verbose=False)
     assert needle in str(e.value)
 
 
@@ -186,8 +188,8 @@ def test_budget_too_small_is_a_clear_error(tmp_path):
     need_mib = -(-eb // (1 << 20))    # one slot, rounded up to MiB
     assert need_mib >= 2
     with pytest.raises(_native.VisError, match=r"--moe-cache-mib 1 is too small: the 1 managed layers need at least"):
-        moe.load(path, cache_mib=1, n_ctx=64, verbose=False)
-    llm = moe.load(path, cache_mib=need_mib, n_ctx=64, verbose=False)
+        moe.load(path, moe.MoeConfig(cache_mib=1), n_ctx=64, verbose=False)
+    llm = moe.load(path, moe.MoeConfig(cache_mib=need_mib), n_ctx=64, verbose=False)
     st = moe.stats(llm)
     assert st is not None and st.n_slots == min(need_mib * (1 << 20) // eb, spec.n_expert)
 
@@ -221,7 +223,8 @@ def test_cli_stats_at_exit(bindir, fixture_dir):
 def test_routing_trace(fixture_dir, tmp_path):
     spec = fx.FIXTURES["deepseek2"]()
     path = tmp_path / "route.trace"
-    llm = moe.load(fixture_dir / "deepseek2.gguf", slots=8, trace=str(path), n_ctx=128, n_threads=2, verbose=False)
+    llm = moe.load(fixture_dir / "deepseek2.gguf", moe.MoeConfig(slots=8, trace=str(path)),
+                   n_ctx=128, n_threads=2, verbose=False)
     toks = llm.tokenize(b"trace every routing decision", add_bos=True)
     llm.eval(toks)
     llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
@@ -250,8 +253,8 @@ def test_trace_also_works_without_cache(fixture_dir, tmp_path):
     ref = llama_cpp.Llama(str(fixture_dir / "mixtral.gguf"), n_ctx=128, verbose=False, logits_all=True, n_threads=2)
     toks = ref.tokenize(b"no cache, only a trace", add_bos=True)
     ref.eval(toks)
-    llm = moe.load(fixture_dir / "mixtral.gguf", trace=str(path), n_ctx=128, n_threads=2, verbose=False,
-                   logits_all=True)
+    llm = moe.load(fixture_dir / "mixtral.gguf", moe.MoeConfig(trace=str(path)),
+                   n_ctx=128, n_threads=2, verbose=False, logits_all=True)
     llm.eval(toks)
     assert np.array_equal(np.asarray(ref.scores[: len(toks)]), np.asarray(llm.scores[: len(toks)]))
     del llm
@@ -271,7 +274,7 @@ def test_native_trace_feeds_the_routing_report(fixture_dir, tmp_path):
     """A --moe-trace file is accepted by `pyvis report` (same numbers as its own collector's format)."""
     from pyvis.testbed import routing_report
     path = tmp_path / "r.trace"
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", trace=str(path), n_ctx=128, n_threads=2, verbose=False)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(trace=str(path)), n_ctx=128, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"a routing trace for the report, long enough to reuse experts", add_bos=True))
     del llm
     t = vtrace.load(path)

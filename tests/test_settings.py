@@ -13,12 +13,21 @@ import pytest
 
 import pyvis.moe as moe
 from pyvis.runtime import capi, native, settings
-from pyvis.runtime.settings import (CapacityParams, MoeParams, PrecisionParams, PredictParams, SubParams, TelemetryParams,
-                                    TierParams, TopkParams, applied)
+from pyvis.runtime.config import MoeConfig, applied
+from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams, TierParams
 
 HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
-          "const char *": ctypes.c_char_p}
+          "const char *": ctypes.c_char_p, "const float *": ctypes.POINTER(ctypes.c_float),
+          "int32_t *": ctypes.POINTER(ctypes.c_int32)}
+
+
+def _ctype(t: str):
+    """A field's ctypes type: a scalar or pointer of CTYPES, or a nested struct of the mirror (struct NAME)."""
+    if t.startswith("struct "):
+        n = t.split()[1]
+        return getattr(capi, f"struct_{n}", None) or getattr(capi, n)
+    return CTYPES[t]
 KW = dict(n_ctx=64, n_threads=2, verbose=False)
 
 
@@ -27,7 +36,8 @@ def _header():
     enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
              for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
     structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
-                            re.findall(r"(int32_t|int64_t|double|const char \*)\s*(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
+                            re.findall(r"(int32_t \*|const float \*|int32_t|int64_t|double|const char \*|struct \w+)\s*"
+                                       r"(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
                for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
     funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
     return structs, funcs, enums
@@ -39,7 +49,7 @@ def test_the_mirror_is_the_header():
     assert len(structs) >= 10 and len(funcs) >= 42 and len(enums) >= 11
     for name, cfields in structs.items():
         cls = getattr(capi, f"struct_{name}", None) or getattr(capi, name)   # struct_: named like a function
-        assert [(n, CTYPES[t] if a is None else CTYPES[t] * a) for t, n, a in cfields] == list(cls._fields_), name
+        assert [(n, _ctype(t) if a is None else _ctype(t) * a) for t, n, a in cfields] == list(cls._fields_), name
     assert {n: getattr(capi, n, None) for n in enums} == enums                # enum constants, same values
     assert {n for n in dir(capi) if n.startswith("LLAMA_VIS_")} == set(enums)
     bound = {n for n in dir(capi) if n.startswith("llama_vis_") and callable(getattr(capi, n))
@@ -53,13 +63,13 @@ def test_the_mirror_is_the_header():
 
 
 def test_every_settings_field_is_a_flag_of_the_c_table():
+    """The process-wide structs and pyvis.vlm's sections are parts of MoeConfig (tests/test_config.py holds MoeConfig
+    to the table): the same names, the same flags."""
     rows = {f.name: f for f in native.flags()}
-    fields = [f.name for cls in (MoeParams, TierParams, SubParams, PredictParams, PrecisionParams, CapacityParams,
-                                 TopkParams, TelemetryParams, settings.ModeParams)
-              for f in __import__("dataclasses").fields(cls)]
-    env_only = {"--moe-stream-passes", "--moe-stream-ahead", "--moe-stream-lend", "--moe-stream-stage", "--moe-pin-mib",
-                "--moe-policy"}
-    assert {settings.flag_of(f) for f in fields} == set(rows) - env_only  # env/flag only
+    config = {f.name for f in dataclasses.fields(MoeConfig)}
+    for cls in (MoeParams, TierParams, PrecisionParams, CapacityParams):
+        assert {f.name for f in dataclasses.fields(cls)} <= config, cls
+        assert {settings.flag_of(f.name) for f in dataclasses.fields(cls)} <= set(rows), cls
     assert all(rows[n].env.startswith("VIS_MOE_") and rows[n].help for n in rows)
 
 
@@ -70,13 +80,13 @@ def test_caller_settings_survive_a_load(fixture_dir):
     settings.set_params(MoeParams(slots=8, pinned_layers=1))
     settings.set_tier_params(TierParams(io_threads=3, host_mib=2))
     try:
-        llm = moe.load(path, slots=4, io_threads=1, **KW)
+        llm = moe.load(path, moe.MoeConfig(slots=4, io_threads=1), **KW)
         assert moe.stats(llm).n_slots == 4                       # the load used its own
         assert settings.get_params() == MoeParams(slots=8, pinned_layers=1)
         assert settings.get_tier_params() == TierParams(io_threads=3, host_mib=2)
         assert not capi.llama_vis_moe_thread_params_active()
-        with applied(MoeParams(slots=6), TierParams(io_threads=5)):
-            llm = moe.load(path, slots=4, **KW)
+        with applied(MoeConfig(slots=6, io_threads=5)):
+            llm = moe.load(path, moe.MoeConfig(slots=4), **KW)
             assert moe.stats(llm).n_slots == 4
             assert settings.get_params().slots == 6 and settings.get_tier_params().io_threads == 5
             assert capi.llama_vis_moe_thread_params_active()
@@ -90,7 +100,7 @@ def test_a_failed_load_restores_too(fixture_dir):
     settings.set_params(MoeParams(slots=5))
     try:
         with pytest.raises(native.VisError, match="--moe-pinned-layers 7 exceeds"):
-            moe.load(fixture_dir / "qwen3moe.gguf", slots=8, pinned_layers=7, **KW)
+            moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8, pinned_layers=7), **KW)
         assert settings.get_params().slots == 5 and not capi.llama_vis_moe_thread_params_active()
     finally:
         settings.set_params(None)
@@ -108,7 +118,7 @@ def test_threads_loading_at_once_keep_their_own_settings(fixture_dir):
         try:
             for _ in range(rounds):
                 barrier.wait(timeout=60)
-                llm = moe.load(path, **kw, **KW)
+                llm = moe.load(path, moe.MoeConfig(**kw), **KW)
                 st = moe.stats(llm)
                 got[name].append(st.n_slots if st else None)
                 del llm
@@ -128,10 +138,10 @@ def test_threads_loading_at_once_keep_their_own_settings(fixture_dir):
 
 def test_errors_belong_to_the_failing_call(fixture_dir, tmp_path):
     """A failed load's message is not reported again by a later failure of another kind."""
-    with pytest.raises(native.VisError, match="--moe-slots must be in 0..65536"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=-1, **KW)
+    with pytest.raises(native.VisError, match=r"MoeConfig slots: --moe-slots: expected an integer in 0..65536"):
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=-1), **KW)
     with pytest.raises(native.VisError, match="--moe-pinned-layers 7 exceeds"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=8, pinned_layers=7, **KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8, pinned_layers=7), **KW)
     # not ours to word: llama-cpp-python's own errors, exactly (no VisError, no --moe flag blamed)
     with pytest.raises(ValueError) as e:
         moe.load(tmp_path / "nonexistent.gguf", **KW)
@@ -140,38 +150,41 @@ def test_errors_belong_to_the_failing_call(fixture_dir, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(ValueError) as e:
-        moe.load(bad, slots=4, **KW)
+        moe.load(bad, moe.MoeConfig(slots=4), **KW)
     assert type(e.value) is ValueError and str(e.value) == f"Failed to load model from file: {bad}"
     assert "--moe" not in str(e.value)
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(slots=2 ** 32), r"slots \(--moe-slots\) = 4294967296 is out of range: the C argument is an int32_t"),
-    (dict(slots=2 ** 32 + 4), r"slots \(--moe-slots\) = 4294967300"),
-    (dict(pinned_layers=-2 ** 31 - 1), r"pinned_layers \(--moe-pinned-layers\) = -2147483649"),
-    (dict(cache_mib=2 ** 63), r"cache_mib \(--moe-cache-mib\) = 9223372036854775808 .* int64_t"),
-    (dict(mem=2 ** 64), r"mem \(--moe-mem\) = 18446744073709551616"),
-    (dict(host_mib=-2 ** 63 - 1), r"host_mib \(--moe-host-mib\)"),
-    (dict(io_threads=2 ** 31), r"io_threads \(--moe-io-threads\) = 2147483648"),
+    (dict(slots=2 ** 32), r"MoeConfig slots: --moe-slots: expected an integer in 0..65536 \(0 = off\), got '4294967296'"),
+    (dict(slots=2 ** 32 + 4), r"MoeConfig slots: .*got '4294967300'"),
+    (dict(pinned_layers=-2 ** 31 - 1), r"MoeConfig pinned_layers: --moe-pinned-layers: .*got '-2147483649'"),
+    (dict(cache_mib=2 ** 63), r"MoeConfig cache_mib: --moe-cache-mib: expected an integer in 0..1073741824"),
+    (dict(mem=2 ** 64), r"MoeConfig mem: --moe-mem: .*got '18446744073709551616'"),
+    (dict(host_mib=-2 ** 63 - 1), r"MoeConfig host_mib: --moe-host-mib: expected an integer in 0..1073741824"),
+    (dict(io_threads=2 ** 31), r"MoeConfig io_threads: --moe-io-threads: expected an integer in 1..64"),
     (dict(slots=1.5), r"slots \(--moe-slots\) must be an integer, got 1.5"),
-    (dict(mem="lots"), r"mem \(--moe-mem\) must be an integer, got 'lots'"),
-    (dict(direct_io="maybe"), r"direct_io \(--moe-direct-io\) must be auto, on or off"),
-    (dict(store="disk"), r"store \(--moe-store\) must be 'file' or 'model'"),
-    (dict(slots=70000), r"--moe-slots must be in 0..65536"),                      # in int32_t: the C range
-    (dict(io_threads=0), r"--moe-io-threads must be in 1..64"),
+    (dict(mem="lots"), r"MoeConfig mem: --moe-mem: expected an integer in 1..1073741824 MiB \(or auto, off\), got 'lots'"),
+    (dict(direct_io="maybe"), r"MoeConfig direct_io: --moe-direct-io: expected auto, on or off, got 'maybe'"),
+    (dict(store="disk"), r"MoeConfig store: --moe-store: expected file or model, got 'disk'"),
+    (dict(slots=70000), r"MoeConfig slots: --moe-slots: expected an integer in 0..65536"),
+    (dict(io_threads=0), r"MoeConfig io_threads: --moe-io-threads: expected an integer in 1..64"),
+    (dict(slots=8, cache_mib=64), r"MoeConfig slots, cache_mib: --moe-slots and --moe-cache-mib are alternatives"),
 ])
-def test_integers_are_checked_before_they_reach_c(fixture_dir, kw, needle):
+def test_values_are_checked_by_the_c_parser_and_name_the_field(fixture_dir, kw, needle):
+    """Integers of any size reach C as text, so nothing wraps around; the C parser's range is the check."""
     settings.set_params(MoeParams(slots=3))
     try:
         with pytest.raises(native.VisError, match=needle):
-            moe.load(fixture_dir / "qwen3moe.gguf", **kw, **KW)
+            moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(**kw), **KW)
         assert settings.get_params().slots == 3          # nothing half-applied
+        assert not capi.llama_vis_moe_thread_params_active()
     finally:
         settings.set_params(None)
 
 
 def test_native_arguments_are_range_checked(fixture_dir):
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=8, **KW)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=8), **KW)
     for call, name in [(lambda: native.set_layer_limit(llm, 2 ** 32), "n_layers"),
                        (lambda: native.saliency_enable(None, 2 ** 32 + 1), "n_layers"),
                        (lambda: native.moe_stats(llm, 2 ** 32 - 1), "layer"),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pyvis.runtime import ggml_quant as gq
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime import predict_profile as pp
 from pyvis.runtime import profile as vprof
 from pyvis.runtime import shadow as sh
@@ -189,7 +189,7 @@ def test_bad_sidecars_through_python(fixture_dir, tmp_path, qwen_q4):
     model = fixture_dir / "qwen3moe.gguf"
     for path, says in _bad_sidecars(fixture_dir, tmp_path, qwen_q4):
         with pytest.raises(VisError) as e:
-            moe.load(model, slots=8, shadow=path, n_ctx=128, verbose=False)
+            moe.load(model, moe.MoeConfig(slots=8, shadow=path), n_ctx=128, verbose=False)
         msg = str(e.value)
         assert f"--moe-shadow {path}: " in msg and says in msg and FIX in msg, msg
 

@@ -273,15 +273,15 @@ def test_bad_profiles_are_clear_errors(bindir, fixture_dir, tmp_path):
 
 def test_python_load_and_stats(fixture_dir):
     """pyvis.moe.load(substitute=...): per thread, checked by the C parser, stats by outcome"""
-    from pyvis.runtime import moe
+    from pyvis import moe
     from pyvis.runtime.native import VisError
-    from pyvis.runtime.settings import MoeParams, SubParams, applied
+    from pyvis.runtime.config import MoeConfig, applied
     from pyvis.runtime import capi
     path = fixture_dir / "qwen3moe.gguf"
     with pytest.raises(VisError, match=r"--moe-sub-beta: expected a number in 0\.\.1, got '1\.5'"):
-        moe.load(path, slots=8, substitute="router", sub_beta=1.5, n_ctx=128, verbose=False)
+        moe.load(path, moe.MoeConfig(slots=8, substitute="router", sub_beta=1.5), n_ctx=128, verbose=False)
     assert capi.llama_vis_moe_thread_params_active() == 0     # nothing left on the thread
-    llm = moe.load(path, slots=8, substitute="router", n_ctx=256, n_threads=2, verbose=False)
+    llm = moe.load(path, moe.MoeConfig(slots=8, substitute="router"), n_ctx=256, n_threads=2, verbose=False)
     toks = llm.tokenize(PROMPT.encode(), add_bos=True)
     llm.eval(toks)
     for _ in range(12):
@@ -291,7 +291,10 @@ def test_python_load_and_stats(fixture_dir):
     assert sum(st["outcomes"].values()) == st["n_missing"]
     assert st["bytes_saved"] > 0 and st["n_tokens_substituted"] <= st["n_tokens"]
     # an inner block without substitution keeps the outer block's; after the outer block, the thread has none
-    with applied(MoeParams(slots=8), sub=SubParams(substitute="router", sub_budget=2)):
-        with applied(MoeParams(slots=4)):
+    with applied(MoeConfig(slots=8, substitute="router", sub_budget=2)):
+        with applied(MoeConfig(slots=4)):
             assert capi.llama_vis_moe_thread_params_active() == 1
+            now = MoeConfig.current()          # read back from C
+            assert (now.slots, now.substitute, now.sub_budget) == (4, "router", 2)
+        assert MoeConfig.current().slots == 8
     assert capi.llama_vis_moe_thread_params_active() == 0

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pyvis.runtime import capi, moe, telemetry
+from pyvis import moe
+from pyvis.runtime import capi, telemetry
 from conftest import llama_server, run
 
 PROMPT = ["-p", "Experts route each token", "-st", "-c", "256", "-t", "2", "--temp", "0"]
@@ -58,7 +59,7 @@ def _sha(p):
 # the CSV: its rows are the cache's counters, ubatch by ubatch
 # --------------------------------------------------------------------------
 def _generate(model, out, slots, n=6):
-    llm = moe.load(model, slots=slots, pinned_layers=0, csv=str(out), **KW)
+    llm = moe.load(model, moe.MoeConfig(slots=slots, pinned_layers=0, csv=str(out)), **KW)
     toks = llm.tokenize(b"Experts route each token to", add_bos=True)
     llm.eval(toks)
     for _ in range(n):
@@ -127,7 +128,7 @@ def test_cli_csv_matches_the_exit_table_and_leaves_the_text_alone(bindir, fixtur
 
 def test_lossy_runs_say_so_in_every_row(fixture_dir, tmp_path):
     out = tmp_path / "lossy.csv"
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, topk=6, csv=str(out), **KW)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4, topk=6, csv=str(out)), **KW)
     llm.eval(llm.tokenize(b"Experts route", add_bos=True))
     llm.eval([1])
     assert {r["mode"] for r in _rows(out)} == {"lossy:topk=6"}
@@ -170,21 +171,22 @@ def test_csv_refuses_an_input_named_by_another_option(fixture_dir, tmp_path):
     sh.write_shadow(fixture_dir / "qwen3moe.gguf", "Q4_0", side, threads=2)
     before = _sha(side)
     with pytest.raises(VisError, match="--moe-csv: refusing to write .*it is the --moe-shadow file of this run"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=4, shadow=str(side), csv=str(side), **KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4, shadow=str(side), csv=str(side)), **KW)
     assert _sha(side) == before
 
 
 def test_two_live_contexts_never_share_a_csv(fixture_dir, tmp_path):
     from pyvis.runtime.native import VisError
     out = tmp_path / "one.csv"
-    first = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)
+    first = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4, csv=str(out)), **KW)
     first.eval(first.tokenize(b"Experts route", add_bos=True))
     rows = _rows(out)
     with pytest.raises(VisError, match="another context of this process is writing it"):
-        moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)
+        moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4, csv=str(out)), **KW)
     assert _rows(out) == rows                       # not truncated
     del first
-    again = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, csv=str(out), **KW)   # free again once it is freed
+    # free again once it is freed
+    again = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4, csv=str(out)), **KW)
     del again
 
 
@@ -305,7 +307,7 @@ def test_metrics_of_the_c_api_mirror(fixture_dir):
         t = capi.llama_vis_moe_metrics_text().decode()
         return (_metric(t, "read_bytes_total"), _metric(t, "misses_total", '{tier="storage"}')) if t else (0, 0)
     b0, m0 = counts()
-    llm = moe.load(fixture_dir / "qwen3moe.gguf", slots=4, **KW)
+    llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=4), **KW)
     llm.eval(llm.tokenize(b"Experts route", add_bos=True))
     b1, m1 = counts()
     io, st = moe.io_stats(llm), moe.stats(llm)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
-from pyvis.runtime import moe, native, trace as vtrace
+from pyvis import moe
+from pyvis.runtime import native, trace as vtrace
 from conftest import LOGITS_KW, TEXT_FIXTURES, greedy_logits, run
 
 PROMPT = "Fewer experts per token: each token keeps only its highest-weighted experts."

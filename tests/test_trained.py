@@ -21,7 +21,7 @@ import pytest
 
 import gguf
 
-from pyvis.runtime import moe
+from pyvis import moe
 from pyvis.runtime.trace import read
 from pyvis.testbed import gate_stats, quality, train_moe
 

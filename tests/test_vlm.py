@@ -257,8 +257,8 @@ def test_prune_eval_harness(files, tmp_path, capsys):
 
 
 def test_session_on_a_loaded_llama(files):
-    from pyvis.runtime import moe
-    llm = moe.load(str(files["model"]), slots=8, pinned_layers=1, n_ctx=512, n_threads=1, verbose=False)
+    from pyvis import moe
+    llm = moe.load(str(files["model"]), moe.MoeConfig(slots=8, pinned_layers=1), n_ctx=512, n_threads=1, verbose=False)
     s = vlm.Session(llm, files["mmproj"])
     assert s.n_ctx == 512 and s.moe is not None
     ref, _ = s.eval_reference(PROMPT, [files["big"]])

@@ -3,8 +3,8 @@ routing traces and cache simulation.
 
     capi       1:1 ctypes mirror of src/llama-vis.h
     native     friendly layer over it: dataclasses, VisError, wrappers
-    settings   the --moe-* settings: typed, range-checked, applied per call and thread
-    moe        pyvis.moe.load(...): a llama_cpp.Llama with the expert cache, its stats
+    config     MoeConfig: every --moe-* setting as one typed object, applied per call and thread
+    settings   the process-wide --moe-* settings (the C structs) and pyvis.vlm's sections of a MoeConfig
     plan       `pyvis plan`: how a model splits over slabs, host cache and file
     trace      the routing trace (--moe-trace files, .npz), one model for every tool
     cachesim   offline LRU / Belady simulation of the expert cache on a trace

@@ -115,10 +115,37 @@ def llama_vis_moe_thread_apply(flag: bytes, value: bytes | None) -> int:
     (--moe-substitute, --moe-sub-*, --moe-stream-passes).  0, or -1 with llama_vis_last_error()."""
 
 
+# LLAMA_API int32_t llama_vis_moe_thread_set(int32_t n, const char * const * flags, const char * const * values);
+@ctypes_function("llama_vis_moe_thread_set", [ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
+                                              ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int32)
+def llama_vis_moe_thread_set(n: int, flags, values) -> int:
+    """Set the calling thread's override in one step: the process-wide settings with these n flags applied in order
+    (values[i] NULL: the row's built-in value), checked once at the end.  0, or -1 with llama_vis_last_error() naming
+    the flag; the thread keeps what it had then."""
+
+
+# LLAMA_API const char * llama_vis_moe_get_value(const char * flag, int32_t builtin);
+@ctypes_function("llama_vis_moe_get_value", [ctypes.c_char_p, ctypes.c_int32], ctypes.c_char_p)
+def llama_vis_moe_get_value(flag: bytes, builtin: int) -> bytes | None:
+    """One setting spelled as its flag takes it: in force on the calling thread (builtin = 0) or the table's built-in
+    default (builtin = 1); "" when unset (no file, --moe-substitute not given); NULL for an unknown flag."""
+
+
 # enum llama_vis_moe_scope { ... };  who decides a setting
 LLAMA_VIS_MOE_SCOPE_KNOB = 0    # an engine knob: its VIS_MOE_* variable (docs/knobs.md)
 LLAMA_VIS_MOE_SCOPE_USER = 1    # a user flag of every tool
 LLAMA_VIS_MOE_SCOPE_VISION = 2  # a user flag of the tools that take images
+
+
+# enum llama_vis_moe_value_type { ... };  what a setting's value is
+LLAMA_VIS_MOE_VALUE_SWITCH = 0        # on | off
+LLAMA_VIS_MOE_VALUE_INT = 1           # an integer in a range
+LLAMA_VIS_MOE_VALUE_REAL = 2          # a number in a range
+LLAMA_VIS_MOE_VALUE_WORD = 3          # one of the words of value_hint
+LLAMA_VIS_MOE_VALUE_INT_OR_WORD = 4   # an integer, or one of the words of value_hint
+LLAMA_VIS_MOE_VALUE_REAL_OR_WORD = 5  # a number, or one of the words of value_hint
+LLAMA_VIS_MOE_VALUE_TEXT = 6          # a form of its own, given by value_hint
+LLAMA_VIS_MOE_VALUE_FILE = 7          # a file path
 
 
 # struct llama_vis_moe_flag {
@@ -127,6 +154,7 @@ LLAMA_VIS_MOE_SCOPE_VISION = 2  # a user flag of the tools that take images
 #     const char * value_hint;  // "N", "auto|MIB", ...; NULL for a flag without a value
 #     const char * help;        // help text (several lines, '\n'-separated; no env note)
 #     int32_t      scope;       // enum llama_vis_moe_scope
+#     int32_t      value_type;  // enum llama_vis_moe_value_type
 # };
 class llama_vis_moe_flag(ctypes.Structure):
     _fields_ = [
@@ -135,6 +163,7 @@ class llama_vis_moe_flag(ctypes.Structure):
         ("value_hint", ctypes.c_char_p),
         ("help", ctypes.c_char_p),
         ("scope", ctypes.c_int32),
+        ("value_type", ctypes.c_int32),
     ]
 
 

@@ -223,6 +223,103 @@ def llama_vis_moe_plan(req, out) -> int:
     """How one memory budget splits over resident weights, KV cache, compute, slabs and the host cache."""
 
 
+# struct llama_vis_moe_cost {
+#     double  read_bps;          // bytes/s of expert reads from the model file (llama_vis_moe_cost_default)
+#     double  mem_bps;           // bytes/s of reading weights from memory (a memory-bound matmul)
+#     double  pass_s;            // seconds one extra pass of one managed layer costs ...
+#     double  pass_token_s;      // ... plus this per token of its ubatch
+#     double  token_s;           // seconds of compute per prompt token in a large batch; <= 0: from mem_bps
+#     int32_t stream_passes;     // a ubatch needing more passes than this in a layer streams it (0 = never)
+#     int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
+#     int32_t gen_tokens;        // ... and generated tokens (decode)
+# };
+class llama_vis_moe_cost(ctypes.Structure):
+    _fields_ = [
+        ("read_bps", ctypes.c_double),
+        ("mem_bps", ctypes.c_double),
+        ("pass_s", ctypes.c_double),
+        ("pass_token_s", ctypes.c_double),
+        ("token_s", ctypes.c_double),
+        ("stream_passes", ctypes.c_int32),
+        ("prompt_tokens", ctypes.c_int32),
+        ("gen_tokens", ctypes.c_int32),
+    ]
+
+
+# struct llama_vis_moe_configure_request {
+#     struct llama_vis_moe_plan_request plan;  // the --moe-mem request; reserve_bytes replaced per candidate ubatch
+#     int64_t n_vocab;           // the model's shape, for the reserve estimate
+#     int64_t n_embd;
+#     int64_t n_ff_exp;
+#     int32_t n_ubatch;          // the ubatch asked for: the largest candidate
+#     int32_t n_ubatch_min;      // the smallest candidate; <= 0: the runtime's, 16
+#     const float * miss_curve;  // NULL: the uniform prior; else [n_managed_layers][n_expert + 1] misses per token
+#     int32_t * layer_slots;     // optional out [n_managed_layers]: the slab bytes split per layer by marginal value
+#     struct llama_vis_moe_cost cost;
+# };
+class llama_vis_moe_configure_request(ctypes.Structure):
+    _fields_ = [
+        ("plan", llama_vis_moe_plan_request),
+        ("n_vocab", ctypes.c_int64),
+        ("n_embd", ctypes.c_int64),
+        ("n_ff_exp", ctypes.c_int64),
+        ("n_ubatch", ctypes.c_int32),
+        ("n_ubatch_min", ctypes.c_int32),
+        ("miss_curve", ctypes.POINTER(ctypes.c_float)),
+        ("layer_slots", ctypes.POINTER(ctypes.c_int32)),
+        ("cost", llama_vis_moe_cost),
+    ]
+
+
+# struct llama_vis_moe_configuration {
+#     int32_t ok;                // 1: a plan fits (else llama_vis_last_error(); plan.min_budget at n_ubatch_min)
+#     int32_t n_ubatch;          // the chosen ubatch (<= the asked)
+#     struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch: what the runtime runs
+#     double  decode_tps;        // predicted tokens/s of decode and prefill with this plan ...
+#     double  prefill_tps;
+#     double  asked_decode_tps;  // ... and with the plan at the asked ubatch
+#     double  asked_prefill_tps;
+#     int32_t asked_n_slots;
+#     double  mv_slot;           // seconds saved per request per MiB by the last slot row
+#     double  mv_next_slot;      // ... by the next slot row
+#     double  mv_ubatch_down;    // ... by the last ubatch doubling
+#     double  mv_ubatch_up;      // ... by the next ubatch doubling
+#     int32_t n_pinned;          // leading managed layers that layer_slots gives every expert
+#     double  layer_decode_tps;  // predicted decode tokens/s with layer_slots (0: not asked)
+# };
+class llama_vis_moe_configuration(ctypes.Structure):
+    _fields_ = [
+        ("ok", ctypes.c_int32),
+        ("n_ubatch", ctypes.c_int32),
+        ("plan", struct_llama_vis_moe_plan),
+        ("decode_tps", ctypes.c_double),
+        ("prefill_tps", ctypes.c_double),
+        ("asked_decode_tps", ctypes.c_double),
+        ("asked_prefill_tps", ctypes.c_double),
+        ("asked_n_slots", ctypes.c_int32),
+        ("mv_slot", ctypes.c_double),
+        ("mv_next_slot", ctypes.c_double),
+        ("mv_ubatch_down", ctypes.c_double),
+        ("mv_ubatch_up", ctypes.c_double),
+        ("n_pinned", ctypes.c_int32),
+        ("layer_decode_tps", ctypes.c_double),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * req,
+#                                           struct llama_vis_moe_configuration * out);
+@ctypes_function("llama_vis_moe_configure", [ctypes.POINTER(llama_vis_moe_configure_request),
+                                             ctypes.POINTER(llama_vis_moe_configuration)], ctypes.c_int32)
+def llama_vis_moe_configure(req, out) -> int:
+    """The marginal-value configurator: the ubatch and slots with the lowest predicted latency in one budget."""
+
+
+# LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);
+@ctypes_function("llama_vis_moe_cost_default", [ctypes.c_char_p, ctypes.POINTER(llama_vis_moe_cost)], ctypes.c_int32)
+def llama_vis_moe_cost_default(path, cost) -> int:
+    """The cost model --moe-mem configures with: probed (cached) bandwidths of the file at path and the knobs."""
+
+
 # LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,
 #                                                  int64_t n_expert_used, int64_t n_ff_exp);
 @ctypes_function("llama_vis_moe_estimate_reserve",

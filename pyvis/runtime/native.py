@@ -266,6 +266,50 @@ def plan(**request) -> dict:
     return d
 
 
+def cost_default(path) -> dict:
+    """llama_vis_moe_cost_default: the cost model --moe-mem configures with (bandwidths probed once per device and
+    cached, the VIS_MOE_READ_MBPS / VIS_MOE_PASS_US / VIS_MOE_PLAN_* knobs)."""
+    c = capi.llama_vis_moe_cost()
+    _check(capi.llama_vis_moe_cost_default(str(path).encode(), ctypes.byref(c)), "llama_vis_moe_cost_default")
+    return {name: getattr(c, name) for name, _ in c._fields_}
+
+
+def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch: int, cost: dict,
+              n_ubatch_min: int = 0, miss_curve=None) -> dict:
+    """llama_vis_moe_configure: the ubatch and slots with the lowest predicted latency within the plan request's
+    budget (``plan``: keys of llama_vis_moe_plan_request; its reserve_bytes is ignored).  ``miss_curve``: None (the
+    prior) or an array [managed layers][n_expert + 1] of misses per decode token; then 'layer_slots' (the slab bytes
+    split per layer) is returned too.  The configuration as a dict; 'plan' holds llama_vis_moe_plan's at the chosen
+    ubatch, 'error' the reason when it does not fit."""
+    import numpy as np
+    rq = capi.llama_vis_moe_configure_request()
+    fill_struct(rq.plan, dict(host_mib=-1, unified=1, reserve_bytes=0) | plan)
+    fill_struct(rq, dict(n_vocab=n_vocab, n_embd=n_embd, n_ff_exp=n_ff_exp, n_ubatch=n_ubatch,
+                         n_ubatch_min=n_ubatch_min))
+    for k, v in cost.items():
+        setattr(rq.cost, k, v)
+    n_layers = int(plan.get("n_managed_layers", 0))
+    curve = slots = None
+    if miss_curve is not None:
+        curve = np.ascontiguousarray(miss_curve, dtype=np.float32)
+        if curve.shape != (n_layers, int(plan["n_expert"]) + 1):
+            raise VisError(f"configure: miss_curve must be [{n_layers}][{int(plan['n_expert']) + 1}], got {curve.shape}")
+        rq.miss_curve = curve.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        slots = (ctypes.c_int32 * max(n_layers, 1))()
+        rq.layer_slots = ctypes.cast(slots, ctypes.POINTER(ctypes.c_int32))
+    out = capi.llama_vis_moe_configuration()
+    _check(capi.llama_vis_moe_configure(ctypes.byref(rq), ctypes.byref(out)), "llama_vis_moe_configure")
+    d = {name: getattr(out, name) for name, _ in out._fields_ if name != "plan"}
+    d["ok"] = bool(d["ok"])
+    d["plan"] = _struct_dict(out.plan)
+    d["plan"]["ok"] = bool(d["plan"]["ok"])
+    if not d["ok"]:
+        d["error"] = last_error()
+    if slots is not None:
+        d["layer_slots"] = list(slots)[:n_layers]
+    return d
+
+
 def estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int, n_ff_exp: int) -> int:
     """Bytes of compute buffers + runtime the runtime plans --moe-mem with, from the model's shape."""
     args = dict(n_ubatch=n_ubatch, n_vocab=n_vocab, n_embd=n_embd, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp)
@@ -294,6 +338,7 @@ class Flag:
     value_hint: str | None  # "N", "auto|MIB", ...; None for a flag without a value
     help: str
     scope: int              # capi.LLAMA_VIS_MOE_SCOPE_*: a user flag, or an engine knob (docs/knobs.md)
+    value_type: int         # capi.LLAMA_VIS_MOE_VALUE_*: what its value is (pyvis.moe.MoeConfig types its field by it)
 
     @property
     def knob(self) -> bool:
@@ -307,7 +352,7 @@ def flags() -> list[Flag]:
         f = capi.llama_vis_moe_flag()
         _check(capi.llama_vis_moe_get_flag(i, ctypes.byref(f)), "llama_vis_moe_get_flag")
         out.append(Flag(f.name.decode(), f.env.decode(), f.value_hint.decode() if f.value_hint else None,
-                        f.help.decode(), f.scope))
+                        f.help.decode(), f.scope, f.value_type))
     return out
 
 

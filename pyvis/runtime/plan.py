@@ -88,6 +88,7 @@ class ModelShape:
     file_bytes: int
     total_bytes: int                      # all tensor bytes
     row_gathered_bytes: int = 0           # token embeddings of a model with its own output matrix (read by row)
+    all_f32: bool = False                 # every tensor F32: outputs are bit-identical at any ubatch (docs/planning.md)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
 
     @property
@@ -147,6 +148,7 @@ def read_shape(path: str | Path) -> ModelShape:
         file_bytes=sum(p.stat().st_size for p in shards), total_bytes=0)
     tensors = [t for rd in readers for t in rd.tensors]
     names = {t.name for t in tensors}
+    shape.all_f32 = all(t.tensor_type.name == "F32" for t in tensors)
     for t in tensors:
         nb = int(t.n_bytes)
         shape.total_bytes += nb
@@ -264,6 +266,67 @@ def refusal_hint(p: dict, n_ctx: int) -> str:
             f"{_mib_up(p['request']['kv_bytes'])}); largest context for {_mib_up(p['budget'])}: {largest}")
 
 
+def miss_curves(shape: ModelShape, managed: list[int], profile, policy: str | None = None):
+    """Per managed layer, the expected misses per decode token with s = 0..n_expert slots: the routing trace
+    ``profile`` (a --moe-trace file or the shared CSV, pyvis.runtime.trace_csv.load_any) replayed through the
+    runtime's eviction policy by pyvis cachesim's machinery; a layer the trace lacks gets the configurator's prior
+    k (1 - s / n).  A [len(managed)][n_expert + 1] array for llama_vis_moe_configure."""
+    import numpy as np
+    from . import policies
+    from .cachesim_replay import replay
+    from .trace_csv import load_any
+    t = load_any(profile)
+    if t.n_expert != shape.n_expert:
+        raise ValueError(f"--profile {profile}: the trace has {t.n_expert} experts per layer, the model "
+                         f"{shape.n_expert}; record it with this model (--moe-trace)")
+    n, k = shape.n_expert, shape.n_expert_used
+    curve = np.array([[k * (1 - s / n) for s in range(n + 1)] for _ in managed], dtype=np.float64)
+    have = set(t.layers().tolist())
+    rows = {il: i for i, il in enumerate(managed) if il in have}
+    # the slot counts replayed (every count up to 32 experts, else a grid), the rest interpolated
+    grid = list(range(n + 1)) if n <= 32 else sorted({int(round(n * f / 16)) for f in range(17)} | set(range(k + 1)))
+    misses = {il: np.zeros(len(grid)) for il in rows}
+    for gi, s in enumerate(grid):
+        if s == 0 or s >= n:
+            continue
+        for r in replay(t, s, policy or policies.DEFAULT):
+            if r.layer in rows and r.uses:
+                misses[r.layer][gi] = r.misses / r.uses * k      # misses per decode token
+    for il, i in rows.items():
+        m = misses[il]
+        m[0], m[-1] = float(k), 0.0
+        curve[i] = np.interp(np.arange(n + 1), grid, m)
+    return curve
+
+
+def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost: dict | None = None, **kw) -> dict:
+    """The configurator's plan (llama_vis_moe_configure, docs/planning.md), as --moe-mem runs it: the plan request
+    of :func:`make_plan` (same keywords) priced at each ubatch from n_ubatch down, with the cost model the runtime
+    uses (:func:`pyvis.runtime.native.cost_default` of the model file) unless ``cost`` is given.  ``profile``: a
+    routing trace for per-layer miss curves (then 'layer_slots' and 'n_pinned' advise a per-layer split).  Returns
+    {'configuration': llama_vis_moe_configure's answer, 'plan': make_plan's at the chosen ubatch, 'asked':
+    make_plan's at n_ubatch, 'cost': the cost model}."""
+    from . import native as _native
+    # upstream caps a causal context's batch, so its ubatch, at the (padded) context: the configurator starts there
+    asked_ub, n_ubatch = n_ubatch, min(n_ubatch, _ctx_cells(kw.get("n_ctx", 4096)))
+    asked = make_plan(shape, n_ubatch=n_ubatch, search=False, **kw)
+    cost = cost or _native.cost_default(shape.path)
+    rq = asked["request"]
+    pinned = asked["pinned_layers"]
+    managed = shape.moe_layers[pinned:] if asked["managed_layers"] else []
+    curve = miss_curves(shape, managed, profile) if profile and managed else None
+    c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
+                          cost=cost, miss_curve=curve)
+    # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
+    # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
+    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
+                        (configure_mode() == "on" or shape.all_f32))
+    ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
+    c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
+    chosen = make_plan(shape, n_ubatch=ub, **kw)
+    return dict(configuration=c, plan=chosen, asked=asked, cost=cost)
+
+
 def shadow_expert_bytes(shadow_path, model_path) -> int:
     """Bytes of the largest shadow expert (all its tensors) of a ``pyvis shadow`` sidecar of this model."""
     from . import shadow as sh
@@ -297,16 +360,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError("--device sets the budget (the unit's --moe-mem): drop --budget / --device-mib")
             budget = sku.moe_mem_mib
         sh_bytes = shadow_expert_bytes(args.shadow, args.model) if args.shadow else 0
-        p = make_plan(shape, budget_mib=budget, n_ctx=args.ctx_size, n_ubatch=args.ubatch_size, pinned=args.pinned,
-                      slots=args.slots, host_mib=args.host_mib, device_mib=args.device_mib,
-                      gpu=True if sku else None, shadow_expert=sh_bytes,
-                      shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots)
-    except (ValueError, ProfileError) as e:
+        kw = dict(budget_mib=budget, n_ctx=args.ctx_size, pinned=args.pinned, slots=args.slots,
+                  host_mib=args.host_mib, device_mib=args.device_mib, gpu=True if sku else None,
+                  shadow_expert=sh_bytes, shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots)
+        conf = None
+        if configure_mode() != "off":
+            conf = configure_plan(shape, n_ubatch=args.ubatch_size, profile=args.profile, **kw)
+            p = conf["plan"]
+        else:
+            if args.profile:
+                raise ValueError("--profile prices plans for the configurator, which VIS_MOE_CONFIGURE=off turns off")
+            p = make_plan(shape, n_ubatch=args.ubatch_size, **kw)
+    except (ValueError, ProfileError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
+        extra = {} if conf is None else {"configuration": conf["configuration"], "cost": conf["cost"],
+                                         "asked_plan": conf["asked"]}
         print(json.dumps({"model": shape.__dict__ | {"expert_bytes": {str(k): v for k, v in shape.expert_bytes.items()}},
-                          "machine": mem, "plan": p}, indent=2))
+                          "machine": mem, "plan": p} | extra, indent=2))
         return 0 if p["ok"] else 2
     cg = (f"cgroup v{mem['cgroup_version']} limit {mem['cgroup_limit'] / MIB:.0f} MiB (usage {mem['cgroup_usage'] / MIB:.0f} MiB)"
           if mem["cgroup_limit"] > 0 else "no cgroup memory limit")
@@ -340,6 +412,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
     print()
+    if conf is not None:
+        _print_configuration(conf, args.ubatch_size)
     if not p["ok"]:
         print(f"does not fit: {p['error']}", file=sys.stderr)
         print(refusal_hint(p, args.ctx_size), file=sys.stderr)
@@ -362,6 +436,47 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"fits: run with --moe-mem {budget if sku else args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
           + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
     return 0
+
+
+def configure_mode() -> str:
+    """VIS_MOE_CONFIGURE as the runtime reads it: auto (unset or empty), on or off; anything else is an error."""
+    import os
+    v = os.environ.get("VIS_MOE_CONFIGURE") or "auto"
+    if v not in ("auto", "on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"VIS_MOE_CONFIGURE: expected auto, on or off, got {v!r}")
+    return {"1": "on", "true": "on", "0": "off", "false": "off"}.get(v, v)
+
+
+def _print_configuration(conf: dict, asked_ub: int) -> None:
+    c, cost, a = conf["configuration"], conf["cost"], conf["asked"]
+    if not c["ok"]:
+        print(f"configurator: nothing fits even at -ub {c['n_ubatch']} (the smallest it tries); the numbers below "
+              f"are that ubatch's")
+        return
+    ub = c["advised_n_ubatch"]
+    change = (f"-ub {asked_ub} {'lowered' if c['applied'] else 'could be lowered'} to {ub}: its compute buffer buys "
+              f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
+              if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
+    if ub < asked_ub and not c["applied"]:
+        change += ("; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
+                   "another -ub; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)")
+    print(f"configurator: {change} (VIS_MOE_CONFIGURE=off keeps -ub; docs/planning.md)")
+    print(f"  predicted for a request of {cost['prompt_tokens']} prompt + {cost['gen_tokens']} generated tokens: "
+          f"decode {c['decode_tps']:.2f} tok/s, prefill {c['prefill_tps']:.1f} tok/s"
+          + (f" (the plan at -ub {asked_ub}: {c['asked_decode_tps']:.2f} and {c['asked_prefill_tps']:.1f})"
+             if c["asked_decode_tps"] and ub < asked_ub else ""))
+    print(f"  cost model: expert reads {cost['read_bps'] / MIB:.0f} MiB/s, memory {cost['mem_bps'] / MIB:.0f} MiB/s "
+          f"(probed once, ~/.cache/vis-moe/bandwidth; VIS_MOE_READ_MBPS), {cost['pass_s'] * 1e6:.0f} us per extra "
+          f"pass + {cost['pass_token_s'] * 1e6:.0f} us per token of its ubatch (VIS_MOE_PASS_US, "
+          f"VIS_MOE_PASS_TOKEN_US)")
+    print(f"  marginal values at the optimum, seconds saved per request per MiB: last slot row {c['mv_slot']:.3f}, "
+          f"next slot row {c['mv_next_slot']:.3f}; last ubatch doubling {c['mv_ubatch_down']:.3f}, next one "
+          f"{c['mv_ubatch_up']:.3f}")
+    if "layer_slots" in c:
+        print(f"  per-layer split of the same slab bytes (--profile): {c['layer_slots']}, predicted decode "
+              f"{c['layer_decode_tps']:.2f} tok/s; pinned prefix {c['n_pinned']} layer(s) "
+              f"(the runtime runs equal slots per layer: docs/planning.md)")
+    print()
 
 
 def _shadow_slots(s: str):
@@ -398,5 +513,8 @@ def register(sub) -> None:
                    help="with --moe-precision on: the --moe-shadow sidecar, whose slots share the budget")
     s.add_argument("--shadow-slots", type=_shadow_slots, default="auto", metavar="auto|N",
                    help="shadow slots per managed layer, as --moe-shadow-slots (default: auto, one per full slot)")
+    s.add_argument("--profile", default=None, metavar="TRACE",
+                   help="a routing trace (--moe-trace file or the shared CSV) whose per-layer miss curves price "
+                        "the plans (default: the uniform prior; docs/planning.md)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)

@@ -1,47 +1,34 @@
-"""The --moe-* settings from Python: typed, checked, and applied per call and per thread.
+"""The process-wide --moe-* settings from Python, and the settings sections of :mod:`pyvis.vlm`.
 
-Two dataclasses mirror the two C settings structs: :class:`MoeParams` (expert residency, docs/residency.md)
-and :class:`TierParams` (paging tiers, docs/paging.md).  A third, :class:`SubParams` (substitution on a miss,
-docs/substitution.md), has no C struct: its fields are handed to the C table as flag strings
-(``llama_vis_moe_thread_apply``), so the C parser checks them and names the flag.  Each field is one --moe-* flag of the C settings
-table (``llama_vis_moe_get_flag``; src/vis-moe-settings.cpp): the field ``pinned_layers`` is
-``--moe-pinned-layers``, ``mem`` is ``--moe-mem``, and so on (:func:`flag_of`).  Python checks that each
-integer fits its C field (no silent wrap-around); the C side checks the ranges of the flags and names them.
+The configuration of one load is :class:`pyvis.moe.MoeConfig` (:mod:`.config`), applied per call and per thread by
+:func:`pyvis.runtime.config.applied`.  This module holds what is not per call:
 
-Where settings apply, two layers, as in the C API:
-
-* **per call, per thread** -- :func:`applied`: ``with applied(MoeParams(slots=8)): ...`` makes models
-  loaded and contexts created on this thread inside the block use these settings, then gives the thread
-  back exactly what it had (its own earlier override, or none).  Other threads are not affected.
-  :func:`pyvis.moe.load` and :mod:`pyvis.vlm` use it.
-* **process-wide** -- :func:`set_params` / :func:`set_tier_params` (the C tools' flags land here).
-
-:func:`add_arguments` mirrors flags of the C tools as argparse options (names and help from the C table).
+* **process-wide** -- :func:`set_params` / :func:`set_tier_params` with the two dataclasses that mirror the two C
+  settings structs, :class:`MoeParams` (expert residency, docs/residency.md) and :class:`TierParams` (paging tiers,
+  docs/paging.md); the C tools' flags land there too.  Python checks that each integer fits its C field (no silent
+  wrap-around); the C side checks the ranges and names the flag.
+* **sections** -- :class:`MoeParams`, :class:`PrecisionParams` and :class:`CapacityParams` are the parts of a
+  MoeConfig that :class:`pyvis.vlm.Session` takes separately (``MoeConfig.of(moe, precision, capacity)`` joins them);
+  their fields are MoeConfig's, with the same names.
+* :func:`add_arguments` mirrors flags of the C tools as argparse options (names and help from the C table).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import numbers
-import os
-import threading
 import typing
 from dataclasses import dataclass
 
 from . import capi
+from .config import VisTypeError, check_types, flag_of
 from .native import VisError, _check, fill_struct, flags
 
-__all__ = ["VisTypeError", "MoeParams", "TierParams", "SubParams", "PredictParams", "PrecisionParams", "CapacityParams", "TopkParams", "TelemetryParams", "ModeParams", "flag_of", "get_params", "get_tier_params", "default_params",
-           "tier_default_params", "set_params", "set_tier_params", "applied", "add_arguments", "from_args"]
+__all__ = ["VisTypeError", "MoeParams", "TierParams", "PrecisionParams", "CapacityParams", "flag_of", "get_params",
+           "get_tier_params", "default_params", "tier_default_params", "set_params", "set_tier_params", "add_arguments",
+           "from_args"]
 
 _SWITCH = {-1: "auto", 0: "off", 1: "on"}
 _SWITCH_IN = {"auto": -1, "off": 0, "on": 1}
-
-
-def flag_of(field: str) -> str:
-    """The --moe-* flag of a MoeParams / TierParams field: "--moe-" + field with '-' for '_'."""
-    return "--moe-" + field.replace("_", "-")
 
 
 def _label(py_names: dict[str, str]):
@@ -58,47 +45,12 @@ def _switch(field: str, v) -> int:
     return _SWITCH_IN[v]
 
 
-def _type_ok(v, ann) -> bool:
-    """Does ``v`` have the annotated type?  bool is not an int or float here (``slots=True`` is a mistake), an int is
-    a float, and a path-like is a str (file names)."""
-    if ann is type(None):
-        return v is None
-    if ann is bool:
-        return isinstance(v, bool)
-    if ann is int:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-    if ann is float:
-        return isinstance(v, numbers.Real) and not isinstance(v, bool)
-    if ann is str:
-        return isinstance(v, (str, os.PathLike))
-    return any(_type_ok(v, a) for a in typing.get_args(ann))
-
-
-_TYPE_NAMES = {int: "an integer", bool: "True or False", float: "a number", str: "a string", type(None): "None"}
-
-
-def _type_name(ann) -> str:
-    args = typing.get_args(ann)
-    if args:
-        return " or ".join(_type_name(a) for a in args)
-    return _TYPE_NAMES[ann]
-
-
-class VisTypeError(VisError, TypeError):
-    """A setting of the wrong type: a VisError like every bad setting, and a TypeError."""
-
-
 class _Typed:
     """Base of the settings dataclasses: each field must have its annotated type (VisTypeError naming the field and
     its flag), so ``mlock='no'`` or ``slots=True`` is an error, not a silently different setting."""
 
     def __post_init__(self):
-        for name, ann in typing.get_type_hints(type(self)).items():
-            if name.startswith("_"):
-                continue
-            v = getattr(self, name)
-            if not _type_ok(v, ann):
-                raise VisTypeError(f"{name} ({flag_of(name)}) must be {_type_name(ann)}, got {v!r}")
+        check_types(self)
 
 
 @dataclass(frozen=True)
@@ -156,42 +108,6 @@ class TierParams(_Typed):
 
 
 @dataclass(frozen=True)
-class SubParams(_Typed):
-    """Substitution on a miss (lossy; docs/substitution.md).  Values as the flags take them."""
-    substitute: str | None = None    # off | router | buddy | drop | auto; None = not given (off, or --moe-mode's)
-    sub_profile: str | None = None   # buddy lists (pyvis calibrate buddies)
-    sub_tae: str = "off"             # off | TAU in 0..1 | pN
-    sub_margin: str = "off"          # off | G in 0..1
-    sub_beta: float = 1.0
-    sub_budget: int = 1
-    sub_weight: float = 1.0
-    sub_rank: int = 0                # only the token's N lowest-ranked experts (0 = any)
-    sub_prefill: bool = False
-    sub_drop_share: float = 0.5      # drop: only experts whose share is < this x 1/k
-    sub_renorm: bool = False         # drop: scale the remaining weights back to their sum
-    sub_drop_read: bool = True       # drop: read the dropped expert in the background
-
-    def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table; every field (substitute and the profile only when given), so a
-        block's settings replace the thread's."""
-        return _table_flags(self, optional=("sub_profile", "substitute"))
-
-
-@dataclass(frozen=True)
-class PredictParams(_Typed):
-    """Lookahead prediction and prefetch (exact; docs/prediction.md).  Values as the flags take them."""
-    predict: str = "off"                 # off | next-router | coact | freq | mlp | random | auto
-    lookahead: int = 1                   # W: layers l+1 .. l+W
-    prefetch_budget: int | str = "auto"  # B: experts read ahead per layer and step (auto = top-k)
-    prefetch_tune: bool = True           # self-tuning: a layer that wastes more than it uses pauses
-    predict_profile: str | None = None   # seeds coact / freq; mlp needs one fitted with --mlp (pyvis calibrate predictor)
-
-    def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table; every field, so a block's settings replace the thread's."""
-        return _table_flags(self, optional=("predict_profile",))
-
-
-@dataclass(frozen=True)
 class PrecisionParams(_Typed):
     """Shadow experts and the precision policy (lossy; docs/precision.md): the sidecar of ``pyvis shadow`` and when a
     miss may run from it.  Values as the flags take them."""
@@ -203,10 +119,6 @@ class PrecisionParams(_Typed):
     prec_refetch: bool = True            # read the full expert of a shadow-served miss in the background
     shadow_slots: int | str = "auto"     # shadow slots per managed layer (auto = as many as full slots)
 
-    def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table; every field (the sidecar only when given), so a block's settings
-        replace the thread's."""
-        return _table_flags(self, optional=("shadow",))
 
 
 @dataclass(frozen=True)
@@ -219,57 +131,6 @@ class CapacityParams(_Typed):
     cap_drop: bool = True                # drop a pair without a reroute target (CPU), else load its expert
     cap_profile: str | None = None       # modality profile (pyvis calibrate modality)
 
-    def flags(self) -> list[tuple[str, str]]:
-        """(flag, value) pairs for the C table; every field (the profile only when given)."""
-        return _table_flags(self, optional=("cap_profile",))
-
-
-@dataclass(frozen=True)
-class TopkParams(_Typed):
-    """Fewer experts per token (lossy; docs/topk.md): each token runs its ``topk`` highest-weighted experts instead
-    of the model's k (0 = off), exactly as upstream with ``expert_used_count`` overridden."""
-    topk: int = 0
-
-    def flags(self) -> list[tuple[str, str]]:
-        return _table_flags(self)
-
-
-@dataclass(frozen=True)
-class TelemetryParams(_Typed):
-    """Telemetry (docs/telemetry.md): ``csv``, a file that gets one row per ubatch (time, compute and read-wait ms,
-    hits, misses by tier, bytes read, lossy events), as --moe-csv; never a model or another input."""
-    csv: str | None = None
-
-    def flags(self) -> list[tuple[str, str]]:
-        return _table_flags(self, optional=("csv",))
-
-
-@dataclass(frozen=True)
-class ModeParams(_Typed):
-    """One switch (docs/mode.md): ``exact`` (the model's output) or ``fast`` (lossy: the measured set of lossy
-    mechanisms, each unless chosen explicitly; the run logs what it turned on)."""
-    mode: str = "exact"
-
-    def flags(self) -> list[tuple[str, str]]:
-        return _table_flags(self)
-
-
-def _table_flags(params, optional: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """The fields of a settings class without a C struct as (flag, value) strings for llama_vis_moe_thread_apply;
-    `optional` fields are left out when None."""
-    out = []
-    for f in dataclasses.fields(params):
-        v = getattr(params, f.name)
-        if f.name in optional:
-            if v is None:
-                continue
-            v = str(v)
-        elif isinstance(v, bool):
-            v = "on" if v else "off"
-        elif isinstance(v, (int, float)):
-            v = repr(v)
-        out.append((flag_of(f.name), str(v)))
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -307,55 +168,6 @@ def set_tier_params(p: TierParams | None) -> None:
     """Process-wide tier settings for models loaded and contexts created from now on (None: the environment's)."""
     _check(capi.llama_vis_moe_set_tier_params(_ref(p.to_c() if p is not None else None)),
            "llama_vis_moe_set_tier_params")
-
-
-# ---------------------------------------------------------------------------
-# per call and thread
-# ---------------------------------------------------------------------------
-def _set_thread(moe: MoeParams | None, tier: TierParams | None) -> None:
-    m, t = (moe.to_c() if moe else None), (tier.to_c() if tier else None)
-    _check(capi.llama_vis_moe_set_thread_params(_ref(m), _ref(t)), "llama_vis_moe_set_thread_params")
-
-
-_thread_table = threading.local()  # this thread's innermost applied() block's SubParams / PredictParams (C has no getter)
-
-
-def _apply_table(params) -> None:
-    for flag, value in params.flags():
-        _check(capi.llama_vis_moe_thread_apply(flag.encode(), value.encode()), "llama_vis_moe_thread_apply")
-
-
-@contextlib.contextmanager
-def applied(moe: MoeParams | None = None, tier: TierParams | None = None, sub: SubParams | None = None,
-            predict: PredictParams | None = None, precision: PrecisionParams | None = None,
-            capacity: CapacityParams | None = None, topk: TopkParams | None = None,
-            telemetry: TelemetryParams | None = None, mode: ModeParams | None = None):
-    """Within the block, models loaded and contexts created on this thread use ``moe``, ``tier``, ``sub``,
-    ``predict``, ``precision``, ``capacity``, ``topk`` and ``mode`` (None: the settings in force on the thread now).  After it the thread has exactly what it had
-    before: its own override if it had one, else none (it follows the process-wide settings again, including
-    changes made meanwhile).  The settings are checked on entry (VisError); on success the thread's last error is
-    clear, so an error read after a failed load or context creation inside the block belongs to it."""
-    previous = (get_params(), get_tier_params()) if capi.llama_vis_moe_thread_params_active() else None
-    prev = getattr(_thread_table, "value", None) or {}
-    now = dict(prev)
-    for cls, p in ((SubParams, sub), (PredictParams, predict), (PrecisionParams, precision), (CapacityParams, capacity),
-                   (TopkParams, topk), (TelemetryParams, telemetry), (ModeParams, mode)):
-        if p is not None:
-            now[cls] = p
-    _set_thread(moe or get_params(), tier or get_tier_params())
-    try:
-        for p in now.values():   # a kind not given inside a block that set one: the outer block's
-            _apply_table(p)
-        _thread_table.value = now
-        yield
-    finally:
-        _thread_table.value = prev
-        if previous is not None:
-            _set_thread(*previous)
-            for p in prev.values():
-                _apply_table(p)
-        else:
-            _set_thread(None, None)
 
 
 # ---------------------------------------------------------------------------

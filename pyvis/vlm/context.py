@@ -10,7 +10,8 @@ import numpy as np
 
 from ..runtime import native
 from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
-from ..runtime.settings import MoeParams, applied
+from ..runtime.config import MoeConfig, applied
+from ..runtime.settings import MoeParams
 
 from llama_cpp import llama_cpp as L  # noqa: E402
 from llama_cpp import _internals as I  # noqa: E402
@@ -47,7 +48,7 @@ class Ctx:
             self.owned = True
             # this context only; the caller's settings stay.  precision / capacity: shadow experts and the
             # entropy-weighted capacity (PrecisionParams, CapacityParams; docs/precision.md)
-            with applied(moe or MoeParams(), precision=precision, capacity=capacity):
+            with applied(MoeConfig.of(moe or MoeParams(), precision, capacity)):
                 try:
                     self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
                 except ValueError as e:

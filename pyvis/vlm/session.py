@@ -142,9 +142,10 @@ class Session:
     its model and context are then used as they are (its n_ctx, n_batch, threads and expert cache;
     the session does not free them, and the Llama's own token bookkeeping does not see the prompt,
     so generate through :meth:`Prepared.generate`).
-    ``moe`` configures the fork's expert cache (:class:`pyvis.moe.MoeParams`; slots < n_expert turns
-    it on); ``precision`` (:class:`pyvis.moe.PrecisionParams`: shadow experts and the precision policy) and
-    ``capacity`` (:class:`pyvis.moe.CapacityParams`: entropy-weighted capacity for image tokens) add the lossy
+    ``moe`` configures the fork's expert cache (:class:`pyvis.runtime.settings.MoeParams`; slots < n_expert
+    turns it on); ``precision`` (:class:`pyvis.runtime.settings.PrecisionParams`: shadow experts and the precision
+    policy) and ``capacity`` (:class:`pyvis.runtime.settings.CapacityParams`: entropy-weighted capacity for image
+    tokens), the sections of a :class:`pyvis.moe.MoeConfig` (joined by ``MoeConfig.of``), add the lossy
     options of docs/precision.md to that context.  ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch``
     defaults to it."""
 

@@ -1,0 +1,155 @@
+// vis-moe-bandwidth.cpp - the two bandwidths the configurator's cost model is priced in (llama-vis.h,
+// docs/planning.md): expert-sized reads of the model file (O_DIRECT, as tier 3 reads; buffered with the pages
+// dropped where the filesystem refuses it) and a memcpy.  Probed once per device and cached in
+// $XDG_CACHE_HOME/vis-moe/bandwidth (default ~/.cache); VIS_MOE_READ_MBPS overrides the read number.
+#include "llama-vis.h"
+#include "vis-error.h"
+#include "vis-moe-settings.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr size_t CHUNK = 1 << 20;   // about one expert of a small model; the reads are spread over the file
+constexpr int    READS = 48;
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string cache_file() {
+    const char * xdg  = std::getenv("XDG_CACHE_HOME");
+    const char * home = std::getenv("HOME");
+    std::string dir = xdg && *xdg ? xdg : std::string(home && *home ? home : "/tmp") + "/.cache";
+    return dir + "/vis-moe/bandwidth";
+}
+
+// "dev read_bps mem_bps" lines
+bool cached(const std::string & key, double & rd, double & mem) {
+    std::ifstream f(cache_file());
+    std::string line;
+    while (std::getline(f, line)) {
+        std::istringstream ss(line);
+        std::string k;
+        double a = 0, b = 0;
+        if ((ss >> k >> a >> b) && k == key && a > 0 && b > 0) {
+            rd = a;
+            mem = b;
+            return true;
+        }
+    }
+    return false;
+}
+
+void store(const std::string & key, double rd, double mem) {
+    const std::string path = cache_file();
+    const std::string dir = path.substr(0, path.rfind('/'));
+    ::mkdir(dir.substr(0, dir.rfind('/')).c_str(), 0755);
+    ::mkdir(dir.c_str(), 0755);
+    std::ofstream f(path, std::ios::app);
+    if (f) {
+        f << key << " " << rd << " " << mem << "\n";
+    }
+}
+
+double probe_read(const char * path) {
+    int fd = ::open(path, O_RDONLY | O_DIRECT);
+    const bool direct = fd >= 0;
+    if (!direct) {
+        fd = ::open(path, O_RDONLY);
+    }
+    if (fd < 0) {
+        return -1;
+    }
+    struct stat st = {};
+    ::fstat(fd, &st);
+    const off_t size = st.st_size;
+    void * buf = nullptr;
+    if (size < (off_t) CHUNK || posix_memalign(&buf, 4096, CHUNK) != 0) {
+        ::close(fd);
+        return -1;
+    }
+    const off_t span = (size - (off_t) CHUNK) / 4096;
+    double t = 0;
+    size_t bytes = 0;
+    for (int i = 0; i < READS; ++i) {
+        const off_t off = (off_t) ((span * (int64_t) ((i * 7919) % READS)) / READS) * 4096;
+        if (!direct) {
+            posix_fadvise(fd, off, CHUNK, POSIX_FADV_DONTNEED);
+        }
+        const double t0 = now_s();
+        const ssize_t r = ::pread(fd, buf, CHUNK, off);
+        t += now_s() - t0;
+        if (r <= 0) {
+            break;
+        }
+        bytes += (size_t) r;
+    }
+    std::free(buf);
+    ::close(fd);
+    return bytes > 0 && t > 0 ? bytes / t : -1;
+}
+
+double probe_mem() {
+    const size_t n = 64u << 20;
+    std::vector<char> a(n, 1), b(n, 2);
+    double best = 0;
+    for (int i = 0; i < 4; ++i) {
+        const double t0 = now_s();
+        std::memcpy(b.data(), a.data(), n);
+        const double t = now_s() - t0;
+        a[i] = b[n - 1 - i];  // keep the copies
+        best = std::max(best, t > 0 ? 2.0 * n / t : 0.0);  // read + write
+    }
+    return best;
+}
+
+} // namespace
+
+int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost) {
+    vis_clear_last_error();
+    if (!path || !cost) {
+        vis_set_last_error("llama_vis_moe_cost_default: NULL argument");
+        return -1;
+    }
+    struct stat st = {};
+    if (::stat(path, &st) != 0) {
+        vis_set_last_error(std::string("llama_vis_moe_cost_default: ") + path + ": " + std::strerror(errno));
+        return -1;
+    }
+    const std::string key = "dev" + std::to_string((unsigned long long) st.st_dev);
+    double rd = 0, mem = 0;
+    if (!cached(key, rd, mem)) {
+        rd  = probe_read(path);
+        mem = probe_mem();
+        if (rd <= 0 || mem <= 0) {
+            vis_set_last_error(std::string("llama_vis_moe_cost_default: could not time reads of ") + path +
+                               " (a file of at least 1 MiB); set VIS_MOE_READ_MBPS");
+            return -1;
+        }
+        store(key, rd, mem);
+    }
+    const vis_moe_settings s = vis_moe_settings_current();
+    const vis_moe_plan_settings & ps = s.plan;
+    cost->read_bps      = ps.read_mbps > 0 ? ps.read_mbps * 1048576.0 : rd;
+    cost->mem_bps       = mem;
+    cost->pass_s        = ps.pass_us * 1e-6;
+    cost->pass_token_s  = ps.pass_token_us * 1e-6;
+    cost->token_s       = 0;
+    cost->stream_passes = s.stream_passes;
+    cost->prompt_tokens = ps.prompt;
+    cost->gen_tokens    = ps.gen;
+    return 0;
+}

@@ -1,0 +1,194 @@
+"""The --moe-mem configurator (issue #24 item 1, docs/planning.md): llama_vis_moe_configure chooses the ubatch and
+the slots with the lowest predicted latency in one budget; the runtime applies a lower ubatch before its KV cache
+and compute buffers, outputs stay byte-identical to upstream's, the run stays inside a memory cgroup, `pyvis plan`
+says what the runtime does, and a budget too small even at the smallest ubatch is refused naming the budget that
+works.  Outputs: on all-F32 weights the CPU backend's logits are bit-identical at any ubatch, so the default
+(VIS_MOE_CONFIGURE=auto) lowers -ub there (a small all-F32 qwen3moe fixture with a 49152-token vocabulary: a -ub 512
+compute estimate of ~165 MiB against 0.8 MiB per slot row); on Q8_0 (the medium fixture) upstream's own outputs differ
+between ubatch sizes, so auto keeps -ub and `on` gives upstream's outputs at the chosen -ub."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyvis import fixtures as fx
+
+from conftest import run
+from test_paging import memory_cgroup
+
+MIB = 1 << 20
+COST = dict(read_bps=400 * MIB, mem_bps=10000 * MIB, pass_s=10e-3, pass_token_s=2e-3, token_s=0.0, stream_passes=8,
+            prompt_tokens=512, gen_tokens=128)
+# a medium-fixture-like request: 4 managed layers x 128 experts of 0.8 MiB, top-4, CPU only (no staging slot)
+REQ = dict(budget=200 * MIB, resident_bytes=20 * MIB, kv_bytes=4 * MIB, expert_bytes=int(0.8 * MIB),
+           n_managed_layers=4, n_expert=128, n_expert_used=4, unified=1, host_mib=-1, n_slots=0, no_staging=1)
+SHAPE = dict(n_vocab=49152, n_embd=512, n_ff_exp=512)
+LOWERED = re.compile(r"--moe-mem: -ub (\d+) lowered to (\d+): .* buys (\d+) expert slots? per layer")
+
+
+def _total(c: dict) -> float:
+    return COST["prompt_tokens"] / c["prefill_tps"] + COST["gen_tokens"] / c["decode_tps"]
+
+
+def test_the_configurator_picks_the_cheapest_ubatch_it_prices():
+    """Against every candidate priced alone (n_ubatch = n_ubatch_min = u): the chosen ubatch has the lowest predicted
+    latency (within the 2 % by which the asked one stands), and it is below the asked one where -ub 512's compute
+    buffer leaves one slot per layer; a no-op (the asked ubatch) fails the second assertion."""
+    from pyvis.runtime import native
+    c = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST)
+    assert c["ok"] and c["asked_n_slots"] == 1
+    alone = {u: native.configure(REQ, **SHAPE, n_ubatch=u, n_ubatch_min=u, cost=COST) for u in (512, 256, 128, 64, 32, 16)}
+    best = min(alone, key=lambda u: _total(alone[u]))
+    assert c["n_ubatch"] < 512 and c["plan"]["n_slots"] > c["asked_n_slots"]
+    assert _total(alone[c["n_ubatch"]]) <= _total(alone[best]) / 0.98
+    assert c["plan"] == alone[c["n_ubatch"]]["plan"]          # the runtime's own plan at that ubatch
+    # the marginal values at the optimum (seconds per request per MiB): a slot row still buys time
+    assert c["mv_slot"] > 0 and c["mv_next_slot"] > 0
+    # a plenty budget: the asked ubatch stands
+    assert native.configure(REQ | dict(budget=800 * MIB), **SHAPE, n_ubatch=512, cost=COST)["n_ubatch"] == 512
+
+
+def test_per_layer_curves_give_per_layer_slots():
+    """A skewed layer (its misses fall to 0 by 8 slots) gets fewer slots than uniform ones from the same slab bytes,
+    and the split predicts a faster decode than equal slots; a curve that is the prior gives equal slots."""
+    from pyvis.runtime import native
+    n, k = 128, 4
+    prior = np.array([k * (1 - s / n) for s in range(n + 1)])
+    skewed = np.maximum(0.0, k * (1 - np.arange(n + 1) / 8))
+    c = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST, miss_curve=np.stack([skewed, prior, prior, prior]))
+    s = c["layer_slots"]
+    assert sum(s) == c["plan"]["n_slots"] * 4 and s[0] < min(s[1:]) and s[0] >= 8
+    assert c["layer_decode_tps"] > c["decode_tps"]
+    flat = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST, miss_curve=np.stack([prior] * 4))
+    assert len(set(flat["layer_slots"])) == 1
+
+
+def test_bad_cost_is_an_error():
+    from pyvis.runtime import native
+    with pytest.raises(native.VisError, match="read_bps > 0"):
+        native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST | dict(read_bps=0.0))
+    with pytest.raises(native.VisError, match="n_ubatch_min <= n_ubatch"):
+        native.configure(REQ, **SHAPE, n_ubatch=64, n_ubatch_min=128, cost=COST)
+
+
+PROMPT = "The expert cache keeps the experts a token needs resident. " * 6   # ~70 tokens: several small ubatches
+F32 = fx.ModelSpec(name="planning-f32", arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                   n_ff=256, n_ff_exp=128, n_expert=64, n_expert_used=4, expert_type="F32", weight_type="F32",
+                   embd_type="F32")
+
+
+@pytest.fixture(scope="module")
+def f32_model(fixture_dir) -> Path:
+    """qwen3moe with every tensor F32 (~100 MiB; 49152-token vocabulary: a -ub 512 compute estimate of ~165 MiB),
+    the weight type on which outputs are bit-identical at any ubatch, so VIS_MOE_CONFIGURE=auto lowers -ub."""
+    path = fixture_dir / f"planning-f32-{F32.key()}.gguf"
+    if not path.exists():
+        fx.write_model(F32, path)
+    return path
+
+
+def _logits(path, n_ubatch=512, **moe_kw):
+    """Logits of PROMPT and 4 greedy steps at -c 1024, and the context's ubatch, slots and reserve (llama_n_ubatch,
+    the cache stats, llama_vis_moe_context_reserve)."""
+    from pyvis import moe
+    from pyvis.runtime import native
+    kw = dict(n_ctx=1024, n_batch=512, n_ubatch=n_ubatch, logits_all=True, n_threads=2, verbose=False, seed=1)
+    llm = moe.load(path, moe.MoeConfig(**moe_kw), **kw) if moe_kw else native.llama_cpp.Llama(str(path), **kw)
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    for _ in range(4):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    st = native.moe_stats(llm, -1)
+    got = (np.array(llm.scores[: llm.n_tokens], copy=True), native.llama_cpp.llama_n_ubatch(llm.ctx),
+           st.n_slots if st else None, native.context_reserve(llm))
+    del llm
+    return got
+
+
+def _plan_json(model, budget: int) -> dict:
+    out = run([sys.executable, "-m", "pyvis", "plan", model, "--budget", str(budget), "-c", "1024", "--json"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_f32_lowered_ubatch_runs_byte_identical_and_as_planned(f32_model, monkeypatch):
+    """All-F32 weights, --moe-mem 130 at -ub 512 (which does not fit: today's plan refuses): the runtime lowers the
+    ubatch (the prompt then runs in several ubatches) and runs; its logits equal upstream's at -ub 512 bit for bit;
+    `pyvis plan --json` names the ubatch, slots and reserve the context reports."""
+    from pyvis.runtime.native import VisError
+    ref = _logits(f32_model)[0]
+    plan = _plan_json(f32_model, 130)
+    conf = plan["configuration"]
+    assert conf["applied"] and not plan["asked_plan"]["ok"]
+    got, ub, slots, reserve = _logits(f32_model, mem=130)
+    assert ub == conf["n_ubatch"] < 64 and slots == plan["plan"]["n_slots"] == conf["plan"]["n_slots"] > 1
+    assert reserve == plan["plan"]["request"]["reserve_bytes"]
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", "off")
+    with pytest.raises(VisError, match="smallest budget"):
+        _logits(f32_model, mem=130)
+
+
+def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatch):
+    """Q8_0 weights (the medium fixture), where upstream's outputs differ in the last bits between -ub 64 and 16:
+    auto keeps -ub 512 and `pyvis plan` says so; VIS_MOE_CONFIGURE=on lowers it, and the logits are upstream's at the
+    chosen -ub, bit for bit."""
+    plan = _plan_json(medium_model, 200)
+    conf = plan["configuration"]
+    assert not conf["applied"] and conf["n_ubatch"] == 512 and conf["advised_n_ubatch"] < 512
+    _, ub, slots, _ = _logits(medium_model, mem=200)
+    assert ub == 512 and slots == plan["plan"]["n_slots"]
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
+    plan = _plan_json(medium_model, 200)
+    conf = plan["configuration"]
+    got, ub_on, slots_on, _ = _logits(medium_model, mem=200)
+    assert conf["applied"] and ub_on == conf["n_ubatch"] < 512 and slots_on == plan["plan"]["n_slots"] > slots
+    monkeypatch.delenv("VIS_MOE_CONFIGURE")
+    ref = _logits(medium_model, n_ubatch=ub_on)[0]
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("limit_mib", [110, 140])
+def test_a_configured_run_stays_inside_the_cgroup(bindir, f32_model, limit_mib):
+    """llama-cli --moe-mem auto -ub 512 in a memory cgroup on the F32 fixture: the configurator lowers -ub (its line
+    says so), the run finishes with its peak inside the limit and prints upstream's greedy text at -ub 512."""
+    cli = ["-p", PROMPT, "-n", "8", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512"]
+    ref = run([bindir / "llama-cli", "-m", f32_model, *cli], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    with memory_cgroup(limit_mib * MIB) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", "auto"]), timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2500:]
+        assert 0 < peak() <= limit_mib * MIB
+    m = LOWERED.search(out)
+    assert m and int(m.group(2)) < 512 and "outputs unchanged" in out, out[-2500:]
+    assert _generated(r.stdout) == _generated(ref.stdout)
+
+
+def _generated(stdout: str) -> str:
+    """llama-cli's text after the echoed prompt, up to its speed line (the loading spinner differs run to run)."""
+    m = re.search(r"\n> [^\n]*\n(.*?)\[ Prompt: ", stdout, re.S)
+    assert m, stdout[-1500:]
+    return m.group(1)
+
+
+def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_works(bindir, f32_model):
+    """A budget below the floor at every ubatch: llama-cli refuses, naming the smallest budget at the smallest ubatch
+    (below the asked -ub's, which a configurator that kept -ub would name), the same as `pyvis plan`; that budget runs."""
+    from pyvis.runtime import plan as P
+    cli = ["-p", "hi", "-n", "2", "-st", "-t", "2", "--temp", "0", "-c", "256", "-ub", "512"]
+    r = run([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", "50"], timeout=300)
+    out = r.stdout + r.stderr
+    m = re.search(r"smallest budget for this \d+-token context: (\d+) MiB", out)
+    assert r.returncode == 1 and m, out[-2500:]
+    named = int(m.group(1))
+    p = run([sys.executable, "-m", "pyvis", "plan", f32_model, "--budget", "50", "-c", "256"])
+    assert p.returncode == 2 and f"smallest budget for this 256-token context: {named} MiB" in p.stderr, p.stderr[-1500:]
+    at256 = P.make_plan(P.read_shape(f32_model), budget_mib=50, n_ctx=256, n_ubatch=256, search=False)  # -c caps -ub
+    assert named < -(-at256["min_budget"] // MIB)
+    ok = run([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", str(named)], timeout=300)
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-2500:]
