@@ -62,8 +62,9 @@ def main() -> int:
                          "statistics do not)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--lossy", action="store_true",
-                    help="also the two lossy counterparts: ours --moe-mode fast and the peer's --drop-cold-experts 0.5 "
-                         "(the same rule: skip a missing expert below half an even split of the gate weight)")
+                    help="also the lossy counterparts: ours --moe-substitute drop and the peer's --drop-cold-experts 0.5 "
+                         "(the same rule: skip a missing expert below half an even split of the gate weight), and "
+                         "ours --moe-mode fast (each token runs ceil(2k/3) of its k experts)")
     ap.add_argument("--timeout", type=_positive, default=900)
     ap.add_argument("--out", default="bench-peer", help="directory for logs and results.json (never the model)")
     a = ap.parse_args()
@@ -91,6 +92,7 @@ def main() -> int:
                      "--cache-mb", "auto", "--cache-ceil-mb", str(ceil), "--temp", str(a.temp), "--seed", str(a.seed)],
         }
         if a.lossy:
+            runs["ours-drop"] = runs["ours"] + ["--moe-substitute", "drop"]
             runs["ours-fast"] = runs["ours"] + ["--moe-mode", "fast"]
             runs["peer-drop"] = runs["peer"] + ["--drop-cold-experts", "0.5"]
         print(f"== limit {lim} MiB (peer cache ceiling {ceil} MiB)", flush=True)

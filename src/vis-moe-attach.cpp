@@ -317,7 +317,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     {
         // --moe-mode fast: its lossy mechanisms, unless a flag chose them (vis-moe-mode.h); one line per run
-        const std::string line = vis_moe_mode_resolve(s, s.cache_on() || ap.any_deferred);
+        const std::string line = vis_moe_mode_resolve(s, (int) hp.n_expert_used_max());
         if (!line.empty() && !hp.no_alloc) {
             // straight to stderr, as the replay warning: llama-cli and llama-bench silence the llama log
             std::fprintf(stderr, "%s\n", line.c_str());

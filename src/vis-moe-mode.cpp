@@ -1,27 +1,30 @@
 // vis-moe-mode.cpp - --moe-mode exact|fast (vis-moe-mode.h, docs/mode.md).
 #include "vis-moe-mode.h"
 
-#include <cstdio>
+#include <string>
 
-std::string vis_moe_mode_resolve(vis_moe_settings & s, bool cache) {
+int vis_moe_mode_fast_topk(int k) {
+    return (2 * k + 2) / 3;
+}
+
+std::string vis_moe_mode_resolve(vis_moe_settings & s, int k) {
     if (s.mode != VIS_MODE_FAST) {
         return "";
     }
-    auto & u = s.sub;
-    if (!cache) {
-        return "vis-moe: --moe-mode fast: nothing turned on: the expert cache is off (every expert is in memory, "
-               "nothing misses), so the output is exact";
+    if (s.topk > 0) {
+        return "vis-moe: --moe-mode fast: nothing turned on: --moe-topk " + std::to_string(s.topk) + " was given and "
+               "replaces its own (the output is " + (s.topk < k ? "lossy" : "exact") + ")";
     }
-    if (u.mode_given) {
-        return std::string("vis-moe: --moe-mode fast: nothing turned on: --moe-substitute was given and replaces its "
-                           "drop (the output is ") + (u.on() ? "lossy" : "exact") + ")";
+    if (k <= 0) {
+        return "vis-moe: --moe-mode fast: nothing turned on: the model has no routed experts, so the output is exact";
     }
-    u.mode = VIS_SUB_DROP;
-    char line[400];
-    std::snprintf(line, sizeof(line), "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on "
-                  "--moe-substitute drop (a decode token skips a missing expert whose gate-weight share is < %g x 1/k, "
-                  "renorm %s%s; the expert is %s)", u.drop_share, u.renorm ? "on" : "off",
-                  u.prefill ? ", prefill too" : ", decode only",
-                  u.drop_read ? "read in the background" : "not read: its bytes are saved");
-    return line;
+    const int n = vis_moe_mode_fast_topk(k);
+    if (n >= k) {
+        return "vis-moe: --moe-mode fast: nothing turned on: the model runs " + std::to_string(k) + " expert" +
+               (k == 1 ? "" : "s") + " per token, and fast's ceil(2k/3) keeps them all, so the output is exact";
+    }
+    s.topk = n;
+    return "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on --moe-topk " +
+           std::to_string(n) + " (each token runs its " + std::to_string(n) + " highest-weighted of the model's " +
+           std::to_string(k) + " experts)";
 }

@@ -454,9 +454,9 @@ const flag_row ROWS[] = {
           s.topk = (int32_t) parse_int(w, v, 0, MAX_SUB_BUDGET, " (0 = off)"); },
       USER, V_INT, SHOW(show_int(s.topk)) },
     { "--moe-mode", "VIS_MOE_MODE", "exact|fast",
-      "vis-moe: exact = the model's output (default); fast = lossy: skip missing experts that carry little of a\n"
-      "token's gate weight (--moe-substitute drop), the set measured in docs/mode.md; a flag given with it wins.\n"
-      "The run logs one line with what fast turned on",
+      "vis-moe: exact = the model's output (default); fast = lossy: each token runs its ceil(2k/3)\n"
+      "highest-weighted of the model's k experts (--moe-topk), the set measured in docs/mode.md; a --moe-topk\n"
+      "given with it wins. The run logs one line with what fast turned on",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           if      (v == "exact") s.mode = VIS_MODE_EXACT;
           else if (v == "fast")  s.mode = VIS_MODE_FAST;

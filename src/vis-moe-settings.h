@@ -35,7 +35,7 @@ struct vis_moe_sub_settings {
     double      drop_share = 0.5;      // drop: only experts whose share is < drop_share / k (a fraction of an even split)
     int32_t     renorm   = 0;          // drop: scale the token's remaining weights back to their sum before the drop
     int32_t     drop_read = 1;         // drop: read the dropped expert in the background (so later tokens may hit it)
-    bool        mode_given = false;    // --moe-substitute was given (it overrides --moe-mode fast)
+    bool        mode_given = false;    // --moe-substitute was given (its getter shows "" when it was not)
 
     bool on() const { return mode != VIS_SUB_OFF; }
 };

@@ -4,8 +4,9 @@ docs/substitution.md#cache-aware-dropping), through pyvis and llama-cli on the f
 - a drop is what the layer computes: logits bit for bit those of the same cache without it up to the first decode
   step whose trace shows a dropped pair, different at that step; only missing pairs below the share are dropped;
 - a dropped expert is read in the background: the layer's next step that routes it finds it resident;
-- --moe-mode exact is byte-identical to no flag; fast prints one line, is labelled lossy and drops;
-- an unknown mode is an error naming the flag (or variable, or keyword); a knob given with fast wins.
+- --moe-mode exact is byte-identical to no flag; fast prints one line, is labelled lossy and is, bit for bit, the
+  model at --moe-topk ceil(2k/3) (with or without the cache; nothing on a model of k <= 2);
+- an unknown mode is an error naming the flag (or variable, or keyword); a --moe-topk given with fast wins.
 The decision rule itself is checked on hand-computed cases in tests/test-vis-substitute.cpp (test_drop).
 """
 from __future__ import annotations
@@ -21,8 +22,7 @@ from conftest import greedy_logits, later_hits
 from test_substitution import PROMPT, _cli, _generated
 
 DROPPED = vtrace.SUB_OUTCOMES.index("dropped")
-SUB = vtrace.SUB_OUTCOMES.index("substituted")
-FAST_LINE = "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on --moe-substitute drop"
+FAST_LINE = "vis-moe: --moe-mode fast (LOSSY: outputs differ from the model's): turned on --moe-topk"
 
 
 def _shares(t: vtrace.Trace) -> np.ndarray:
@@ -80,7 +80,7 @@ def test_renorm_changes_the_weights(fixture_dir):
 
 
 def test_no_drop_when_the_experts_are_resident(fixture_dir, tmp_path):
-    """With slots for every expert the cache is never short: fast (and drop) give the exact logits and drop nothing;
+    """With slots for every expert the cache is never short: drop gives the exact logits and drops nothing;
     with the trace on, no outcome is 'dropped'."""
     spec = fx.FIXTURES["qwen3moe"]()
     path = fixture_dir / "qwen3moe.gguf"
@@ -89,18 +89,18 @@ def test_no_drop_when_the_experts_are_resident(fixture_dir, tmp_path):
     # pinned layers 0 .. n-2 resident, the last managed with a tiny cache: drops happen in that layer only
     tr = tmp_path / "pin.trace"
     got, llm = greedy_logits(path, PROMPT, 8, slots=spec.n_expert_used, pinned_layers=spec.n_layer - 1,
-                             mode="fast", trace=str(tr))
+                             substitute="drop", trace=str(tr))
     del llm
     t = vtrace.read(tr)
     assert (t.outcome[t.layer < spec.n_layer - 1] == 0).all()      # resident layers: nothing missing, nothing dropped
     assert (t.outcome[t.layer == spec.n_layer - 1] == DROPPED).any()
     # everything resident (slots = n_expert: no managed layer): exact, bit for bit
-    full, llm = greedy_logits(path, PROMPT, 8, slots=spec.n_expert, mode="fast")
+    full, llm = greedy_logits(path, PROMPT, 8, slots=spec.n_expert, substitute="drop")
     del llm
     ref, llm = greedy_logits(path, PROMPT, 8, slots=spec.n_expert)
     del llm
     assert np.array_equal(full.view(np.uint32), ref.view(np.uint32))
-    assert not np.array_equal(got, exact)                    # the same fast run with misses is lossy
+    assert not np.array_equal(got, exact)                    # the same drop run with misses is lossy
 
 
 def test_a_dropped_expert_is_read_in_the_background(bindir, fixture_dir, tmp_path):
@@ -125,8 +125,9 @@ def test_a_dropped_expert_is_read_in_the_background(bindir, fixture_dir, tmp_pat
 
 def test_mode_exact_is_byte_identical_and_fast_is_lossy(bindir, fixture_dir):
     """On the fixture whose greedy text varies: exact = no flag (text and logits, bit for bit, and no mode line);
-    fast prints its one line and generates other text"""
+    fast prints its one line, generates other text, and is the model at --moe-topk ceil(2k/3) bit for bit."""
     spec = fx.FIXTURES["qwen3moe"]()
+    n = -(-2 * spec.n_expert_used // 3)                     # k 8 -> 6
     model = fixture_dir / f"{fx.VARIED_TEXT['qwen3moe']}.gguf"
     slots = ["--moe-slots", str(spec.n_expert_used)]
     r0, out0 = _cli(bindir, model, *slots)
@@ -137,25 +138,43 @@ def test_mode_exact_is_byte_identical_and_fast_is_lossy(bindir, fixture_dir):
     assert "--moe-mode" not in out1 and "LOSSY" not in out1
     r3, out3 = _cli(bindir, model, *slots, "--moe-mode", "fast", "--moe-stats")
     assert r3.returncode == 0, out3[-2000:]
-    assert sum(FAST_LINE in ln for ln in out3.splitlines()) == 1, out3[-3000:]
-    assert "renorm off, decode only" in out3
-    assert "substitution (--moe-substitute drop)" in out3     # the stats table of what ran
+    lines = [ln for ln in out3.splitlines() if FAST_LINE in ln]
+    assert len(lines) == 1 and f"--moe-topk {n} (each token runs its {n} highest-weighted of the model's " \
+        f"{spec.n_expert_used} experts)" in lines[0], out3[-3000:]
     assert _generated(out3) != _generated(out0)
-    # logits through pyvis: exact = no keyword, bit for bit; fast differs
+    r4, out4 = _cli(bindir, model, *slots, "--moe-topk", str(n))
+    assert r4.returncode == 0 and _generated(out4) == _generated(out3)
+    # logits through pyvis: exact = no keyword, bit for bit; fast differs, and is --moe-topk n bit for bit
     a, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used)
     del llm
     b, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, mode="exact")
     del llm
     c, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, mode="fast")
     del llm
+    d, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, topk=n)
+    del llm
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert not np.array_equal(a, c)
+    assert np.array_equal(c.view(np.uint32), d.view(np.uint32))
 
 
-def test_fast_without_the_cache_says_it_is_exact(bindir, fixture_dir):
-    r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-mode", "fast", n=2)
-    assert r.returncode == 0, out[-2000:]
-    assert "--moe-mode fast: nothing turned on: the expert cache is off" in out and "LOSSY" not in out
+def test_fast_without_the_cache_runs_fewer_experts(bindir, fixture_dir):
+    """fast does not need the cache: without it, the same fewer experts (upstream with expert_used_count =
+    ceil(2k/3), bit for bit); on a model of k = 2 it keeps them all and says the output is exact."""
+    model = fixture_dir / f"{fx.VARIED_TEXT['qwen3moe']}.gguf"
+    r, out = _cli(bindir, model, "--moe-mode", "fast")
+    assert r.returncode == 0 and sum(FAST_LINE in ln for ln in out.splitlines()) == 1, out[-2000:]
+    r1, out1 = _cli(bindir, model, "--override-kv", "qwen3moe.expert_used_count=int:6")
+    r0, out0 = _cli(bindir, model)
+    assert r1.returncode == r0.returncode == 0
+    assert _generated(out) == _generated(out1) != _generated(out0)
+    mixtral = fixture_dir / f"{fx.VARIED_TEXT['mixtral']}.gguf"
+    assert fx.FIXTURES["mixtral"]().n_expert_used == 2
+    r, out = _cli(bindir, mixtral, "--moe-mode", "fast", "--moe-slots", "2")
+    r0, out0 = _cli(bindir, mixtral, "--moe-slots", "2")
+    assert r.returncode == r0.returncode == 0, out[-2000:]
+    assert "--moe-mode fast: nothing turned on: the model runs 2 experts per token" in out and "LOSSY" not in out
+    assert _generated(out) == _generated(out0)
 
 
 def test_unknown_mode_is_refused(bindir, fixture_dir):
@@ -171,30 +190,31 @@ def test_unknown_mode_is_refused(bindir, fixture_dir):
 
 
 def test_a_knob_given_with_fast_wins(bindir, fixture_dir, tmp_path):
-    """--moe-substitute router with fast: router's stand-ins, no drop; --moe-substitute off with fast: exact;
-    VIS_MOE_SUB_DROP_SHARE=0 with fast: no drop (fast's own 0.5 drops)"""
+    """--moe-topk 7 with fast: the model at 7, bit for bit, and the line says fast turned nothing on; --moe-topk 8
+    (= k) with fast: exact.  Drop's own knob: VIS_MOE_SUB_DROP_SHARE=0 with --moe-substitute drop drops nothing."""
     spec = fx.FIXTURES["qwen3moe"]()
     model = fixture_dir / "qwen3moe.gguf"
     slots = ["--moe-slots", str(spec.n_expert_used)]
-    tr = tmp_path / "r.trace"
-    r, out = _cli(bindir, model, *slots, "--moe-mode", "fast", "--moe-substitute", "router", "--moe-trace", tr)
+    r, out = _cli(bindir, model, *slots, "--moe-mode", "fast", "--moe-topk", "7")
     assert r.returncode == 0, out[-2000:]
-    assert "--moe-substitute was given and replaces its drop (the output is lossy)" in out
-    t = vtrace.read(tr)
-    assert (t.outcome == SUB).any() and not (t.outcome == DROPPED).any()
-    a, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used)
+    assert "--moe-mode fast: nothing turned on: --moe-topk 7 was given and replaces its own (the output is lossy)" in out
+    a, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, mode="fast", topk=7)
     del llm
-    b, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, mode="fast", substitute="off")
+    b, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, topk=7)
     del llm
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    c, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used, mode="fast", topk=spec.n_expert_used)
+    del llm
+    d, llm = greedy_logits(model, PROMPT, 8, slots=spec.n_expert_used)
+    del llm
+    assert np.array_equal(c.view(np.uint32), d.view(np.uint32))
     counts = []
     for env in ({}, {"VIS_MOE_SUB_DROP_SHARE": "0"}):
         tr = tmp_path / f"s{len(counts)}.trace"
-        r, out = _cli(bindir, model, *slots, "--moe-mode", "fast", "--moe-trace", tr, env=env)
+        r, out = _cli(bindir, model, *slots, "--moe-substitute", "drop", "--moe-trace", tr, env=env)
         assert r.returncode == 0, out[-2000:]
         counts.append(int((vtrace.read(tr).outcome == DROPPED).sum()))
     assert counts[0] > 0 and counts[1] == 0, counts
-    assert "share is < 0 x 1/k" in out
 
 
 def test_drop_under_replay_uses_the_traces_weights(fixture_dir, tmp_path, monkeypatch):
@@ -256,11 +276,12 @@ def test_a_drop_is_the_model_with_that_gate_weight_zeroed(fixture_dir, tmp_path,
 
 
 def test_drops_reach_the_csv_and_the_mode_column(fixture_dir, tmp_path):
-    """--moe-mode fast's drops are lossy events of the telemetry (docs/telemetry.md): the CSV's `dropped` column sums
+    """Drops (--moe-substitute drop) are lossy events of the telemetry (docs/telemetry.md): the CSV's `dropped` column sums
     to the drops the substitution counted, and every row of the lossy run says so."""
     path = fixture_dir / "qwen3moe.gguf"
-    out = tmp_path / "fast.csv"
-    _, llm = greedy_logits(path, PROMPT, 12, slots=fx.FIXTURES["qwen3moe"]().n_expert_used, mode="fast", csv=str(out))
+    out = tmp_path / "drop.csv"
+    _, llm = greedy_logits(path, PROMPT, 12, slots=fx.FIXTURES["qwen3moe"]().n_expert_used, substitute="drop",
+                           csv=str(out))
     dropped = moe.sub_stats(llm)["outcomes"]["dropped"]
     del llm
     import csv
