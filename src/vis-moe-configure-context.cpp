@@ -96,6 +96,19 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     std::snprintf(msg, sizeof(msg), "--moe-mem: -ub %u lowered to %d: its compute buffer (%.0f MiB less) buys %d expert "
                   "slot%s per layer %s)", cp.n_ubatch, c.n_ubatch, freed, c.plan.n_slots, c.plan.n_slots == 1 ? "" : "s",
                   was);
+    // auto, where the asked -ub fits: lower it only when the slots it buys reach top-k (one pass per decode step).
+    // Below top-k a smaller ubatch measured slower on a quiet machine (shared+16 in 450 MiB: 3 slots at -ub 32 decoded
+    // 7.8 tok/s against 8.9 at 1 slot and -ub 512, prefill 88 against 240), above it faster (520 MiB: 8 slots, 2.7x
+    // decode, the same prefill); docs/planning.md
+    const bool below_k = s.plan.configure < 0 && c.asked_n_slots > 0 && c.plan.n_slots < rq.plan.n_expert_used;
+    if (apply && below_k) {
+        std::string m(msg);
+        m.replace(m.find("lowered to"), 10, "could be lowered to");
+        vis_tell_user(m + ": not applied: " + std::to_string(c.plan.n_slots) + " slots stay below top-" +
+                      std::to_string(rq.plan.n_expert_used) + ", where a smaller -ub measured slower; "
+                      "VIS_MOE_CONFIGURE=on applies it (docs/planning.md)");
+        return false;
+    }
     if (!apply) {
         // auto on weights whose outputs depend on the ubatch: say what it would buy, keep the asked -ub
         std::string m(msg);

@@ -192,3 +192,26 @@ def test_too_small_even_at_the_smallest_ubatch_is_refused_naming_a_budget_that_w
     assert named < -(-at256["min_budget"] // MIB)
     ok = run([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", str(named)], timeout=300)
     assert ok.returncode == 0, (ok.stdout + ok.stderr)[-2500:]
+
+
+# the real-weights testbed's shape (models/testbed/shared+16.gguf: 29 MoE layers x 16 F32 experts of 0.42 MiB,
+# top-8, a 49152-token vocabulary), without the file
+TESTBED = dict(path="shared+16.gguf", arch="deepseek", n_layer=30, n_expert=16, n_expert_used=8, n_embd=576,
+               n_vocab=49152, n_ff_exp=64, kv_bytes_per_token=23040, file_bytes=540924864, total_bytes=539129088,
+               all_f32=True)
+
+
+@pytest.mark.parametrize("budget,applied", [(450, False), (520, True)])
+def test_auto_lowers_the_ubatch_only_where_it_buys_top_k_slots(monkeypatch, budget, applied):
+    """Where the asked -ub fits, auto lowers it only when the slots it buys reach top-k: on the testbed in 450 MiB a
+    lower -ub buys 3 slots (< top-8) and measured slower (decode 7.8 vs 8.9 tok/s, prefill 88 vs 240), in 520 MiB
+    it buys 8 and decoded 2.7x faster (docs/planning.md); `on` applies it in both."""
+    from pyvis.runtime import plan as P
+    shape = P.ModelShape(**TESTBED, expert_bytes={il: 442368 for il in range(1, 30)})
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", "auto")
+    c = P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]
+    assert c["ok"] and c["advised_n_ubatch"] < 512
+    assert c["applied"] == applied and c["below_k"] == (not applied)
+    assert (c["plan"]["n_slots"] >= 8) == applied
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
+    assert P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]["applied"]

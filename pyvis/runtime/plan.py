@@ -319,8 +319,11 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
                           cost=cost, miss_curve=curve)
     # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
     # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
+    # and, where the asked -ub fits, only when the slots it buys reach top-k (below, a smaller -ub measured slower)
+    c["below_k"] = bool(configure_mode() == "auto" and asked["ok"] and c["ok"] and
+                        c["plan"]["n_slots"] < rq["n_expert_used"])
     c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
-                        (configure_mode() == "on" or shape.all_f32))
+                        (configure_mode() == "on" or shape.all_f32) and not c["below_k"])
     ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
     c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)
@@ -458,8 +461,11 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
               f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
               if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
     if ub < asked_ub and not c["applied"]:
-        change += ("; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
-                   "another -ub; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)")
+        change += (f"; not applied: {c['plan']['n_slots']} slots stay below top-{a['request']['n_expert_used']}, where "
+                   f"a smaller -ub measured slower" if c["below_k"] else
+                   "; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
+                   "another -ub") + "; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)"
+
     print(f"configurator: {change} (VIS_MOE_CONFIGURE=off keeps -ub; docs/planning.md)")
     print(f"  predicted for a request of {cost['prompt_tokens']} prompt + {cost['gen_tokens']} generated tokens: "
           f"decode {c['decode_tps']:.2f} tok/s, prefill {c['prefill_tps']:.1f} tok/s"
