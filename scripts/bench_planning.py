@@ -4,8 +4,8 @@ cgroup memory, prompt/generation tok/s of llama-cli, the cache table's hits and 
 
     sudo .venv/bin/python scripts/bench_planning.py MODEL --limit-mib 450 400 -c 1024 --out /tmp/plan-bench
 
-Arms per budget: `today` (VIS_MOE_CONFIGURE=off, -ub 512: the fixed-rule plan), `configured` (the configurator on,
--ub 512 asked), and `ub=N` (VIS_MOE_CONFIGURE=off, -ub N) for the sweep; --moe-mem auto (the cgroup's limit).  The
+Arms per budget: `today` (VIS_MOE_CONFIGURE=off, -ub 512: the fixed-rule plan), `configured` (the configurator as
+shipped, VIS_MOE_CONFIGURE=auto, -ub 512 asked), `forced` (VIS_MOE_CONFIGURE=on), and `ub=N` (VIS_MOE_CONFIGURE=off, -ub N) for the sweep; --moe-mem auto (the cgroup's limit).  The
 oracle is the sweep's best decode point.  Needs root (cgroups, drop_caches).  Results: OUT/results.json.
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ def main() -> int:
     prompt = PROMPT_WORDS * 3
     results = []
     for limit in a.limit_mib:
-        arms = [("today", 512, "off"), ("configured", 512, "on")] + [(f"ub={u}", u, "off") for u in a.sweep]
+        arms = [("today", 512, "off"), ("configured", 512, "auto"), ("forced", 512, "on")] + \
+               [(f"ub={u}", u, "off") for u in a.sweep]
         arms = [x for x in arms if a.arms is None or x[0] in a.arms]
         for name, ub, conf in arms:
             cmd = [ROOT / "build/bin/llama-cli", "-m", a.model, "-p", prompt, "-n", a.n_predict, "-c", a.ctx_size,
