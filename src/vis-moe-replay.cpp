@@ -79,23 +79,27 @@ vis_moe_replay::vis_moe_replay(const std::string & path, const std::vector<int> 
 void vis_moe_replay::pick(int pos, int layer, int32_t * ids, float * w) const {
     const int32_t * rid = tr.ids_at(pos, layer);
     const float *   rw  = tr.weights_at(pos, layer);
-    int order[64];
-    const int k = std::min(tr.k, 64);
-    for (int i = 0; i < k; ++i) {
+    if (n_keep == tr.k) {  // the trace's own top-k: its row as recorded
+        std::copy(rid, rid + tr.k, ids);
+        std::copy(rw, rw + tr.k, w);
+        return;
+    }
+    // --moe-topk below it: the N highest-weighted (the recorder writes router order, descending weight; sorting keeps
+    // that and fixes any other order), renormalised to the row's total as a router renormalising its top-N would
+    int order[64];  // tr.k <= 64, checked at construction
+    for (int i = 0; i < tr.k; ++i) {
         order[i] = i;
     }
-    // the recorder writes a row in router order (descending weight); sorting keeps that and fixes any other order
-    std::stable_sort(order, order + k, [&](int a, int b) { return rw[a] > rw[b]; });
+    std::stable_sort(order, order + tr.k, [&](int a, int b) { return rw[a] > rw[b]; });
     float all = 0.0f, kept = 0.0f;
-    for (int i = 0; i < k; ++i) {
+    for (int i = 0; i < tr.k; ++i) {
         all += rw[i];
         kept += i < n_keep ? rw[order[i]] : 0.0f;
     }
-    // the kept weights renormalised to the row's total, as a router renormalising its top-N would
-    const float scale = n_keep < tr.k && kept > 0.0f ? all / kept : 1.0f;
+    const float scale = kept > 0.0f ? all / kept : 1.0f;
     for (int i = 0; i < n_keep; ++i) {
-        ids[i] = rid[n_keep < tr.k ? order[i] : i];
-        w[i]   = rw[n_keep < tr.k ? order[i] : i] * scale;
+        ids[i] = rid[order[i]];
+        w[i]   = rw[order[i]] * scale;
     }
 }
 
