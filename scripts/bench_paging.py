@@ -247,7 +247,7 @@ def analyse_ours(r: dict, out: Path, expert: int) -> str | None:
 def replay_shape(path: Path) -> dict:
     """n_layer, n_expert, k, prompt and generated positions of a routing trace in the shared CSV format (this script's
     own small reader of the model line and the phase column; the runtime checks the file strictly,
-    src/vis-moe-route-csv.cpp)."""
+    src/features/vis-moe-route-csv.cpp)."""
     shape: dict = {}
     phases: dict[int, int] = {}
     with open(path) as f:

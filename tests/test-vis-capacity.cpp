@@ -1,4 +1,4 @@
-// test-vis-capacity: entropy-weighted capacity (src/vis-moe-capacity.h) on small cases computed by hand.
+// test-vis-capacity: entropy-weighted capacity (src/features/vis-moe-capacity.h) on small cases computed by hand.
 //   - R_v and the capacity C = round(N (1 + rho (R_v - 0.5)));
 //   - the missing image-only experts ranked by entropy-weighted load, scaled by the modality bias;
 //   - overflow pairs rerouted to the best-scored expert in memory the token does not run (never a duplicate);

@@ -1,5 +1,5 @@
-// test-vis-policy: the eviction-policy interface (src/vis-moe-policy.h), its LRU and LFU,
-// and the settings table (src/vis-moe-settings.cpp) through the C API.
+// test-vis-policy: the eviction-policy interface (src/core/vis-moe-policy.h), its LRU and LFU,
+// and the settings table (src/api/vis-moe-settings.cpp) through the C API.
 //   - LRU picks the first empty slot, then the least recently touched slot;
 //   - LFU picks the expert with the lowest decayed use count, ties to the least recent; counts outlive eviction
 //     and decay once per step in which the pool was touched;

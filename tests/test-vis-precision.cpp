@@ -1,4 +1,4 @@
-// test-vis-precision: the precision policy (src/vis-moe-precision.h) on small cases computed by hand, its stall
+// test-vis-precision: the precision policy (src/features/vis-moe-precision.h) on small cases computed by hand, its stall
 // controller, and the --moe-precision / --moe-prec-* / --moe-shadow-slots settings.
 //   - vision: only experts no text token routes, only in a ubatch whose image share reaches the threshold;
 //   - gate: only in decode steps, only experts whose largest gate weight is below the threshold;

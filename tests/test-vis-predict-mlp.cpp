@@ -1,4 +1,4 @@
-// test-vis-predict-mlp: the VisMMOE lookahead MLP predictor (--moe-predict mlp, src/vis-moe-predict-mlp.h) on a
+// test-vis-predict-mlp: the VisMMOE lookahead MLP predictor (--moe-predict mlp, src/features/vis-moe-predict-mlp.h) on a
 // tiny hand-made profile, against hand-computed values:
 //   - the forward pass relu(W1 [hist; h] + b1) -> W2 a + b2, one head per distance;
 //   - the routing-history histogram: layer l's experts, plus decay * layer l-1's when it routed the same ubatch;

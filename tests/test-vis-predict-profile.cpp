@@ -1,5 +1,5 @@
 // test-vis-predict-profile: coact and freq seeded from a predictor profile (--moe-predict-profile,
-// src/vis-moe-predict.h, src/vis-moe-profile.h) against hand-computed values:
+// src/features/vis-moe-predict.h, src/features/vis-moe-profile.h) against hand-computed values:
 //   - counts C_d[l][i, j] = P_d[l][i, j] * k * freq[l][i] * n_tokens, uses[l][e] = freq[l][e] * n_tokens, so the
 //     first conditional scores are the profile's rows summed (times k);
 //   - online learning goes on counting on top;

@@ -1,5 +1,5 @@
-// test-vis-predict: the expert predictors (src/vis-moe-predict.h) against hand-computed values, and what the
-// eviction policy does with reads ahead (src/vis-moe-policy.h).
+// test-vis-predict: the expert predictors (src/features/vis-moe-predict.h) against hand-computed values, and what the
+// eviction policy does with reads ahead (src/core/vis-moe-policy.h).
 //   - top-B ranking (ties: lower id first) and recall@k over distinct experts;
 //   - co-activation: P(j at l+d | i at l) counted online, summed over the token's experts at l;
 //   - frequency: the target layer's counts; next-router: softmax of the logits per token, summed;

@@ -1,4 +1,4 @@
-// test-vis-shadow MODEL SHADOW: the C loader of shadow sidecars (src/vis-moe-shadow.h) and the positioned read a
+// test-vis-shadow MODEL SHADOW: the C loader of shadow sidecars (src/features/vis-moe-shadow.h) and the positioned read a
 // later change will use.  Loads MODEL, loads SHADOW for every MoE layer, and reads the last expert of every shadow
 // tensor through vis_io_pool (O_DIRECT where allowed, as the model's deferred experts are read).  Prints one line
 // per tensor: "name type offs nb2 n_expert fnv64(last expert's bytes)"; tests/test_shadow.py compares the lines

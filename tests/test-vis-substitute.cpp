@@ -1,4 +1,4 @@
-// test-vis-substitute: the substitution step (src/vis-moe-substitute.h) on small cases computed by hand,
+// test-vis-substitute: the substitution step (src/features/vis-moe-substitute.h) on small cases computed by hand,
 // and the --moe-sub* settings.
 //   - TAE and margin of a token's gate weights;
 //   - router: the resident expert with the highest score the token does not already run;

@@ -1,5 +1,5 @@
-// test-vis-upload: the host side of the discrete-GPU path (src/vis-moe-upload.h, vis_host_cache in
-// src/vis-moe-store.h), checked without a GPU.  Buffer types that stand for a device's pinned host memory are
+// test-vis-upload: the host side of the discrete-GPU path (src/store/vis-moe-upload.h, vis_host_cache in
+// src/store/vis-moe-store.h), checked without a GPU.  Buffer types that stand for a device's pinned host memory are
 // made here the way CUDA's is (a CPU buffer relabelled with the pinned type), plus one that refuses and one that
 // silently falls back to ordinary memory, as cudaMallocHost's failure path does.
 //   - tier 2 without a pinned type is today's anonymous arena (CPU, unified memory);

@@ -1,6 +1,6 @@
 """Bad input through the C side (issue #12): every --moe-* value and VIS_MOE_* variable parsed strictly, a trace
 path that never overwrites an input, trace write errors, files changed under a running model, --moe-mem when
-the model fits.  Each test here failed on the code before the settings table (src/vis-moe-settings.cpp)."""
+the model fits.  Each test here failed on the code before the settings table (src/api/vis-moe-settings.cpp)."""
 from __future__ import annotations
 
 import hashlib

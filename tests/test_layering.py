@@ -9,7 +9,7 @@ from its ``__init__``); the implicit import of a module's parent packages is not
 src/: modules are file stems (``vis-moe-context.h`` and ``.cpp`` are one module), joined by ``#include "..."``.
 The strongly-connected components left are an explicit allow-list: a circle may shrink or vanish (then shrink
 the list), but no module may join one and no new circle may appear.  The cache core knows its features only
-through the feature interface (src/vis-moe-feature.h): no core module includes a feature's header.
+through the feature interface (src/core/vis-moe-feature.h): no core module includes a feature's header.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-m
                 "vis-moe-ops", "vis-moe-attach", "vis-moe-attach-plan", "vis-moe-attach-upload", "vis-moe-transfer",
                 "vis-moe-fetch", "vis-moe-fetch-slots", "vis-moe-upload", "vis-moe-feature", "vis-moe-store",
                 "vis-moe-io-pool", "vis-moe-host-cache", "vis-moe-deferred"}
-# ... and the features: the mechanisms behind vis_moe_feature (src/vis-moe-feature.h) and the modules only they use
+# ... and the features: the mechanisms behind vis_moe_feature (src/core/vis-moe-feature.h) and the modules only they use
 FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
@@ -197,7 +197,7 @@ def test_the_core_includes_no_feature():
     for m, feats in found.items():
         extra = feats - KNOWN_CORE_FEATURE_INCLUDES.get(m, set())
         assert not extra, (f"{m} (cache core) includes feature headers {sorted(extra)}: reach a feature through "
-                           f"vis_moe_feature (src/vis-moe-feature.h) instead. {RULE}")
+                           f"vis_moe_feature (src/core/vis-moe-feature.h) instead. {RULE}")
     for m, feats in KNOWN_CORE_FEATURE_INCLUDES.items():
         gone = feats - found.get(m, set())
         assert not gone, (f"{m} no longer includes {sorted(gone)}: good, remove them from "

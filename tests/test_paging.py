@@ -473,7 +473,7 @@ def test_slab_lending_is_exact_and_empties_the_slots(fixture_dir, reference, tmp
 
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "gptoss", "mixtral", "qwen3vlmoe"])
 def test_staged_streaming_is_exact_and_empties_the_slots(fixture_dir, reference, tmp_path, monkeypatch, name):
-    """Staged streaming (src/vis-moe-stage.h): with --moe-stream-passes 1 every prefill ubatch streams, and slabs
+    """Staged streaming (src/features/vis-moe-stage.h): with --moe-stream-passes 1 every prefill ubatch streams, and slabs
     that hold two layers' experts (one, where the fixture has too few layers) become staging buffers read with our
     own reads.  Logits stay byte-identical to upstream's on every architecture; the runtime's misses equal the
     default policy's simulation in which a streamed ubatch empties the cache (the staging overwrote the slots) and differ from the

@@ -1,4 +1,4 @@
-"""The runtime's eviction policies (VIS_MOE_POLICY=lru|lfu|lfu-adapt, src/vis-moe-policy.cpp; docs/policies.md).
+"""The runtime's eviction policies (VIS_MOE_POLICY=lru|lfu|lfu-adapt, src/core/vis-moe-policy.cpp; docs/policies.md).
 
 - runtime = simulator: the runtime's misses per layer under lru, lfu and lfu-adapt equal pyvis.runtime.cachesim's
   replay of its own routing trace with the same policy of pyvis.runtime.policies (and differ from the other

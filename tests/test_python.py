@@ -19,7 +19,7 @@ def test_llama_cpp_is_bound_to_our_build():
     lib = Path(llama_cpp.llama_cpp._lib._name).resolve()
     assert lib.parent == _paths.lib_dir().resolve()
     info = llama_cpp.llama_print_system_info().decode()
-    assert _native.system_info_fragment() in info  # patch 0001 calls into src/vis-info.cpp
+    assert _native.system_info_fragment() in info  # patch 0001 calls into src/api/vis-info.cpp
     assert _native.upstream_commit() == "0c1e570"
     assert _native.version() == pyvis.__version__
 

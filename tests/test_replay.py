@@ -1,5 +1,5 @@
 """VIS_MOE_REPLAY: a recorded routing trace (the shared CSV format) replayed in place of the routers
-(src/vis-moe-replay.h, docs/benchmarks.md#replaying-recorded-routing).
+(src/features/vis-moe-replay.h, docs/benchmarks.md#replaying-recorded-routing).
 
 The routing the runtime records with --moe-trace (what the passes and upstream's mul_mat_id read) must be the CSV's,
 token by token, with the cache off (the upstream-path baseline) and on; the replayed weights must be what the experts'

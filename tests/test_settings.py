@@ -1,4 +1,4 @@
-"""pyvis.runtime from Python: the ctypes mirror against src/llama-vis.h, settings applied per call and thread
+"""pyvis.runtime from Python: the ctypes mirror against src/api/llama-vis.h, settings applied per call and thread
 (the caller's own settings survive, threads do not see each other's), errors of the failing call only, and
 integers checked before they reach C (issue #12: items 2, 3, 4)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pyvis.runtime import capi, native, settings
 from pyvis.runtime.config import MoeConfig, applied
 from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams, TierParams
 
-HEADER = Path(__file__).resolve().parent.parent / "src" / "llama-vis.h"
+HEADER = Path(__file__).resolve().parent.parent / "src" / "api" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
           "const char *": ctypes.c_char_p, "const float *": ctypes.POINTER(ctypes.c_float),
           "int32_t *": ctypes.POINTER(ctypes.c_int32)}

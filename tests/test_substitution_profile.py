@@ -354,7 +354,7 @@ def test_writer_never_replaces_a_model_or_another_file(tmp_path, model, profile)
 # SUB1 trace records
 # --------------------------------------------------------------------------
 def test_outcome_names_mirror_the_header():
-    text = (ROOT / "src" / "llama-vis.h").read_text()
+    text = (ROOT / "src" / "api" / "llama-vis.h").read_text()
     body = re.search(r"enum llama_vis_sub_outcome \{(.*?)\};", text, re.S).group(1)
     vals = {int(v): n.lower() for n, v in re.findall(r"LLAMA_VIS_SUB_(\w+)\s*=\s*(\d+)", body) if n != "N_OUTCOMES"}
     assert vtrace.SUB_OUTCOMES == tuple(vals[i] for i in range(len(vals)))

@@ -1,9 +1,9 @@
 """Native support for visual-token pruning (issue #4, docs/vlm-native-api.md):
 
-* encoder saliency from libmtmd (patch 0010, src/vis-mtmd-saliency.cpp): off = the encoder
+* encoder saliency from libmtmd (patch 0010, src/vlm/vis-mtmd-saliency.cpp): off = the encoder
   graph is upstream's, node for node; on = one score per image output token, checked
   against the attention matrix read from the graph itself;
-* layer limit + routing capture (patch 0011, src/vis-moe-capture.cpp): the routes of the
+* layer limit + routing capture (patch 0011, src/vlm/vis-moe-capture.cpp): the routes of the
   first L layers equal those of a full decode, and a full decode after a limited one gives
   byte-identical logits once the probe's KV is removed.
 """

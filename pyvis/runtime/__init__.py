@@ -1,7 +1,7 @@
 """The fork's runtime from Python: native bindings, loading with the expert cache, memory plan,
 routing traces and cache simulation.
 
-    capi       1:1 ctypes mirror of src/llama-vis.h
+    capi       1:1 ctypes mirror of src/api/llama-vis.h
     native     friendly layer over it: dataclasses, VisError, wrappers
     config     MoeConfig: every --moe-* setting as one typed object, applied per call and thread
     settings   the process-wide --moe-* settings (the C structs) and pyvis.vlm's sections of a MoeConfig

@@ -53,7 +53,7 @@ def _chunks(s: list[int], resident, capacity: int) -> list[list[int]]:
 
 def _bypass(i: int, streamed: list[bool] | None, per_request: list[int] | None, cache=None) -> bool:
     """Request i is streamed (see `stream_rule`): no loads; the cache unchanged, or emptied when the slabs were
-    lent to the page cache (`cache` given: --moe-stream-lend, src/vis-moe-lend.h)."""
+    lent to the page cache (`cache` given: --moe-stream-lend, src/features/vis-moe-lend.h)."""
     if streamed is None or not streamed[i]:
         return False
     if cache is not None:

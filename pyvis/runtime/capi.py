@@ -1,4 +1,4 @@
-"""1:1 ctypes mirror of src/llama-vis.h, the fork's public C API, in the header's order.
+"""1:1 ctypes mirror of src/api/llama-vis.h, the fork's public C API, in the header's order.
 
 Each struct has its ``_fields_`` in the header's order and each function its C declaration above it,
 as llama-cpp-python's ``llama_cpp/llama_cpp.py`` does.  Nothing here converts or checks values: the

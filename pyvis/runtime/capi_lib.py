@@ -1,4 +1,4 @@
-"""The library handle of the ctypes mirror of src/llama-vis.h (:mod:`pyvis.runtime.capi`): libllama as
+"""The library handle of the ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`): libllama as
 llama-cpp-python loaded it, :func:`ctypes_function` that binds one of its functions, and the opaque pointer types
 every section of the mirror uses.  The sections (:mod:`.capi_moe`, :mod:`.capi_paging`, :mod:`.capi_vlm`) import
 this module; :mod:`.capi` imports them all."""
@@ -23,7 +23,7 @@ if getattr(_lib, "llama_vis_version", None) is None:
 
 
 class MissingSymbol(RuntimeError):
-    """The loaded libllama predates a function of src/llama-vis.h."""
+    """The loaded libllama predates a function of src/api/llama-vis.h."""
 
 
 def ctypes_function(name: str, argtypes: list, restype) -> Callable:
@@ -33,7 +33,7 @@ def ctypes_function(name: str, argtypes: list, restype) -> Callable:
         if fn is None:
             def missing(*args, **kwargs):
                 raise MissingSymbol(f"{name} is missing from {_lib._name}: this libllama is older than "
-                                    "src/llama-vis.h. Rebuild it (scripts/setup.sh).")
+                                    "src/api/llama-vis.h. Rebuild it (scripts/setup.sh).")
             missing.__name__, missing.__doc__ = name, f.__doc__
             return missing
         fn.argtypes, fn.restype = argtypes, restype

@@ -1,4 +1,4 @@
-"""Part of the 1:1 ctypes mirror of src/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
+"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
 header's first sections (the build, expert residency and its settings table, stats, substitution, precision,
 capacity, prefetch), in the header's order."""
 from __future__ import annotations
@@ -330,7 +330,7 @@ def llama_vis_moe_get_sub_stats(ctx, il: int, out) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Shadow experts and the precision policy (lossy; src/vis-moe-precision.cpp, docs/precision.md)
+# Shadow experts and the precision policy (lossy; src/features/vis-moe-precision.cpp, docs/precision.md)
 # ---------------------------------------------------------------------------
 # struct llama_vis_moe_prec_stats {
 #     int64_t n_eligible;      // missing experts the policy allowed to run from their shadow (per layer and ubatch)
@@ -372,7 +372,7 @@ def llama_vis_moe_get_prec_stats(ctx, il: int, out) -> int:
     of range."""
 
 
-# // Entropy-weighted capacity (lossy; --moe-capacity, src/vis-moe-capacity.cpp, docs/precision.md): per managed layer
+# // Entropy-weighted capacity (lossy; --moe-capacity, src/features/vis-moe-capacity.cpp, docs/precision.md): per managed layer
 # // and ubatch with image tokens, at most C distinct missing experts that only image tokens route are loaded; the other
 # // image pairs are rerouted to experts in memory, or dropped as a last resort.
 # struct llama_vis_moe_cap_stats {

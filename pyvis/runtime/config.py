@@ -1,6 +1,6 @@
 """The expert cache's configuration as one typed object: :class:`MoeConfig`, applied per call and per thread.
 
-One field per row of the C settings table (src/vis-moe-settings-table.cpp; ``llama_vis_moe_get_flag``): the field
+One field per row of the C settings table (src/api/vis-moe-settings-table.cpp; ``llama_vis_moe_get_flag``): the field
 ``pinned_layers`` is the flag ``--moe-pinned-layers`` and the variable ``VIS_MOE_PINNED``, and so on.  Its type
 follows the row's value type (``LLAMA_VIS_MOE_VALUE_*``: a switch is a bool, ``auto|N`` is ``int | str``, a file is
 ``str | None``) and its default is the table's built-in default; tests/test_config.py holds the class to the table.

@@ -3,7 +3,7 @@
     pyvis plan MODEL.gguf [--budget auto|MIB] [-c N] [--pinned L] [--slots N] [--host-mib N] [--device-mib N]
 
 Reads only the GGUF header (no weights) and asks the same C functions the
-runtime uses for `--moe-mem` (src/vis-moe-plan.cpp): `llama_vis_mem_probe`
+runtime uses for `--moe-mem` (src/plan/vis-moe-plan.cpp): `llama_vis_mem_probe`
 (cgroup v1/v2 limit, MemAvailable, swap, zram), `llama_vis_moe_estimate_reserve`
 (compute buffers) and `llama_vis_moe_plan`, so the plan is the runtime's.
 See docs/paging.md.
@@ -190,7 +190,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     if pinned > len(moe):
         raise ValueError(f"--pinned {pinned} exceeds the model's {len(moe)} MoE layers (valid: 0..{len(moe)}, -1 = all)")
     # --moe-slots >= experts: every expert has a slot and none pages (the loader loads them all, upstream's graph
-    # runs): the plan with nothing to page, as with every layer pinned (src/vis-moe-attach-plan.cpp)
+    # runs): the plan with nothing to page, as with every layer pinned (src/core/vis-moe-attach-plan.cpp)
     managed = moe[pinned:] if not (slots and slots >= shape.n_expert) else []
     expert = max((shape.expert_bytes[il] for il in managed), default=0)
     managed_bytes = sum(shape.expert_bytes[il] * shape.n_expert for il in managed)
@@ -258,7 +258,7 @@ def _mib_up(b: int) -> str:
 
 
 def refusal_hint(p: dict, n_ctx: int) -> str:
-    """What the runtime's --moe-mem refusal names after the plan's error (src/vis-moe-kv-check.cpp), for a plan
+    """What the runtime's --moe-mem refusal names after the plan's error (src/plan/vis-moe-kv-check.cpp), for a plan
     that does not fit: the smallest budget for this context and the largest context for this budget."""
     largest = (f"-c {p['largest_ctx']}" if p["largest_ctx"] else
                f"none ({CTX_PAD} tokens need {_mib_up(p['min_budget_smallest_ctx'])})")

@@ -1,6 +1,6 @@
 """Eviction policies of the expert cache, as the simulator replays them (:func:`pyvis.runtime.cachesim.policy_misses`).
 
-A policy sees what the runtime's policy interface (src/vis-moe-policy.h) sees, by expert instead of by slot:
+A policy sees what the runtime's policy interface (src/core/vis-moe-policy.h) sees, by expert instead of by slot:
 
 * ``begin_pass()``: a pass starts (one ubatch of one layer runs in one or more passes);
 * ``touch(e, w)``: expert ``e`` serves the running pass, a hit or a miss just loaded (``w``: its largest router
@@ -21,9 +21,9 @@ from collections import OrderedDict
 
 from .cachesim import LayerCache
 
-DEFAULT = "lfu-adapt"      # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/vis-moe-settings.h)
+DEFAULT = "lfu-adapt"      # what the runtime runs unless VIS_MOE_POLICY says otherwise (src/api/vis-moe-settings.h)
 RUNTIME = ("lru", "lfu", "lfu-adapt")   # policies the runtime implements identically
-LFU_DECAY = 0.95           # per step; the runtime's constant (src/vis-moe-policy.cpp)
+LFU_DECAY = 0.95           # per step; the runtime's constant (src/core/vis-moe-policy.cpp)
 _RESCALE_AT = 2.0 ** 200   # the runtime's: scores and the increment are scaled by 2^-200 (exact) past this
 
 

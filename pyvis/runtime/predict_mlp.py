@@ -1,6 +1,6 @@
 """The VisMMOE lookahead MLP (§3.3, ``../shared/papers/vismmoe-visual-expert-affinity.txt``): its weights, its
 features and its forward pass, exactly as the runtime computes them (``--moe-predict mlp``,
-``src/vis-moe-predict-mlp.cpp``; docs/prediction-calibration.md "The lookahead MLP").  Fitted by :mod:`pyvis.calibrate.mlp`,
+``src/features/vis-moe-predict-mlp.cpp``; docs/prediction-calibration.md "The lookahead MLP").  Fitted by :mod:`pyvis.calibrate.mlp`,
 stored in the predictor profile (:mod:`pyvis.runtime.predict_profile`).
 
 At MoE layer l, for one token:

@@ -5,7 +5,7 @@ Each model tensor ``blk.L.ffn_{gate,up,down,gate_up}_exps.weight`` of a chosen l
 quantised to the shadow type through our own ggml build (:mod:`pyvis.runtime.ggml_quant`: ``to_float`` and
 ``ggml_quantize_chunk``; nothing is quantised here), one expert at a time, and stored under the same name with
 the same ``ne`` and the new type, so one shadow expert is one contiguous slice of ``nb2`` bytes that a positioned
-read fetches (the C loader, src/vis-moe-shadow.h).  Keys: the profile header and fingerprint of
+read fetches (the C loader, src/features/vis-moe-shadow.h).  Keys: the profile header and fingerprint of
 :mod:`pyvis.runtime.profile` (``vis.profile.kind = "shadow"``, version 1, ``vis.model.*``; ``vis.profile.k`` = the
 model's top-k, ``vis.profile.n_tokens`` = 0, ``vis.profile.source`` = the model's file name), then
 

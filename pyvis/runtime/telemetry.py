@@ -1,6 +1,6 @@
 """``--moe-csv`` files: read one strictly, summarise it, plot it (``pyvis report RUN.csv [-o PLOT.png|svg]``).
 
-One row per ubatch of a context (src/vis-moe-csv.cpp; a generated token is one decode ubatch), the columns of
+One row per ubatch of a context (src/api/vis-moe-csv.cpp; a generated token is one decode ubatch), the columns of
 :data:`COLUMNS`.  docs/telemetry.md describes each one.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .plot import pyplot
 
-# the header the runtime writes (VIS_MOE_CSV_HEADER in src/vis-moe-csv.cpp), in order
+# the header the runtime writes (VIS_MOE_CSV_HEADER in src/api/vis-moe-csv.cpp), in order
 COLUMNS = ("t_ms", "phase", "tokens", "wall_ms", "compute_ms", "stall_ms", "routed", "hits", "misses", "host_hits",
            "file_reads", "model_copies", "loaded_bytes", "read_bytes", "ahead_used", "ahead_wasted", "ahead_bytes",
            "substituted", "shadow", "rerouted", "dropped", "mode")

@@ -45,7 +45,7 @@ MAGIC = b"VISTRACE"
 HEADER_BYTES = 24
 REC_TAG = 0x31434552
 SUB_TAG = 0x31425553
-# enum llama_vis_sub_outcome of src/llama-vis.h, by value: what happened to one (token, expert) pair
+# enum llama_vis_sub_outcome of src/api/llama-vis.h, by value: what happened to one (token, expert) pair
 SUB_OUTCOMES = ("resident", "substituted", "blocked_tae", "blocked_margin", "blocked_beta", "blocked_budget",
                 "blocked_weight", "no_candidate", "needed_anyway", "not_eligible", "blocked_rank",
                 "dropped")
