@@ -10,6 +10,8 @@ src/: modules are file stems (``vis-moe-context.h`` and ``.cpp`` are one module)
 The strongly-connected components left are an explicit allow-list: a circle may shrink or vanish (then shrink
 the list), but no module may join one and no new circle may appear.  The cache core knows its features only
 through the feature interface (src/core/vis-moe-feature.h): no core module includes a feature's header.
+The folders of src/ are its layers (plan and vlm on top, then features, core, store, api): a file includes only
+files of its own folder or of a folder below it; today's exceptions are an allow-list that may only shrink.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE = ("docs/architecture.md, \"Dependencies\": dependencies point one way (api -> context -> features -> "
-        "pool/policy -> store/io; in pyvis, cli -> parts -> runtime); break a circle by moving the shared piece "
-        "into a module both sides import")
+RULE = ("docs/architecture.md, \"Dependencies\": dependencies point one way (in src/, down the folders: plan, vlm "
+        "-> features -> core -> store -> api; in pyvis, cli -> parts -> runtime); break a circle by moving the shared "
+        "piece into a module both sides import")
 
 # src/ modules in an include circle today (issue #23 had 13 modules in one; the feature interface removed it).
 # This list may only shrink.
@@ -47,6 +49,18 @@ KNOWN_CORE_FEATURE_INCLUDES = {
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},
     "vis-moe-attach-plan": {"vis-moe-shadow"},
+}
+
+# The layer folders of src/ by rank (docs/architecture.md, "Folders"): a file may include files of its own folder
+# and of folders of a lower rank, never of a higher one or of another folder of its own rank.
+SRC_FOLDERS = {"plan": 4, "vlm": 4, "features": 3, "core": 2, "store": 1, "api": 0}
+# Includes that go up a folder today, besides the core's feature includes above (KNOWN_CORE_FEATURE_INCLUDES): the
+# settings table parses the policy's words into its enum (api -> core), the attach applies --moe-mode and checks
+# the files options name (core -> features), and the stats' C getters read the features' structs.  Only shrinks.
+KNOWN_UPWARD_INCLUDES = {
+    "vis-moe-settings-table": {"vis-moe-policy"},
+    "vis-moe-attach": {"vis-moe-mode", "vis-moe-named-files"},
+    "vis-moe-stats": {"vis-moe-capacity", "vis-moe-precision", "vis-moe-prefetch", "vis-moe-substitute"},
 }
 
 
@@ -94,6 +108,35 @@ def include_graph(root: Path) -> dict[str, set[str]]:
             if stem(inc) in graph and stem(inc) != stem(p.name):
                 graph[stem(p.name)].add(stem(inc))
     return graph
+
+
+def src_folders(root: Path) -> dict[str, set[str]]:
+    """module (file stem under src/) -> the folders its files lie in ("" for a file directly in src/)."""
+    out: dict[str, set[str]] = {}
+    for ext in ("*.h", "*.cpp", "*.c"):
+        for p in (root / "src").rglob(ext):
+            out.setdefault(p.name.split(".")[0], set()).add(p.parent.relative_to(root / "src").as_posix().strip("."))
+    return out
+
+
+def misplaced(folders: dict[str, set[str]]) -> list[str]:
+    """What breaks the folder layout: a file outside the layer folders, a module split over two folders."""
+    out = []
+    for m, fs in sorted(folders.items()):
+        if len(fs) > 1:
+            out.append(f"{m}: its files lie in {sorted(fs)}; a module's .h and .cpp share one folder")
+        out += [f"{m}: in src/{f + '/' if f else ''}, not in a layer folder (src/{{{','.join(SRC_FOLDERS)}}}/)"
+                for f in sorted(fs) if f not in SRC_FOLDERS]
+    return out
+
+
+def upward_includes(graph: dict[str, set[str]], folders: dict[str, set[str]]) -> dict[str, set[str]]:
+    """module -> the modules it includes from a folder of a higher rank or another folder of its rank."""
+    where = {m: next(iter(fs)) for m, fs in folders.items() if len(fs) == 1 and next(iter(fs)) in SRC_FOLDERS}
+    up = lambda a, b: a != b and SRC_FOLDERS[b] >= SRC_FOLDERS[a]  # noqa: E731
+    out = {m: {d for d in deps if d in where and up(where[m], where[d])}
+           for m, deps in graph.items() if m in where}
+    return {m: ds for m, ds in sorted(out.items()) if ds}
 
 
 def circles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -208,6 +251,37 @@ def test_the_core_includes_no_feature():
         assert m not in found, f"{m} includes feature headers {sorted(found[m])}. {RULE}"
 
 
+def test_every_src_file_lies_in_a_layer_folder():
+    bad = misplaced(src_folders(ROOT))
+    assert not bad, ("src/ files outside the layer folders (docs/architecture.md, \"Folders\"; put a new file in "
+                     "the folder of its layer and add it to CMakeLists.txt):\n  " + "\n  ".join(bad))
+
+
+def test_src_includes_point_down_the_folders():
+    graph, folders = include_graph(ROOT), src_folders(ROOT)
+    known = {m: KNOWN_UPWARD_INCLUDES.get(m, set()) | KNOWN_CORE_FEATURE_INCLUDES.get(m, set())
+             for m in KNOWN_UPWARD_INCLUDES.keys() | KNOWN_CORE_FEATURE_INCLUDES.keys()}
+    found = upward_includes(graph, folders)
+    print("src/ includes up a folder:\n" + "\n".join(f"  {m} -> {' '.join(sorted(d))}" for m, d in found.items()))
+    for m, deps in found.items():
+        extra = deps - known.get(m, set())
+        assert not extra, (f"{m} (src/{next(iter(folders[m]))}/) includes "
+                           f"{', '.join(f'{d} (src/{next(iter(folders[d]))}/)' for d in sorted(extra))}: up a "
+                           f"folder. {RULE}")
+    for m, deps in KNOWN_UPWARD_INCLUDES.items():
+        gone = deps - found.get(m, set())
+        assert not gone, (f"{m} no longer includes {sorted(gone)} up a folder: good, remove them from "
+                          "KNOWN_UPWARD_INCLUDES so that they cannot come back")
+
+
+def test_the_module_lists_agree_with_the_folders():
+    """CORE_MODULES lie in core/ or store/, FEATURE_MODULES in features/: the folders show what the lists say."""
+    folders = src_folders(ROOT)
+    for names, allowed in ((CORE_MODULES, {"core", "store"}), (FEATURE_MODULES, {"features"})):
+        wrong = {m: sorted(folders[m]) for m in sorted(names) if m in folders and not folders[m] <= allowed}
+        assert not wrong, f"{wrong}: move them to src/{' or src/'.join(sorted(allowed))}/ (or fix the list)"
+
+
 # --------------------------------------------------------------------------
 # the checkers see what they must
 # --------------------------------------------------------------------------
@@ -246,3 +320,21 @@ def test_the_core_check_sees_a_feature_include(tmp_path):
     graph = include_graph(tmp_path)
     assert core_feature_includes(graph) == {"vis-moe-context": {"vis-moe-lend"}}
     assert circles(graph) == [{"vis-moe-context", "vis-moe-lend"}]
+
+
+def test_the_folder_check_sees_an_upward_include_and_a_stray_file(tmp_path):
+    for name, text in {"core/vis-moe-context.h": '#include "llama-vis.h"\n', "api/llama-vis.h": "",
+                       "core/vis-moe-context.cpp": '#include "vis-moe-context.h"\n#include "vis-moe-lend.h"\n',
+                       "features/vis-moe-lend.h": '#include "vis-moe-context.h"\n',
+                       "api/vis-moe-settings.cpp": '#include "vis-moe-store.h"\n', "store/vis-moe-store.h": "",
+                       "plan/vis-moe-plan.cpp": '#include "vis-vlm.h"\n', "vlm/vis-vlm.h": "",
+                       "vis-moe-flat.cpp": "", "core/vis-moe-split.h": "", "store/vis-moe-split.cpp": "",
+                       "extra/vis-moe-odd.h": ""}.items():
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_text(text)
+    folders = src_folders(tmp_path)
+    assert upward_includes(include_graph(tmp_path), folders) == {
+        "vis-moe-context": {"vis-moe-lend"},          # core -> features: up
+        "vis-moe-settings": {"vis-moe-store"},        # api -> store: up
+        "vis-moe-plan": {"vis-vlm"}}                  # plan -> vlm: a folder of the same rank
+    assert [line.split(":")[0] for line in misplaced(folders)] == ["vis-moe-flat", "vis-moe-odd", "vis-moe-split"]
