@@ -123,7 +123,7 @@ def test_modality_profile_and_errors(bindir, fixture_dir, tmp_path):
     assert ok.returncode == 0 and _cap_total(ok.stderr)["ubatches"] > 0, ok.stderr[-2000:]
     # another model's file, a model, and bad values
     bad = _mtmd(bindir, fixture_dir, "--moe-capacity", "2", "--moe-cap-profile", fixture_dir / "qwen3vlmoe.gguf")
-    assert bad.returncode != 0 and "--moe-cap-profile" in bad.stderr and "pyvis calibrate modality" in bad.stderr
+    assert bad.returncode != 0 and "VIS_MOE_CAP_PROFILE=" in bad.stderr and "pyvis calibrate modality" in bad.stderr
     for extra, says in ((["--moe-capacity", "0"], "--moe-capacity: expected an integer in 1..65536 (or off, auto)"),
                         (["--moe-cap-rho", "5"], "--moe-cap-rho: expected a number in 0..4"),
                         (["--moe-cap-delta", "-1"], "--moe-cap-delta: expected a number in 0..16"),

@@ -127,8 +127,8 @@ def _predictor_profile_of(model, path):
 @pytest.mark.parametrize("flags, needle", [
     (["--moe-shadow", "nonexist.gguf", "--moe-precision", "all"], "--moe-shadow nonexist.gguf: cannot read it as GGUF"),
     (["--moe-substitute", "buddy", "--moe-sub-profile", "nonexist.gguf"],
-     "--moe-sub-profile nonexist.gguf: cannot read it as GGUF"),
-    (["--moe-sub-profile", "nonexist.gguf"], "--moe-sub-profile nonexist.gguf: cannot read it as GGUF"),
+     "VIS_MOE_SUB_PROFILE=nonexist.gguf: cannot read it as GGUF"),
+    (["--moe-sub-profile", "nonexist.gguf"], "VIS_MOE_SUB_PROFILE=nonexist.gguf: cannot read it as GGUF"),
 ])
 def test_a_named_file_is_checked_without_a_cache_flag(bindir, fixture_dir, flags, needle):
     r, out = _cli(bindir, fixture_dir / "qwen3moe.gguf", *flags)

@@ -87,7 +87,7 @@ def test_the_profiles_demoted_to_knobs_still_take_effect_by_flag_and_variable(bi
         r = run([*base, flag, "/nonexistent/p.gguf"], timeout=120)
         assert f"warning: {flag} is deprecated as a flag: it is an engine knob now; set {env}=/nonexistent/p.gguf" \
             in r.stderr
-        assert f"{flag} /nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr
+        assert f"{env}=/nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr  # errors name the knob
         r = run(base, extra_env={env: "/nonexistent/p.gguf"}, timeout=120)
         assert "deprecated" not in r.stderr
-        assert f"{flag} /nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr
+        assert f"{env}=/nonexistent/p.gguf: cannot read it as GGUF" in r.stdout + r.stderr

@@ -138,7 +138,7 @@ def _bad_profiles(fixture_dir, tmp_path):
         (txt, "cannot read it as GGUF: not a GGUF file"),
         (tmp_path, "cannot read it as GGUF: it is a directory, not a file"),
         (tmp_path / "nope.gguf", "cannot read it as GGUF: No such file or directory"),
-        (bud, "is a 'buddies' profile, not a 'predictor' one (it goes to --moe-sub-profile)"),
+        (bud, "is a 'buddies' profile, not a 'predictor' one (it goes to VIS_MOE_SUB_PROFILE)"),
     ]
 
 

@@ -237,12 +237,12 @@ def test_bad_profiles_are_clear_errors(bindir, fixture_dir, tmp_path):
     model = fixture_dir / "qwen3moe.gguf"
     slots = ["--moe-slots", "8"]
     r, out = _cli(bindir, model, *slots, "--moe-substitute", "buddy", n=1)
-    assert r.returncode != 0 and "--moe-substitute buddy needs buddy lists: add --moe-sub-profile FILE" in out
+    assert r.returncode != 0 and "--moe-substitute buddy needs buddy lists: set VIS_MOE_SUB_PROFILE=FILE" in out
     r, out = _cli(bindir, model, *slots, "--moe-substitute", "router", "--moe-sub-tae", "p10", n=1)
-    assert r.returncode != 0 and "add --moe-sub-profile FILE, or give an absolute TAU" in out
+    assert r.returncode != 0 and "set VIS_MOE_SUB_PROFILE=FILE, or give an absolute TAU" in out
     missing = tmp_path / "nope.gguf"
     r, out = _cli(bindir, model, *slots, "--moe-substitute", "buddy", "--moe-sub-profile", missing, n=1)
-    assert r.returncode != 0 and f"--moe-sub-profile {missing}: cannot read it as GGUF" in out
+    assert r.returncode != 0 and f"VIS_MOE_SUB_PROFILE={missing}: cannot read it as GGUF" in out
     assert "pyvis calibrate buddies" in out
 
     from pyvis.runtime import profile as vprof

@@ -54,7 +54,7 @@ class SubConfig:
             return a
         if self.needs_profile():
             if not profile:
-                raise SweepError(f"{self.spec}: needs a buddy profile (--moe-sub-profile)")
+                raise SweepError(f"{self.spec}: needs a buddy profile (VIS_MOE_SUB_PROFILE)")
             a += ["--moe-sub-profile", str(profile)]
         if "tae" in o:
             a += ["--moe-sub-tae", o["tae"]]

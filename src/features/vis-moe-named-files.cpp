@@ -29,7 +29,7 @@ void vis_moe_check_named_files(const vis_moe_settings & s, const llama_model & m
     }
     if (!s.sub.profile.empty() && !(vm && vm->sub)) {  // the substitution state loads a named profile
         vis_buddy_profile_load(s.sub.profile, model);
-        vis_tell_user("--moe-sub-profile " + s.sub.profile + ": validated, not used: " +
+        vis_tell_user("VIS_MOE_SUB_PROFILE=" + s.sub.profile + ": validated, not used: " +
                       (!s.sub.on() ? "--moe-substitute is off" : off));
     }
     if (!s.predict.profile.empty() && !(vm && vm->prefetch)) {
@@ -39,7 +39,7 @@ void vis_moe_check_named_files(const vis_moe_settings & s, const llama_model & m
     }
     if (!s.cap.profile.empty() && !(vm && vm->capacity && vm->capacity->profile())) {
         vis_modality_profile_load(s.cap.profile, model);
-        vis_tell_user("--moe-cap-profile " + s.cap.profile + ": validated, not used: " +
+        vis_tell_user("VIS_MOE_CAP_PROFILE=" + s.cap.profile + ": validated, not used: " +
                       (!s.cap.on() ? "--moe-capacity is off" : off));
     }
 }

@@ -23,15 +23,20 @@ namespace {
 
 constexpr uint32_t PROFILE_VERSION = 1;
 
-const vis_profile_kind BUDDY   = { "buddies", "--moe-sub-profile", "pyvis calibrate buddies -m MODEL --out FILE" };
+const vis_profile_kind BUDDY   = { "buddies", "VIS_MOE_SUB_PROFILE", "pyvis calibrate buddies -m MODEL --out FILE" };
 const vis_profile_kind PREDICT = { "predictor", "--moe-predict-profile",
                                    "pyvis calibrate predictor -m MODEL --trace FILE (or --corpus TEXT) --out FILE" };
 using profile_file = vis_profile_file;
 
+// how an error names the setting and its file: "--moe-shadow FILE" for a flag, "VIS_MOE_SUB_PROFILE=FILE" for a knob
+std::string vis_profile_setting(const vis_profile_kind & pk, const std::string & path) {
+    return std::string(pk.flag) + (pk.flag[0] == '-' ? " " : "=") + path;
+}
+
 } // namespace
 
 const vis_profile_kind VIS_PROFILE_SHADOW = { "shadow", "--moe-shadow", "pyvis shadow MODEL --type TYPE --out FILE" };
-const vis_profile_kind VIS_PROFILE_MODALITY = { "modality", "--moe-cap-profile",
+const vis_profile_kind VIS_PROFILE_MODALITY = { "modality", "VIS_MOE_CAP_PROFILE",
                                                 "pyvis calibrate modality --trace TRACE -m MODEL --out FILE" };
 
 vis_profile_file::~vis_profile_file() {
@@ -44,7 +49,7 @@ vis_profile_file::~vis_profile_file() {
 }
 
 std::runtime_error vis_profile_file::error(const std::string & what) const {
-    return std::runtime_error("vis-moe: " + std::string(pk.flag) + " " + path + ": " + what +
+    return std::runtime_error("vis-moe: " + vis_profile_setting(pk, path) + ": " + what +
                               "; make one for this model with: " + pk.make);
 }
 
@@ -185,7 +190,7 @@ uint64_t vis_moe_router_hash(const llama_model & model) {
     }
     if (!any) {
         throw std::runtime_error("vis-moe: the model has no routers (ffn_gate_inp) to fingerprint: profiles are for MoE models; "
-                                 "drop --moe-sub-profile / --moe-predict-profile for this one");
+                                 "unset VIS_MOE_SUB_PROFILE / drop --moe-predict-profile for this one");
     }
     return h;
 }

@@ -23,11 +23,11 @@ struct gguf_context;
 // a kind of sidecar: vis.profile.kind, the flag that reads it and the command that makes one (the fix)
 struct vis_profile_kind {
     const char * kind;
-    const char * flag;
+    const char * flag;  // a user flag (--moe-*) or an engine knob's variable (VIS_MOE_*)
     const char * make;
 };
 extern const vis_profile_kind VIS_PROFILE_SHADOW;    // --moe-shadow (vis-moe-shadow.h)
-extern const vis_profile_kind VIS_PROFILE_MODALITY;  // --moe-cap-profile (vis-moe-modality.h)
+extern const vis_profile_kind VIS_PROFILE_MODALITY;  // VIS_MOE_CAP_PROFILE (vis-moe-modality.h)
 
 // an open sidecar file: its GGUF contexts, and errors that name the flag, the file and the fix
 struct vis_profile_file {

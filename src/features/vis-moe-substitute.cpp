@@ -280,12 +280,12 @@ vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const lla
     vis_sub_rule base;
     GGML_ASSERT(mode != VIS_SUB_AUTO && "auto is resolved by vis_moe_substitute_attach");
     if (mode == VIS_SUB_BUDDY && !profile) {
-        throw std::runtime_error("vis-moe: --moe-substitute buddy needs buddy lists: add --moe-sub-profile FILE "
+        throw std::runtime_error("vis-moe: --moe-substitute buddy needs buddy lists: set VIS_MOE_SUB_PROFILE=FILE "
                                  "(make it with: pyvis calibrate buddies -m MODEL --out FILE)");
     }
     if (s.tae_kind == VIS_TAE_PERCENTILE && !profile) {
         throw std::runtime_error("vis-moe: --moe-sub-tae p" + std::to_string(s.tae) + " is a percentile of the "
-                                 "calibrated entropy: add --moe-sub-profile FILE, or give an absolute TAU in 0..1");
+                                 "calibrated entropy: set VIS_MOE_SUB_PROFILE=FILE, or give an absolute TAU in 0..1");
     }
     base.mode   = mode;
     base.tau    = s.tae_kind == VIS_TAE_ABSOLUTE ? s.tae : -1;
@@ -305,7 +305,7 @@ vis_moe_substitute::vis_moe_substitute(const vis_moe_sub_settings & s, const lla
         if (s.tae_kind == VIS_TAE_PERCENTILE) {
             r.tau = profile->tae_percentile(il, s.tae);
             if (!std::isfinite(r.tau)) {
-                throw std::runtime_error("vis-moe: --moe-sub-profile " + s.profile + " has no entropy percentiles for "
+                throw std::runtime_error("vis-moe: VIS_MOE_SUB_PROFILE=" + s.profile + " has no entropy percentiles for "
                                          "layer " + std::to_string(il) + "; re-run pyvis calibrate buddies on text "
                                          "that reaches every layer");
             }

@@ -91,10 +91,10 @@ int64_t vis_moe_kv_bytes(const llama_context * lctx) {
 }
 
 std::vector<vis_input_file> vis_moe_run_inputs(const vis_moe_context & vm, const vis_moe_settings & s) {
-    std::vector<vis_input_file> in = { { s.sub.profile, "the --moe-sub-profile file" },
+    std::vector<vis_input_file> in = { { s.sub.profile, "the VIS_MOE_SUB_PROFILE file" },
                                       { s.predict.profile, "the --moe-predict-profile file" },
                                       { s.prec.shadow, "the --moe-shadow file" },
-                                      { s.cap.profile, "the --moe-cap-profile file" },
+                                      { s.cap.profile, "the VIS_MOE_CAP_PROFILE file" },
                                       { s.replay_path, "the VIS_MOE_REPLAY trace" } };
     for (const auto & L : vm.layers) {
         if (const vis_gguf_file * f = L.any_file()) {
