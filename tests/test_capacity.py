@@ -138,9 +138,11 @@ def test_modality_profile_and_errors(bindir, fixture_dir, tmp_path):
 
 def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
     """pyvis chat mirrors --moe-shadow / --moe-precision / --moe-capacity (with pruning at keep 0.5: the three
-    together), and pyvis.vlm.Session / prepare take PrecisionParams / CapacityParams."""
+    together), and pyvis.vlm.Session takes them in its MoeConfig (the old sections for one release, with a
+    DeprecationWarning: the same config)."""
     from pyvis import vlm
     from pyvis.runtime import shadow as sh
+    from pyvis.runtime.config import MoeConfig, VisTypeError
     from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams
     model, mmproj, image = (fixture_dir / "qwen3vlmoe.gguf", fixture_dir / "qwen3vlmoe-mmproj.gguf",
                             fixture_dir / "test-image.png")
@@ -155,11 +157,22 @@ def test_pyvis_chat_and_prepare_take_the_lossy_options(fixture_dir, tmp_path):
              "--moe-slots", "4", "--moe-prec-gate", "2"], timeout=60)
     # the C table's check, naming the field and the flag
     assert r.returncode == 1 and "error: MoeConfig prec_gate: --moe-prec-gate: expected a number in 0..1" in r.stderr
-    with vlm.Session(model, mmproj, n_ctx=512, moe=MoeParams(slots=4), n_threads=2,
-                     precision=PrecisionParams(str(shadow), "vision"), capacity=CapacityParams(3)) as s:
+    config = vlm.MoeConfig(slots=4, shadow=str(shadow), precision="vision", capacity=3)
+    with vlm.Session(model, mmproj, config, n_ctx=512, n_threads=2) as s:
         p = s.prepare("Describe the image.", [image], keep_ratio=1.0, method="none")
         st, ct = native.prec_stats(s.main.ptr), native.cap_stats(s.main.ptr)
         assert st["n_vision_ubatches"] > 0 and ct["n_ubatches"] > 0 and p.n_past > 0
+    with pytest.warns(DeprecationWarning, match=r"Session\(\.\.\., moe=, precision=, capacity=\) is deprecated"):
+        old = vlm.Session(model, mmproj, n_ctx=512, moe=MoeParams(slots=4), n_threads=2,
+                          precision=PrecisionParams(str(shadow), "vision"), capacity=CapacityParams(3))
+    with old:
+        assert old.config == MoeConfig.of(MoeParams(slots=4), PrecisionParams(str(shadow), "vision"), CapacityParams(3))
+        p = old.prepare("Describe the image.", [image], keep_ratio=1.0, method="none")
+        assert native.prec_stats(old.main.ptr)["n_vision_ubatches"] > 0 and native.cap_stats(old.main.ptr)["n_ubatches"] > 0
+    with pytest.raises(TypeError, match="not also as moe="):
+        vlm.Session(model, mmproj, config, moe=MoeParams(slots=4))
+    with pytest.raises(VisTypeError, match=r"config must be a pyvis.moe.MoeConfig, got MoeParams \(write MoeConfig.of"):
+        vlm.Session(model, mmproj, MoeParams(slots=4))
 
 
 def test_capacity_keeps_a_tight_image_ubatch_out_of_streaming(bindir, fixture_dir):

@@ -79,8 +79,7 @@ def test_position_rules():
 @pytest.mark.parametrize("method", ["random", "saliency", "entropy", "affinity"])
 def test_kept_tokens_keep_their_positions(files, tmp_path, method):
     tr = tmp_path / "decode.trace"
-    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=1,
-                     moe=vlm.MoeParams(trace=str(tr))) as s:
+    with vlm.Session(files["model"], files["mmproj"], vlm.MoeConfig(trace=str(tr)), n_ctx=512, n_threads=1) as s:
         p = s.prepare(PROMPT, [files["big"]], keep_ratio=0.5, method=method, seed=5)
     im = p.images[0]
     assert (im.nx, im.ny, im.n_tokens) == (5, 4, 20) == (*mm.expected_image_tokens(160, 128), 20)
@@ -102,8 +101,7 @@ def test_affinity_probe_routing_matches_unpruned_decode(files, tmp_path, probe, 
     tr = tmp_path / "full.trace"
     prompt = f"{M.mtmd_default_marker().decode()} and {M.mtmd_default_marker().decode()}: " + PROMPT
     imgs = [files["img"], files["big"]]     # the second image's probe sees the first (pruned) image
-    with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=1,
-                     moe=vlm.MoeParams(trace=str(tr))) as s:
+    with vlm.Session(files["model"], files["mmproj"], vlm.MoeConfig(trace=str(tr)), n_ctx=512, n_threads=1) as s:
         s.prepare(prompt, imgs, method="none")
     full = vtrace.read(tr)
     with vlm.Session(files["model"], files["mmproj"], n_ctx=512, n_threads=1) as s:
@@ -260,7 +258,7 @@ def test_session_on_a_loaded_llama(files):
     from pyvis import moe
     llm = moe.load(str(files["model"]), moe.MoeConfig(slots=8, pinned_layers=1), n_ctx=512, n_threads=1, verbose=False)
     s = vlm.Session(llm, files["mmproj"])
-    assert s.n_ctx == 512 and s.moe is not None
+    assert s.n_ctx == 512 and s.config is not None
     ref, _ = s.eval_reference(PROMPT, [files["big"]])
     p = vlm.prepare(s, PROMPT, [files["big"]], keep_ratio=1.0, method="affinity")
     assert np.array_equal(_bits(p.logits), _bits(ref))

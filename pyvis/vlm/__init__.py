@@ -14,11 +14,12 @@
     report     `pyvis prune-report` and `pyvis prune-sim`
     evaluate   `pyvis prune-eval`: accuracy and latency over image/question/answer items
 """
+from ..runtime.config import MoeConfig
 from ..runtime.settings import MoeParams
 from .context import VLMError
 from .image import ImageOptions, ImageReport, kept_positions, mrope_positions, next_position
 from .probe import read_decode_trace
 from .session import SALIENCY_SOURCES, Prepared, Session, prepare
 
-__all__ = ["MoeParams", "SALIENCY_SOURCES", "ImageOptions", "ImageReport", "Prepared", "Session", "VLMError",
+__all__ = ["MoeConfig", "MoeParams", "SALIENCY_SOURCES", "ImageOptions", "ImageReport", "Prepared", "Session", "VLMError",
            "kept_positions", "mrope_positions", "next_position", "prepare", "read_decode_trace"]

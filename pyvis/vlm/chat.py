@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..runtime import settings
+from ..runtime.config import MoeConfig
 from ..runtime.native import VisError
 from ..runtime.settings import CapacityParams, MoeParams, PrecisionParams
 from . import prune
@@ -65,18 +66,22 @@ def lossy_params(args) -> tuple[PrecisionParams | None, CapacityParams | None]:
     return (None if prec == PrecisionParams() else prec), (None if cap == CapacityParams() else cap)
 
 
+def session_config(args) -> MoeConfig | None:
+    """The session's MoeConfig of the --moe-* options add_common_args added; None when none is given."""
+    moe, (prec, cap) = moe_params(args), lossy_params(args)
+    return None if moe is None and prec is None and cap is None else MoeConfig.of(moe or MoeParams(), prec, cap)
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from .. import vlm
-    moe = moe_params(args)
-    prec, cap = lossy_params(args)
+    config = session_config(args)
     if not args.image:
         print("error: give at least one --image (for text-only prompts use `pyvis generate`)", file=sys.stderr)
         return 1
     try:
         t0 = time.monotonic()
-        s = vlm.Session(args.model, args.mmproj, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                        n_ubatch=args.ubatch_size, n_threads=args.threads, moe=moe, verbose=args.verbose,
-                        precision=prec, capacity=cap)
+        s = vlm.Session(args.model, args.mmproj, config, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                        n_ubatch=args.ubatch_size, n_threads=args.threads, verbose=args.verbose)
         t_load = time.monotonic() - t0
     except (vlm.VLMError, VisError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,6 @@ import numpy as np
 from ..runtime import native
 from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
 from ..runtime.config import MoeConfig, applied
-from ..runtime.settings import MoeParams
 
 from llama_cpp import llama_cpp as L  # noqa: E402
 from llama_cpp import _internals as I  # noqa: E402
@@ -36,19 +35,18 @@ def ms(t0: float) -> float:
 
 
 class Ctx:
-    """A llama context on a model, with its own llama_batch_ext.  ``n_batch``: rows per decode call;
-    ``n_embd_inp``: floats per embedding row."""
+    """A llama context on a model, with its own llama_batch_ext.  ``config``: the expert cache's settings for this
+    context (None: those in force); ``n_batch``: rows per decode call; ``n_embd_inp``: floats per embedding row."""
 
-    def __init__(self, model, params, moe: MoeParams | None, verbose: bool, n_batch: int, n_embd_inp: int,
-                 borrowed=None, precision=None, capacity=None):
+    def __init__(self, model, params, config: MoeConfig | None, verbose: bool, n_batch: int, n_embd_inp: int,
+                 borrowed=None):
         self.n_batch, self.n_embd_inp = int(n_batch), int(n_embd_inp)
         if borrowed is not None:          # a context owned by someone else (a llama_cpp.Llama)
             self.ctx, self.owned = borrowed, False
         else:
             self.owned = True
-            # this context only; the caller's settings stay.  precision / capacity: shadow experts and the
-            # entropy-weighted capacity (PrecisionParams, CapacityParams; docs/precision.md)
-            with applied(MoeConfig.of(moe or MoeParams(), precision, capacity)):
+            # this context only; the caller's settings stay
+            with applied(config if config is not None else MoeConfig()):
                 try:
                     self.ctx = I.LlamaContext(model=model, params=params, verbose=verbose)
                 except ValueError as e:

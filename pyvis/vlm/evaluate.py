@@ -132,16 +132,15 @@ def format_table(results: list[dict]) -> str:
 
 def _cmd(args) -> int:
     from .. import vlm
-    from .chat import lossy_params, moe_params
+    from .chat import session_config
     try:
         items = load_items(args.items)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    moe = moe_params(args)
-    prec, cap = lossy_params(args)   # accuracy with shadow experts / capacity on (docs/precision.md)
-    session_kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                      n_threads=args.threads, moe=moe, verbose=args.verbose, precision=prec, capacity=cap)
+    # accuracy with shadow experts / capacity on, too (docs/precision.md)
+    session_kw = dict(config=session_config(args), n_ctx=args.ctx_size, n_batch=args.batch_size,
+                      n_ubatch=args.ubatch_size, n_threads=args.threads, verbose=args.verbose)
     prep = dict(alpha=args.alpha, lam=args.lam, prefix_layers=args.prefix_layers, saliency=args.saliency,
                 seed=args.seed, chat_template=not args.no_chat_template)
     ratios = sorted(set(args.keep_ratio), reverse=True)

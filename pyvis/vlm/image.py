@@ -189,7 +189,7 @@ def eval_image(s: SessionView, chunk, index: int, n_past: int, o: ImageOptions, 
             prefix = s.shadow().probe(o.prefix_layers, rows, pos, n_past, non_causal)
         else:
             prefix, span = probe_native(s.main, s.moe_layers()[:o.prefix_layers], rows, pos, n_past, non_causal,
-                                        s.moe.trace if s.moe is not None else None)
+                                        s.config.trace if s.config is not None else None)
         masks = prune.expert_masks(prefix, s.info.n_expert)
     tm["probe"] = ms(t0) if affinity else 0.0
 

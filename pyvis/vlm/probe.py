@@ -21,6 +21,7 @@ import numpy as np
 
 from ..runtime import native
 from ..runtime import trace as vtrace
+from ..runtime.config import MoeConfig
 from ..runtime.settings import MoeParams
 from .context import Ctx, VLMError
 
@@ -61,7 +62,7 @@ class Shadow:
         fd, self.trace = tempfile.mkstemp(prefix="vis-probe-", suffix=".trace")
         os.close(fd)
         try:
-            self.ctx = Ctx(model, params, MoeParams(trace=self.trace), verbose, n_batch, n_embd_inp)
+            self.ctx = Ctx(model, params, MoeConfig.of(MoeParams(trace=self.trace)), verbose, n_batch, n_embd_inp)
         except BaseException:
             Path(self.trace).unlink(missing_ok=True)
             raise

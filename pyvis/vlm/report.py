@@ -161,6 +161,7 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
                repeat: int = 1, **prep_kw) -> dict:
     """Prefill once per repeat (fresh session each: cold expert cache) and collect numbers + routing."""
     from .. import vlm
+    from ..runtime.config import MoeConfig
     from ..runtime.settings import MoeParams
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,7 @@ def run_config(model, mmproj, prompt, images, method, keep_ratio, *, tmp_dir, mo
     prep_kw.setdefault("keep_scores", True)
     for r in range(max(1, repeat)):
         params = MoeParams(base.slots, base.cache_mib, base.pinned_layers, False, str(tr) if r == 0 else None)
-        with vlm.Session(model, mmproj, moe=params, **(session_kw or {})) as s:
+        with vlm.Session(model, mmproj, MoeConfig.of(params), **(session_kw or {})) as s:
             p = s.prepare(prompt, images, keep_ratio=keep_ratio, method=method, **prep_kw)
             info = s.info
         prefill.append(p.timings_ms["prefill"])

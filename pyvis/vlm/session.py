@@ -48,6 +48,7 @@ import ctypes
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +56,7 @@ import numpy as np
 from . import prune
 from ..runtime import native as _native
 from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
+from ..runtime.config import MoeConfig, VisTypeError
 from ..runtime.settings import MoeParams
 from .context import Ctx, VLMError, check_file, ms
 from .image import ImageOptions, ImageReport, eval_image, next_position
@@ -135,6 +137,26 @@ class Prepared:
 # --------------------------------------------------------------------------
 # the session
 # --------------------------------------------------------------------------
+_NO_CACHE = MoeConfig.of(MoeParams())    # a session without a config: the residency settings off
+
+
+def _session_config(config, moe, precision, capacity) -> MoeConfig | None:
+    """The session's MoeConfig; the deprecated sections (moe, precision, capacity) joined into one, with a
+    DeprecationWarning saying how to write it."""
+    if config is not None and not isinstance(config, MoeConfig):
+        raise VisTypeError(f"pyvis.vlm.Session(): config must be a pyvis.moe.MoeConfig, got {type(config).__name__}"
+                           + (" (write MoeConfig.of(moe) for a MoeParams)" if isinstance(config, MoeParams) else ""))
+    old = {n: v for n, v in (("moe", moe), ("precision", precision), ("capacity", capacity)) if v is not None}
+    if not old:
+        return config
+    if config is not None:
+        raise TypeError(f"pyvis.vlm.Session(): give the settings in the MoeConfig, not also as {', '.join(old)}=")
+    warnings.warn(f"pyvis.vlm.Session(..., {'=, '.join(old)}=) is deprecated and goes in the next release: write "
+                  f"pyvis.vlm.Session(model, mmproj, pyvis.moe.MoeConfig(...)) (MoeConfig.of(moe or MoeParams(), "
+                  f"precision, capacity) is the same config)", DeprecationWarning, stacklevel=3)
+    return MoeConfig.of(moe or MoeParams(), precision, capacity)
+
+
 class Session:
     """A model, its mmproj (libmtmd) and a llama context, for pruned multimodal prompts.
 
@@ -142,17 +164,21 @@ class Session:
     its model and context are then used as they are (its n_ctx, n_batch, threads and expert cache;
     the session does not free them, and the Llama's own token bookkeeping does not see the prompt,
     so generate through :meth:`Prepared.generate`).
-    ``moe`` configures the fork's expert cache (:class:`pyvis.runtime.settings.MoeParams`; slots < n_expert
-    turns it on); ``precision`` (:class:`pyvis.runtime.settings.PrecisionParams`: shadow experts and the precision
-    policy) and ``capacity`` (:class:`pyvis.runtime.settings.CapacityParams`: entropy-weighted capacity for image
-    tokens), the sections of a :class:`pyvis.moe.MoeConfig` (joined by ``MoeConfig.of``), add the lossy
-    options of docs/precision.md to that context.  ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch``
-    defaults to it."""
+    ``config`` (a :class:`pyvis.moe.MoeConfig`, as ``pyvis.moe.load`` takes it) configures the fork's expert cache
+    for the session's context: slots, memory, the lossy options of docs/precision.md, ...; the fields given are
+    applied, the others keep the value in force.  None: no expert cache of the session's own (slots, cache_mib,
+    pinned_layers, stats and trace off; the other settings as in force).  ``n_batch`` is the decode slice size (as
+    ``-b`` in llama-mtmd-cli); ``n_ubatch`` defaults to it.
 
-    def __init__(self, model_path, mmproj_path, *, n_ctx: int = 4096, n_batch: int = 512,
-                 n_ubatch: int | None = None, n_threads: int | None = None, moe: MoeParams | None = None,
+    Deprecated, for one release: the sections ``moe=MoeParams(...)``, ``precision=PrecisionParams(...)`` and
+    ``capacity=CapacityParams(...)`` still work, with a DeprecationWarning; they mean
+    ``MoeConfig.of(moe or MoeParams(), precision, capacity)``, as before."""
+
+    def __init__(self, model_path, mmproj_path, config: MoeConfig | None = None, *, n_ctx: int = 4096,
+                 n_batch: int = 512, n_ubatch: int | None = None, n_threads: int | None = None,
                  use_gpu: bool = True, n_gpu_layers: int = 0, image_max_tokens: int = -1,
-                 verbose: bool = False, precision=None, capacity=None):
+                 verbose: bool = False, moe: MoeParams | None = None, precision=None, capacity=None):
+        config = _session_config(config, moe, precision, capacity)
         llm = model_path if isinstance(model_path, llama_cpp.Llama) else None
         if llm is None:
             model_path = check_file(model_path, "model")
@@ -184,12 +210,13 @@ class Session:
         self.n_ctx = int(n_ctx)
         self.n_embd_inp = int(L.llama_model_n_embd_inp(self.model.model))
         if llm is None:
-            self.moe = moe
-            self.main = Ctx(self.model, self._context_params(), moe, verbose, self.n_batch, self.n_embd_inp,
-                            precision=precision, capacity=capacity)
+            self.config = config    # None: no expert cache of its own
+            self.main = Ctx(self.model, self._context_params(), config if config is not None else _NO_CACHE, verbose,
+                            self.n_batch, self.n_embd_inp)
         else:
             self.main = Ctx(None, None, None, verbose, self.n_batch, self.n_embd_inp, borrowed=llm._ctx)
-            self.moe = moe if moe is not None else (MoeParams() if _native.moe_n_managed(self.main.ptr) else None)
+            self.config = config if config is not None else (
+                MoeConfig() if _native.moe_n_managed(self.main.ptr) else None)
         self.n_ctx = int(L.llama_n_ctx(self.main.ptr))     # llama.cpp may round the requested size up
         self._shadow: Shadow | None = None
         mcp = M.mtmd_context_params_default()
@@ -386,7 +413,7 @@ class Session:
                            f"{self.n_ctx}: raise the context size (-c)")
         self.reset()
         shadow = self.shadow().ctx if use_shadow else None
-        if self.moe is not None:
+        if self.config is not None:
             _native.moe_reset_stats(self.main.ptr)
         reports: list[ImageReport] = []
         n_past = 0
@@ -431,7 +458,7 @@ class Session:
         finally:
             M.mtmd_input_chunks_free(chunks)
         T["prefill"] = ms(t_all)
-        st = _native.moe_stats(self.main.ptr) if self.moe is not None else None
+        st = _native.moe_stats(self.main.ptr) if self.config is not None else None
         return Prepared(self, n_past, logits, reports, n_text, method, keep_ratio, T, st)
 
     # ---- generation
