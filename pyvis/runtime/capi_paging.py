@@ -169,6 +169,7 @@ def llama_vis_mem_probe(out) -> int:
 #     int64_t host_mib;          // explicit tier-2 budget; -1: plan it
 #     int32_t n_slots;           // explicit slots per layer; 0: plan them
 #     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
+#     int64_t encoder_bytes;     // the vision encoder next to the text model (0: none), planned like reserve_bytes
 # };
 class llama_vis_moe_plan_request(ctypes.Structure):
     _fields_ = [
@@ -185,6 +186,7 @@ class llama_vis_moe_plan_request(ctypes.Structure):
         ("host_mib", ctypes.c_int64),
         ("n_slots", ctypes.c_int32),
         ("no_staging", ctypes.c_int32),
+        ("encoder_bytes", ctypes.c_int64),
     ]
 
 
@@ -194,7 +196,7 @@ class llama_vis_moe_plan_request(ctypes.Structure):
 #     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
 #     int64_t host_bytes;        // tier 2
 #     int64_t budget;            // the budget planned for
-#     int64_t fixed_bytes;       // resident weights + KV + reserve
+#     int64_t fixed_bytes;       // resident weights + KV + reserve + encoder
 #     int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
 #     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
 #     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
@@ -339,3 +341,48 @@ def llama_vis_moe_context_reserve(ctx) -> int:
 @ctypes_function("llama_vis_moe_whole_model_fits", [ctypes.c_int64, ctypes.c_int64], ctypes.c_int32)
 def llama_vis_moe_whole_model_fits(model_bytes: int, budget_bytes: int) -> int:
     """1 if the whole model fits the budget (<= 0: the machine's): --moe-mem alone then runs upstream's path."""
+
+
+# struct llama_vis_encoder_estimate {
+#     int64_t weight_bytes;      // the projector's tensors
+#     int64_t compute_bytes;     // its compute buffer for an image of image_tokens (estimate)
+#     int64_t image_bytes;       // host copies of that image: the preprocessed f32 image and the output embeddings
+#     int64_t total_bytes;       // the sum: what --moe-mem plans for the encoder
+#     int32_t image_tokens;      // the largest image planned for, in output tokens (0: no vision encoder)
+#     int32_t n_patches;         // its patches
+#     int32_t flash_attn;        // 1: planned with flash attention in the encoder
+#     int32_t limit_known;       // 0: image_tokens is image_size's, a guess (pass image_max_tokens)
+#     char    projector[32];     // clip.projector_type
+# };
+class llama_vis_encoder_estimate(ctypes.Structure):
+    _fields_ = [
+        ("weight_bytes", ctypes.c_int64),
+        ("compute_bytes", ctypes.c_int64),
+        ("image_bytes", ctypes.c_int64),
+        ("total_bytes", ctypes.c_int64),
+        ("image_tokens", ctypes.c_int32),
+        ("n_patches", ctypes.c_int32),
+        ("flash_attn", ctypes.c_int32),
+        ("limit_known", ctypes.c_int32),
+        ("projector", ctypes.c_char * 32),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_encoder_estimate(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
+#                                                  struct llama_vis_encoder_estimate * out);
+@ctypes_function("llama_vis_moe_encoder_estimate", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32,
+                                                    ctypes.POINTER(llama_vis_encoder_estimate)], ctypes.c_int32)
+def llama_vis_moe_encoder_estimate(mmproj_path, image_max_tokens: int, flash_attn: int, out) -> int:
+    """The vision encoder's bytes (weights, compute buffer, image copies) from the mmproj GGUF. 0, or -1."""
+
+
+# LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn);
+@ctypes_function("llama_vis_moe_plan_encoder", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+def llama_vis_moe_plan_encoder(mmproj_path, image_max_tokens: int, flash_attn: int) -> int:
+    """Plan that encoder with every model and context created from now on (NULL: none). 0, or -1."""
+
+
+# LLAMA_API int64_t llama_vis_moe_planned_encoder(struct llama_vis_encoder_estimate * out);
+@ctypes_function("llama_vis_moe_planned_encoder", [ctypes.POINTER(llama_vis_encoder_estimate)], ctypes.c_int64)
+def llama_vis_moe_planned_encoder(out) -> int:
+    """The encoder planned now (out may be NULL): its total_bytes, 0 if none."""

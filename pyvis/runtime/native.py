@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import operator
+import os
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -320,6 +321,37 @@ def whole_model_fits(model_bytes: int, budget_bytes: int = 0) -> bool:
     """Does a model of model_bytes fit the budget whole (0: the machine's)?  Then --moe-mem alone runs upstream's path."""
     return capi.llama_vis_moe_whole_model_fits(c_int("model_bytes", model_bytes, ctypes.c_int64),
                                                c_int("budget_bytes", budget_bytes, ctypes.c_int64)) == 1
+
+
+def _encoder_dict(e) -> dict:
+    d = {name: int(getattr(e, name)) for name, _ in e._fields_ if name != "projector"}
+    d["projector"] = e.projector.decode(errors="replace")
+    return d
+
+
+def encoder_estimate(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1) -> dict:
+    """llama_vis_moe_encoder_estimate: the vision encoder's bytes that --moe-mem plans (weights, compute buffer and
+    image copies at the largest image: image_max_tokens, <= 0 the projector's limit), as a dict."""
+    out = capi.llama_vis_encoder_estimate()
+    _check(capi.llama_vis_moe_encoder_estimate(os.fsencode(mmproj_path), c_int("image_max_tokens", image_max_tokens),
+                                               c_int("flash_attn", flash_attn), ctypes.byref(out)),
+           "llama_vis_moe_encoder_estimate")
+    return _encoder_dict(out)
+
+
+def plan_encoder(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1) -> dict | None:
+    """llama_vis_moe_plan_encoder: count that encoder in every --moe-mem plan made from now on in this process
+    (None: none).  Returns the encoder planned now (None if none)."""
+    _check(capi.llama_vis_moe_plan_encoder(None if mmproj_path is None else os.fsencode(mmproj_path),
+                                           c_int("image_max_tokens", image_max_tokens),
+                                           c_int("flash_attn", flash_attn)), "llama_vis_moe_plan_encoder")
+    return planned_encoder()
+
+
+def planned_encoder() -> dict | None:
+    """The encoder every --moe-mem plan of this process counts now (llama_vis_moe_planned_encoder), None if none."""
+    out = capi.llama_vis_encoder_estimate()
+    return _encoder_dict(out) if capi.llama_vis_moe_planned_encoder(ctypes.byref(out)) > 0 else None
 
 
 def context_reserve(ctx) -> int | None:

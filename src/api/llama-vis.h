@@ -427,6 +427,8 @@ struct llama_vis_moe_plan_request {
     int64_t host_mib;          // explicit tier-2 budget; -1: plan it
     int32_t n_slots;           // explicit slots per layer; 0: plan them
     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
+    int64_t encoder_bytes;     // the vision encoder next to the text model (llama_vis_moe_encoder_estimate's
+                               // total_bytes; 0: none): anonymous memory that must fit, planned like reserve_bytes
 };
 struct llama_vis_moe_plan {
     int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
@@ -435,8 +437,8 @@ struct llama_vis_moe_plan {
     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
     int64_t host_bytes;        // tier 2
     int64_t budget;            // the budget planned for (the request's, clamped; or the machine's)
-    int64_t fixed_bytes;       // resident weights + KV + reserve
-    int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
+    int64_t fixed_bytes;       // resident weights + KV + reserve + encoder
+    int64_t min_budget;        // the smallest budget that runs (KV, compute, encoder, one slot (+ staging) per layer)
     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
     int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs: left to the page
@@ -512,6 +514,34 @@ LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx
 // llama_vis_mem_probe().available; clamped as a plan's), with the runtime floor of the reserve estimate and 10 % left for KV cache
 // and compute.  With --moe-mem alone such a model is loaded and run by upstream's path: nothing deferred or paged.
 LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t budget_bytes);
+
+// The vision encoder in the same budget (src/vis-moe-encoder.cpp, docs/planning.md#the-vision-encoder).  A VLM tool
+// loads its projector (--mmproj) after the text context, so it hands the mmproj over first; every --moe-mem plan
+// made after that (the whole-model check at load, the context's plan, its refusal) counts the encoder's bytes.
+struct llama_vis_encoder_estimate {
+    int64_t weight_bytes;      // the projector's tensors (clip loads all of them into memory)
+    int64_t compute_bytes;     // its compute buffer for an image of image_tokens (estimate from the mmproj's hparams)
+    int64_t image_bytes;       // host copies of that image: the preprocessed f32 image and the output embeddings
+    int64_t total_bytes;       // the sum: what --moe-mem plans for the encoder
+    int32_t image_tokens;      // the largest image planned for, in output tokens: image_max_tokens if > 0, else the
+                               // projector's limit (the Qwen-VL mergers 4096, clip.vision.image_max_pixels, else
+                               // the fixed image_size); 0: no vision encoder (an audio projector: weights only)
+    int32_t n_patches;         // its patches (image_tokens x merge^2)
+    int32_t flash_attn;        // 1: planned with flash attention in the encoder (0: with the attention scores)
+    int32_t limit_known;       // 0: image_tokens is image_size's, a guess for a dynamic-resolution projector that
+                               // is not a Qwen-VL merger (pass image_max_tokens)
+    char    projector[32];     // clip.projector_type
+};
+// The estimate for the mmproj GGUF at path (metadata and tensor table only).  image_max_tokens: the tool's
+// --image-max-tokens (<= 0: the projector's limit); flash_attn: -1 auto (on, as the CPU backend runs it), 0, 1.
+// 0, or -1 with llama_vis_last_error() (a file that is not an mmproj, bad arguments).
+LLAMA_API int32_t llama_vis_moe_encoder_estimate(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
+                                                 struct llama_vis_encoder_estimate * out);
+// Plan the encoder at mmproj_path with every text model and context created from now on in this process (NULL
+// or "": none).  0, or -1 with llama_vis_last_error() (the plan is then unchanged).
+LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn);
+// The encoder planned now (out may be NULL): its total_bytes, 0 if none.
+LLAMA_API int64_t llama_vis_moe_planned_encoder(struct llama_vis_encoder_estimate * out);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)
 // ---------------------------------------------------------------------------
 struct mtmd_context;

@@ -3,6 +3,7 @@
 // vis-moe-settings-table.cpp.  See vis-moe-settings.h.
 #include "vis-moe-settings.h"
 #include "vis-error.h"
+#include "vis-moe-encoder.h"
 
 #include <cctype>
 #include <cmath>
@@ -248,6 +249,7 @@ void vis_moe_settings_check_resident(int64_t model_bytes, int64_t n_expert) {
     rq.budget         = s.tier.mem_mib > 0 ? (s.tier.mem_mib << 20) : 0;
     rq.resident_bytes = model_bytes;
     rq.reserve_bytes  = llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);  // the runtime floor; KV comes later
+    rq.encoder_bytes  = vis_moe_encoder_bytes();
     rq.host_mib       = -1;
     struct llama_vis_moe_plan plan;
     if (llama_vis_moe_plan(&rq, &plan) != 0 || !plan.ok) {
@@ -261,7 +263,9 @@ void vis_moe_settings_check_resident(int64_t model_bytes, int64_t n_expert) {
 
 bool vis_moe_settings_model_fits(int64_t model_bytes) {
     const vis_moe_settings s = vis_moe_settings_current();
-    return vis_moe_settings_mem_only(s) && llama_vis_moe_whole_model_fits(model_bytes, s.tier.mem_mib << 20) != 0;
+    // the vision encoder a VLM tool loads next to the model shares the budget (vis-moe-encoder.cpp)
+    return vis_moe_settings_mem_only(s) &&
+           llama_vis_moe_whole_model_fits(model_bytes + vis_moe_encoder_bytes(), s.tier.mem_mib << 20) != 0;
 }
 
 // ---- C API ---------------------------------------------------------------------

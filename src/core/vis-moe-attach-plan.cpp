@@ -4,6 +4,7 @@
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-deferred.h"
+#include "vis-moe-encoder.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-upload.h"
 
@@ -163,6 +164,7 @@ llama_vis_moe_plan_request vis_moe_plan_request(const llama_model & model, const
     rq.host_mib         = s.tier.host_mib;
     rq.n_slots          = s.params.n_slots;
     rq.no_staging       = ap.cpu_only ? 1 : 0;
+    rq.encoder_bytes    = vis_moe_encoder_bytes();  // a VLM tool's --mmproj, handed over before the model
     if (!ap.all_host_devices && !none_pages) {
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);

@@ -4,6 +4,7 @@
 #include "vis-moe.h"
 #include "vis-moe-attach-plan.h"
 #include "vis-moe-attach-upload.h"
+#include "vis-moe-encoder.h"
 #include "vis-moe-capacity.h"
 #include "vis-moe-context.h"
 #include "vis-moe-lend.h"
@@ -84,6 +85,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
+    vm.plan_encoder = rq.encoder_bytes;
     vm.plan_free    = std::max<int64_t>(0, plan.budget - plan.fixed_bytes - plan.slab_bytes - plan.host_bytes);
     llama_vis_mem_info mi;
     llama_vis_mem_probe(&mi);
@@ -101,10 +103,11 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     } else {
         vm.plan_source = "--moe-mem";
     }
-    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f + slabs %.0f "
+    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + slabs %.0f "
                    "(%d slots x %zu layers) + host cache %.0f MiB\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
-                   plan.slab_bytes / 1048576.0, ap.n_slots, ap.managed.size(), plan.host_bytes / 1048576.0);
+                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), plan.slab_bytes / 1048576.0, ap.n_slots,
+                   ap.managed.size(), plan.host_bytes / 1048576.0);
 }
 
 // step 3: slots per managed layer and the host-cache bytes

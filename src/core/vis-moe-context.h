@@ -204,6 +204,7 @@ struct vis_moe_context {
     // memory plan (--moe-mem)
     int64_t     plan_budget   = 0;   // the budget planned for
     int64_t     plan_reserve  = -1;  // compute/runtime reserve it used
+    int64_t     plan_encoder  = 0;   // the vision encoder's bytes it counted (llama_vis_moe_plan_encoder)
     int64_t     plan_free     = 0;   // budget bytes it left unplaced (page cache for streaming, slack)
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats

@@ -149,7 +149,11 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                      vm.staging->plain_bytes() / 1048576.0);
     }
     if (vm.plan_budget > 0) {
-        std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)\n", vm.plan_budget / 1048576.0, vm.plan_source.c_str());
+        std::fprintf(stderr, "vis-moe: memory plan: budget %.0f MiB (%s)", vm.plan_budget / 1048576.0, vm.plan_source.c_str());
+        if (vm.plan_encoder > 0) {
+            std::fprintf(stderr, "; vision encoder %.0f MiB of it", vm.plan_encoder / 1048576.0);  // --mmproj (issue #24)
+        }
+        std::fprintf(stderr, "\n");
     }
     vis_moe_print_notes(vm);
 }

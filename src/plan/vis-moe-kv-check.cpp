@@ -114,7 +114,9 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
     const std::string msg = "--moe-mem " + mem + ": " + why + (vis_moe_runs_whole(s, ap, model)
                              ? " (the whole model fits the budget alone, so it was loaded whole)" : std::string()) +
                              "; smallest budget for this " + std::to_string(cp.n_ctx_seq * n_seq) + "-token context: " +
-                             mib_up(plan.min_budget) + " (KV cache " + mib_up(rq.kv_bytes) + "); largest context for " +
+                             mib_up(plan.min_budget) + " (KV cache " + mib_up(rq.kv_bytes) +
+                             (rq.encoder_bytes > 0 ? ", vision encoder " + mib_up(rq.encoder_bytes) : std::string()) +
+                             "); largest context for " +
                              mib_up(plan.budget) + ": " + largest;
     vis_tell_user(msg);  // llama-bench silences the llama log
     vis_set_last_error("vis-moe: " + msg);  // pyvis.moe.load raises it as VisError

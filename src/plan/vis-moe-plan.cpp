@@ -247,31 +247,34 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         return -1;
     }
     const auto & r = *req;
-    if (r.reserve_bytes < 0) {
-        vis_set_last_error("llama_vis_moe_plan: reserve_bytes must be >= 0 (llama_vis_moe_estimate_reserve gives the "
-                           "runtime's estimate), got " + std::to_string(r.reserve_bytes));
+    if (r.reserve_bytes < 0 || r.encoder_bytes < 0) {
+        vis_set_last_error("llama_vis_moe_plan: reserve_bytes and encoder_bytes must be >= 0 (llama_vis_moe_estimate_reserve "
+                           "and llama_vis_moe_encoder_estimate give the runtime's estimates), got " +
+                           std::to_string(r.reserve_bytes) + " and " + std::to_string(r.encoder_bytes));
         return -1;
     }
+    // the vision encoder (its weights, compute buffer and image copies) is anonymous memory, as compute is
+    const std::string kv_and = r.encoder_bytes > 0 ? "KV cache, compute, vision encoder" : "KV cache, compute";
     struct llama_vis_moe_plan p = {};
     const int64_t budget = effective_budget(r.budget);
     if (r.n_managed_layers <= 0 || r.expert_bytes <= 0 || r.n_expert <= 0) {
         // nothing to page: everything is resident, and all of it must fit
         p.n_slots = r.n_expert;
-        p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes;
+        p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes + r.encoder_bytes;
         p.budget = budget;
         p.min_budget = p.fixed_bytes;
         p.tight_budget = p.fixed_bytes;
         p.ok = p.fixed_bytes <= budget ? 1 : 0;
         if (!p.ok) {
             vis_set_last_error("the memory budget of " + mib(budget) + " is too small: every expert stays resident, so " +
-                               mib(r.resident_bytes) + " of weights + " + mib(r.kv_bytes + r.reserve_bytes) +
-                               " for KV cache and compute = " + mib(p.fixed_bytes) + " must fit; raise the budget to " +
+                               mib(r.resident_bytes) + " of weights + " + mib(r.kv_bytes + r.reserve_bytes + r.encoder_bytes) +
+                               " for " + kv_and + " = " + mib(p.fixed_bytes) + " must fit; raise the budget to " +
                                "at least that, or let experts page (fewer --moe-pinned-layers, fewer --moe-slots)");
         }
         *out = p;
         return 0;
     }
-    const int64_t reserve = r.reserve_bytes;
+    const int64_t reserve = r.reserve_bytes + r.encoder_bytes;
     const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer
     const int     k       = std::max(1, (int) r.n_expert_used);
     const int     staging = r.no_staging ? 0 : 1;
@@ -305,7 +308,7 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
                                std::to_string(r.n_managed_layers) + " managed layers need at least one expert slot" +
                                (staging ? " + 1 staging slot" : "") + " each (" + mib((int64_t) (1 + staging) * row) + ")" +
                                (r.unified ? " on top of " + mib(r.kv_bytes + reserve + host_fixed) +
-                                            " for KV cache, compute and host cache = " + mib(floor_1)
+                                            " for " + kv_and + " and host cache = " + mib(floor_1)
                                           : std::string()) +
                                "; raise the budget, shorten the context (-c) or pin fewer layers (--moe-pinned-layers)");
         p.ok = 0;
@@ -322,7 +325,7 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         if (p.pageable_bytes > r.resident_bytes) {
             vis_set_last_error("the memory budget of " + mib(budget) + " cannot hold " + mib(p.slab_bytes) + " slabs (" +
                                    std::to_string(slots) + " slots per layer) + " + mib(host_fixed) + " host cache next to " +
-                                   mib(r.kv_bytes + reserve) + " for KV cache and compute; lower --moe-slots or --moe-host-mib");
+                                   mib(r.kv_bytes + reserve) + " for " + kv_and + "; lower --moe-slots or --moe-host-mib");
             p.ok = 0;
             *out = p;
             return 0;
