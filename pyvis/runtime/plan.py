@@ -170,13 +170,15 @@ def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
               pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None,
-              gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1, search: bool = True) -> dict:
+              gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1, search: bool = True,
+              encoder_bytes: int = 0) -> dict:
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
     None = whether this build has one.  shadow_expert: bytes of one shadow expert (--moe-shadow with
     --moe-precision on, :func:`shadow_expert_bytes`); its slots share the budget as the runtime shares it: one per
     full slot (shadow_slots -1, auto), or shadow_slots per layer taken off the top.  search: when it does not fit,
     also find what the runtime's refusal names: largest_ctx (tokens, 0: none) and, with none,
-    min_budget_smallest_ctx (the budget a 256-token context needs)."""
+    min_budget_smallest_ctx (the budget a 256-token context needs).  encoder_bytes: a VLM's vision encoder
+    (:func:`pyvis.runtime.native.encoder_estimate`'s total_bytes), planned next to the model as --mmproj is."""
     from . import native as _native
     check_args(budget_mib=budget_mib, n_ctx=n_ctx, n_ubatch=n_ubatch, pinned=pinned, slots=slots, host_mib=host_mib,
                device_mib=device_mib)
@@ -203,7 +205,8 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
                kv_bytes=kv_bytes(shape, n_ctx), reserve_bytes=reserve_bytes(shape, n_ubatch),
                expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
                n_expert_used=shape.n_expert_used, unified=int(unified),
-               device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots, no_staging=int(not gpu))
+               device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots, no_staging=int(not gpu),
+               encoder_bytes=encoder_bytes)
     p = _native.plan(**req)
     p["request"] = req
     p["managed_layers"] = len(managed)
@@ -217,7 +220,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         p["slab_bytes"] -= p["shadow_bytes"]
     # with --moe-mem alone (no --slots) and store = file, a model that fits whole runs upstream's path
     p["whole_model_fits"] = (not slots and not all_pinned and device_mib is None
-                             and _native.whole_model_fits(shape.total_bytes, p["budget"]))
+                             and _native.whole_model_fits(shape.total_bytes + encoder_bytes, p["budget"]))
     if p["whole_model_fits"]:
         # loaded whole, every expert resident: the runtime's plan has nothing to page, and all of it must fit
         whole = _native.plan(**(req | dict(resident_bytes=shape.total_bytes - shape.row_gathered_bytes,
@@ -229,7 +232,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         # the largest context this budget holds, in upstream's steps of 256 cells (what the runtime's refusal names)
         kw = dict(budget_mib=budget_mib, n_ubatch=n_ubatch, pinned=-1 if all_pinned else pinned, slots=slots,
                   host_mib=host_mib, device_mib=device_mib, gpu=gpu, shadow_expert=shadow_expert,
-                  shadow_slots=shadow_slots, search=False)
+                  shadow_slots=shadow_slots, search=False, encoder_bytes=encoder_bytes)
         lo, hi = 0, _ctx_cells(n_ctx) // CTX_PAD               # lo fits (0: none known), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -363,9 +366,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError("--device sets the budget (the unit's --moe-mem): drop --budget / --device-mib")
             budget = sku.moe_mem_mib
         sh_bytes = shadow_expert_bytes(args.shadow, args.model) if args.shadow else 0
+        enc = _native.encoder_estimate(args.mmproj, args.image_max_tokens) if args.mmproj else None
         kw = dict(budget_mib=budget, n_ctx=args.ctx_size, pinned=args.pinned, slots=args.slots,
                   host_mib=args.host_mib, device_mib=args.device_mib, gpu=True if sku else None,
-                  shadow_expert=sh_bytes, shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots)
+                  shadow_expert=sh_bytes, shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots,
+                  encoder_bytes=enc["total_bytes"] if enc else 0)
         conf = None
         if configure_mode() != "off":
             conf = configure_plan(shape, n_ubatch=args.ubatch_size, profile=args.profile, **kw)
@@ -374,9 +379,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             if args.profile:
                 raise ValueError("--profile prices plans for the configurator, which VIS_MOE_CONFIGURE=off turns off")
             p = make_plan(shape, n_ubatch=args.ubatch_size, **kw)
-    except (ValueError, ProfileError, OSError) as e:
+    except (ValueError, ProfileError, OSError, _native.VisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    p["encoder"] = enc
     if args.json:
         extra = {} if conf is None else {"configuration": conf["configuration"], "cost": conf["cost"],
                                          "asked_plan": conf["asked"]}
@@ -403,6 +409,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
             ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
+            *([(f"vision encoder (--mmproj, {enc['projector']}): weights", enc["weight_bytes"]),
+               (f"  + compute buffer at {enc['image_tokens']} image tokens (estimate)", enc["compute_bytes"]),
+               ("  + image copies (f32 image, output embeddings)", enc["image_bytes"])] if enc else []),
             (f"tier 1  slabs: {p['n_slots']} slot{'s' if p['n_slots'] != 1 else ''}"
              f"{'' if rq['no_staging'] else ' (+1 staging)'} x "
              f"{p['managed_layers']} layers", p["slab_bytes"]),
@@ -414,6 +423,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {label:<62s} {_fmt(b)}")
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
+    if enc and enc["image_tokens"] and not enc["limit_known"]:
+        print(f"  (the encoder is planned at its image_size, {enc['image_tokens']} tokens: {enc['projector']} may take "
+              f"larger images; give --image-max-tokens, and the same to the tool)")
     print()
     if conf is not None:
         _print_configuration(conf, args.ubatch_size)
@@ -433,7 +445,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{-(-shape.n_expert_used // p['n_slots'])} passes per layer and reads most experts again. "
               f"{p['tight_budget'] / MIB:.0f} MiB or more gives top-k slots.")
     if p["whole_model_fits"]:
-        print(f"whole model fits: {shape.total_bytes / MIB:.0f} MiB of weights in a {p['budget'] / MIB:.0f} MiB budget, "
+        print(f"whole model fits: {shape.total_bytes / MIB:.0f} MiB of weights"
+              f"{' and the vision encoder' if enc else ''} in a {p['budget'] / MIB:.0f} MiB budget, "
               "so --moe-mem alone runs upstream's path (nothing deferred or paged; the tiers above are what "
               "explicit --moe-slots would give)")
     print(f"fits: run with --moe-mem {budget if sku else args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
@@ -522,5 +535,10 @@ def register(sub) -> None:
     s.add_argument("--profile", default=None, metavar="TRACE",
                    help="a routing trace (--moe-trace file or the shared CSV) whose per-layer miss curves price "
                         "the plans (default: the uniform prior; docs/planning.md)")
+    s.add_argument("--mmproj", default=None, metavar="FILE", help="a VLM's projector GGUF: its weights, compute buffer "
+                   "and image copies are planned in the same budget, as llama-mtmd-cli / llama-server --mmproj and "
+                   "pyvis chat plan them (docs/planning.md#the-vision-encoder)")
+    s.add_argument("--image-max-tokens", type=int, default=-1, metavar="N",
+                   help="with --mmproj: the largest image in tokens (default: the projector's limit)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)

@@ -81,7 +81,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     try:
         t0 = time.monotonic()
         s = vlm.Session(args.model, args.mmproj, config, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                        n_ubatch=args.ubatch_size, n_threads=args.threads, verbose=args.verbose)
+                        n_ubatch=args.ubatch_size, n_threads=args.threads, verbose=args.verbose,
+                        image_max_tokens=args.image_max_tokens)
         t_load = time.monotonic() - t0
     except (vlm.VLMError, VisError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -134,5 +135,8 @@ def register(sub) -> None:
                    help="token selection (default: affinity; ignored at --keep-ratio 1)")
     s.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
     s.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
+    s.add_argument("--image-max-tokens", type=int, default=-1, help="largest image in tokens, as in llama-mtmd-cli "
+                   "(default: the projector's limit); under --moe-mem / VIS_MOE_MEM the encoder is planned at it "
+                   "(docs/planning.md#the-vision-encoder)")
     add_common_args(s, moe_trace=True, lossy=True)
     s.set_defaults(fn=_cmd_chat)

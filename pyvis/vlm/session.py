@@ -167,8 +167,10 @@ class Session:
     ``config`` (a :class:`pyvis.moe.MoeConfig`, as ``pyvis.moe.load`` takes it) configures the fork's expert cache
     for the session's context: slots, memory, the lossy options of docs/precision.md, ...; the fields given are
     applied, the others keep the value in force.  None: no expert cache of the session's own (slots, cache_mib,
-    pinned_layers, stats and trace off; the other settings as in force).  ``n_batch`` is the decode slice size (as
-    ``-b`` in llama-mtmd-cli); ``n_ubatch`` defaults to it.
+    pinned_layers, stats and trace off; the other settings as in force).  Under ``--moe-mem`` (``VIS_MOE_MEM``, or
+    ``mem`` in ``config``) the projector's weights, compute buffer and image copies at ``image_max_tokens`` (<= 0:
+    the projector's limit) are planned in the same budget (``self.encoder``; docs/planning.md#the-vision-encoder).
+    ``n_batch`` is the decode slice size (as ``-b`` in llama-mtmd-cli); ``n_ubatch`` defaults to it.
 
     Deprecated, for one release: the sections ``moe=MoeParams(...)``, ``precision=PrecisionParams(...)`` and
     ``capacity=CapacityParams(...)`` still work, with a DeprecationWarning; they mean
@@ -190,13 +192,21 @@ class Session:
         self.verbose = verbose
         self._owns_model = llm is None
         if llm is None:
+            # the projector shares the --moe-mem budget: planned with the model and context made next, as
+            # llama-mtmd-cli does (docs/planning.md#the-vision-encoder); cleared once the context is planned
+            try:
+                self.encoder = _native.plan_encoder(mmproj_path, image_max_tokens)
+            except _native.VisError as e:
+                raise VLMError(str(e)) from e
             mp = L.llama_model_default_params()
             mp.n_gpu_layers = n_gpu_layers
             try:
                 self.model = I.LlamaModel(path_model=model_path, params=mp, verbose=verbose)
             except ValueError as e:
+                _native.plan_encoder(None)
                 raise VLMError(f"failed to load model {model_path}: {e}") from e
         else:
+            self.encoder = None   # the Llama was planned without it (plan_encoder before pyvis.moe.load plans it)
             self.model = llm._model
             model_path = llm.model_path
             n_ctx, n_batch = llm.n_ctx(), llm.n_batch
@@ -211,8 +221,11 @@ class Session:
         self.n_embd_inp = int(L.llama_model_n_embd_inp(self.model.model))
         if llm is None:
             self.config = config    # None: no expert cache of its own
-            self.main = Ctx(self.model, self._context_params(), config if config is not None else _NO_CACHE, verbose,
-                            self.n_batch, self.n_embd_inp)
+            try:
+                self.main = Ctx(self.model, self._context_params(), config if config is not None else _NO_CACHE,
+                                verbose, self.n_batch, self.n_embd_inp)
+            finally:
+                _native.plan_encoder(None)
         else:
             self.main = Ctx(None, None, None, verbose, self.n_batch, self.n_embd_inp, borrowed=llm._ctx)
             self.config = config if config is not None else (
