@@ -351,6 +351,7 @@ def llama_vis_moe_whole_model_fits(model_bytes: int, budget_bytes: int) -> int:
 #     int32_t image_tokens;      // the largest image planned for, in output tokens (0: no vision encoder)
 #     int32_t n_patches;         // its patches
 #     int32_t flash_attn;        // 1: planned with flash attention in the encoder
+#     int32_t warmup_tokens;     // the image clip's warmup lays the buffer out for (0: no warmup)
 #     int32_t limit_known;       // 0: image_tokens is image_size's, a guess (pass image_max_tokens)
 #     char    projector[32];     // clip.projector_type
 # };
@@ -363,22 +364,25 @@ class llama_vis_encoder_estimate(ctypes.Structure):
         ("image_tokens", ctypes.c_int32),
         ("n_patches", ctypes.c_int32),
         ("flash_attn", ctypes.c_int32),
+        ("warmup_tokens", ctypes.c_int32),
         ("limit_known", ctypes.c_int32),
         ("projector", ctypes.c_char * 32),
     ]
 
 
 # LLAMA_API int32_t llama_vis_moe_encoder_estimate(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
-#                                                  struct llama_vis_encoder_estimate * out);
-@ctypes_function("llama_vis_moe_encoder_estimate", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32,
+#                                                  int32_t warmup, struct llama_vis_encoder_estimate * out);
+@ctypes_function("llama_vis_moe_encoder_estimate", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                                                     ctypes.POINTER(llama_vis_encoder_estimate)], ctypes.c_int32)
-def llama_vis_moe_encoder_estimate(mmproj_path, image_max_tokens: int, flash_attn: int, out) -> int:
+def llama_vis_moe_encoder_estimate(mmproj_path, image_max_tokens: int, flash_attn: int, warmup: int, out) -> int:
     """The vision encoder's bytes (weights, compute buffer, image copies) from the mmproj GGUF. 0, or -1."""
 
 
-# LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn);
-@ctypes_function("llama_vis_moe_plan_encoder", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
-def llama_vis_moe_plan_encoder(mmproj_path, image_max_tokens: int, flash_attn: int) -> int:
+# LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
+#                                              int32_t warmup);
+@ctypes_function("llama_vis_moe_plan_encoder", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_vis_moe_plan_encoder(mmproj_path, image_max_tokens: int, flash_attn: int, warmup: int) -> int:
     """Plan that encoder with every model and context created from now on (NULL: none). 0, or -1."""
 
 

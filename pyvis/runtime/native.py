@@ -329,22 +329,24 @@ def _encoder_dict(e) -> dict:
     return d
 
 
-def encoder_estimate(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1) -> dict:
+def encoder_estimate(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1, warmup: bool = True) -> dict:
     """llama_vis_moe_encoder_estimate: the vision encoder's bytes that --moe-mem plans (weights, compute buffer and
-    image copies at the largest image: image_max_tokens, <= 0 the projector's limit), as a dict."""
+    image copies at the largest image: image_max_tokens, <= 0 the projector's limit; warmup: libmtmd warms it up,
+    as the tools do), as a dict."""
     out = capi.llama_vis_encoder_estimate()
     _check(capi.llama_vis_moe_encoder_estimate(os.fsencode(mmproj_path), c_int("image_max_tokens", image_max_tokens),
-                                               c_int("flash_attn", flash_attn), ctypes.byref(out)),
+                                               c_int("flash_attn", flash_attn), int(bool(warmup)), ctypes.byref(out)),
            "llama_vis_moe_encoder_estimate")
     return _encoder_dict(out)
 
 
-def plan_encoder(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1) -> dict | None:
+def plan_encoder(mmproj_path, image_max_tokens: int = -1, flash_attn: int = -1, warmup: bool = True) -> dict | None:
     """llama_vis_moe_plan_encoder: count that encoder in every --moe-mem plan made from now on in this process
     (None: none).  Returns the encoder planned now (None if none)."""
     _check(capi.llama_vis_moe_plan_encoder(None if mmproj_path is None else os.fsencode(mmproj_path),
                                            c_int("image_max_tokens", image_max_tokens),
-                                           c_int("flash_attn", flash_attn)), "llama_vis_moe_plan_encoder")
+                                           c_int("flash_attn", flash_attn), int(bool(warmup))),
+           "llama_vis_moe_plan_encoder")
     return planned_encoder()
 
 

@@ -265,8 +265,10 @@ def refusal_hint(p: dict, n_ctx: int) -> str:
     that does not fit: the smallest budget for this context and the largest context for this budget."""
     largest = (f"-c {p['largest_ctx']}" if p["largest_ctx"] else
                f"none ({CTX_PAD} tokens need {_mib_up(p['min_budget_smallest_ctx'])})")
+    enc = p["request"].get("encoder_bytes", 0)
     return (f"smallest budget for this {_ctx_cells(n_ctx)}-token context: {_mib_up(p['min_budget'])} (KV cache "
-            f"{_mib_up(p['request']['kv_bytes'])}); largest context for {_mib_up(p['budget'])}: {largest}")
+            f"{_mib_up(p['request']['kv_bytes'])}{f', vision encoder {_mib_up(enc)}' if enc else ''}); "
+            f"largest context for {_mib_up(p['budget'])}: {largest}")
 
 
 def miss_curves(shape: ModelShape, managed: list[int], profile, policy: str | None = None):
@@ -366,7 +368,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError("--device sets the budget (the unit's --moe-mem): drop --budget / --device-mib")
             budget = sku.moe_mem_mib
         sh_bytes = shadow_expert_bytes(args.shadow, args.model) if args.shadow else 0
-        enc = _native.encoder_estimate(args.mmproj, args.image_max_tokens) if args.mmproj else None
+        enc = (_native.encoder_estimate(args.mmproj, args.image_max_tokens, warmup=not args.no_warmup)
+               if args.mmproj else None)
         kw = dict(budget_mib=budget, n_ctx=args.ctx_size, pinned=args.pinned, slots=args.slots,
                   host_mib=args.host_mib, device_mib=args.device_mib, gpu=True if sku else None,
                   shadow_expert=sh_bytes, shadow_slots=-1 if args.shadow_slots == "auto" else args.shadow_slots,
@@ -410,7 +413,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ("KV cache", rq["kv_bytes"]),
             ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
             *([(f"vision encoder (--mmproj, {enc['projector']}): weights", enc["weight_bytes"]),
-               (f"  + compute buffer at {enc['image_tokens']} image tokens (estimate)", enc["compute_bytes"]),
+               (f"  + compute at {max(enc['image_tokens'], enc['warmup_tokens'])} image tokens"
+                f"{' (warmup)' if enc['warmup_tokens'] > enc['image_tokens'] else ''} + runtime (estimate)",
+                enc["compute_bytes"]),
                ("  + image copies (f32 image, output embeddings)", enc["image_bytes"])] if enc else []),
             (f"tier 1  slabs: {p['n_slots']} slot{'s' if p['n_slots'] != 1 else ''}"
              f"{'' if rq['no_staging'] else ' (+1 staging)'} x "
@@ -540,5 +545,7 @@ def register(sub) -> None:
                    "pyvis chat plan them (docs/planning.md#the-vision-encoder)")
     s.add_argument("--image-max-tokens", type=int, default=-1, metavar="N",
                    help="with --mmproj: the largest image in tokens (default: the projector's limit)")
+    s.add_argument("--no-warmup", action="store_true", help="with --mmproj: the tool runs without warmup (its "
+                   "--no-warmup; pyvis chat does not warm the encoder up): the compute buffer is the image's")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)

@@ -195,7 +195,7 @@ class Session:
             # the projector shares the --moe-mem budget: planned with the model and context made next, as
             # llama-mtmd-cli does (docs/planning.md#the-vision-encoder); cleared once the context is planned
             try:
-                self.encoder = _native.plan_encoder(mmproj_path, image_max_tokens)
+                self.encoder = _native.plan_encoder(mmproj_path, image_max_tokens, warmup=False)  # mcp.warmup below
             except _native.VisError as e:
                 raise VLMError(str(e)) from e
             mp = L.llama_model_default_params()

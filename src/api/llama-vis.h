@@ -520,7 +520,8 @@ LLAMA_API int32_t llama_vis_moe_whole_model_fits(int64_t model_bytes, int64_t bu
 // made after that (the whole-model check at load, the context's plan, its refusal) counts the encoder's bytes.
 struct llama_vis_encoder_estimate {
     int64_t weight_bytes;      // the projector's tensors (clip loads all of them into memory)
-    int64_t compute_bytes;     // its compute buffer for an image of image_tokens (estimate from the mmproj's hparams)
+    int64_t compute_bytes;     // its compute buffer for an image of image_tokens, or of warmup_tokens if larger
+                               // (estimate from the mmproj's hparams), + libmtmd's runtime
     int64_t image_bytes;       // host copies of that image: the preprocessed f32 image and the output embeddings
     int64_t total_bytes;       // the sum: what --moe-mem plans for the encoder
     int32_t image_tokens;      // the largest image planned for, in output tokens: image_max_tokens if > 0, else the
@@ -528,18 +529,21 @@ struct llama_vis_encoder_estimate {
                                // the fixed image_size); 0: no vision encoder (an audio projector: weights only)
     int32_t n_patches;         // its patches (image_tokens x merge^2)
     int32_t flash_attn;        // 1: planned with flash attention in the encoder (0: with the attention scores)
+    int32_t warmup_tokens;     // the image clip's warmup lays the buffer out for (0: no warmup)
     int32_t limit_known;       // 0: image_tokens is image_size's, a guess for a dynamic-resolution projector that
                                // is not a Qwen-VL merger (pass image_max_tokens)
     char    projector[32];     // clip.projector_type
 };
 // The estimate for the mmproj GGUF at path (metadata and tensor table only).  image_max_tokens: the tool's
-// --image-max-tokens (<= 0: the projector's limit); flash_attn: -1 auto (on, as the CPU backend runs it), 0, 1.
+// --image-max-tokens (<= 0: the projector's limit); flash_attn: -1 auto (on, as the CPU backend runs it), 0, 1;
+// warmup: 1 if libmtmd warms the encoder up (the tools' default; mtmd_context_params.warmup), 0 if not.
 // 0, or -1 with llama_vis_last_error() (a file that is not an mmproj, bad arguments).
 LLAMA_API int32_t llama_vis_moe_encoder_estimate(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
-                                                 struct llama_vis_encoder_estimate * out);
+                                                 int32_t warmup, struct llama_vis_encoder_estimate * out);
 // Plan the encoder at mmproj_path with every text model and context created from now on in this process (NULL
 // or "": none).  0, or -1 with llama_vis_last_error() (the plan is then unchanged).
-LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn);
+LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t image_max_tokens, int32_t flash_attn,
+                                             int32_t warmup);
 // The encoder planned now (out may be NULL): its total_bytes, 0 if none.
 LLAMA_API int64_t llama_vis_moe_planned_encoder(struct llama_vis_encoder_estimate * out);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)

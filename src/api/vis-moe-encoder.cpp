@@ -18,6 +18,10 @@
 
 namespace {
 
+// libmtmd's context beside the text model with a small image, over the weights: peak RSS of llama-mtmd-cli minus
+// llama-cli's at the same settings, 34, 30 and 33 MiB for three encoders (n_embd 32, 256, 1152; docs/planning.md)
+constexpr int64_t VIS_MOE_ENCODER_RUNTIME = 36ll << 20;
+
 std::mutex                        g_mutex;
 bool                              g_planned = false;
 struct llama_vis_encoder_estimate g_encoder = {};
@@ -41,17 +45,17 @@ bool qwen_merger(const std::string & proj) {
 
 } // namespace
 
-int32_t llama_vis_moe_encoder_estimate(const char * path, int32_t image_max_tokens, int32_t flash_attn,
+int32_t llama_vis_moe_encoder_estimate(const char * path, int32_t image_max_tokens, int32_t flash_attn, int32_t warmup,
                                        struct llama_vis_encoder_estimate * out) {
     vis_clear_last_error();
     if (!path || !out) {
         vis_set_last_error("llama_vis_moe_encoder_estimate: NULL argument");
         return -1;
     }
-    if (image_max_tokens < -1 || flash_attn < -1 || flash_attn > 1) {
+    if (image_max_tokens < -1 || flash_attn < -1 || flash_attn > 1 || warmup < 0 || warmup > 1) {
         vis_set_last_error("llama_vis_moe_encoder_estimate: image_max_tokens must be >= -1 (-1 or 0: the projector's "
-                           "limit) and flash_attn -1, 0 or 1, got " + std::to_string(image_max_tokens) + " and " +
-                           std::to_string(flash_attn));
+                           "limit), flash_attn -1, 0 or 1 and warmup 0 or 1, got " + std::to_string(image_max_tokens) +
+                           ", " + std::to_string(flash_attn) + " and " + std::to_string(warmup));
         return -1;
     }
     gguf_init_params gp = { /*no_alloc*/ true, /*ctx*/ nullptr };
@@ -125,6 +129,12 @@ int32_t llama_vis_moe_encoder_estimate(const char * path, int32_t image_max_toke
     const int64_t n_patches = tokens * merge * merge;
     e.image_tokens = (int32_t) tokens;
     e.n_patches    = (int32_t) n_patches;
+    // clip's warmup lays its compute buffer out for a warmup image (the Qwen-VL mergers: 46 x 46 tokens, others
+    // image_size); a smaller image reuses that layout, spread over the whole buffer (measured: a 1024-token image
+    // in Qwen3-VL's dims touched the 285 MiB reserved for 2116 tokens), so the buffer is the larger of the two
+    const int64_t warm_tokens = !warmup ? 0 : qwen_merger(proj) ? 46 * 46 : (side / unit) * (side / unit);
+    e.warmup_tokens = (int32_t) warm_tokens;
+    const int64_t c_patches = std::max(tokens, warm_tokens) * merge * merge;
     e.flash_attn   = flash_attn != 0 ? 1 : 0;  // auto: the CPU backend runs clip's flash attention
     // Compute buffer, f32 rows per patch at the widest of three stages: the patch embedding (the image, 3 p^2, and
     // half as much again of its im2col, + the n_embd output), attention (residual, fused QKV, roped Q and K, the
@@ -135,10 +145,10 @@ int32_t llama_vis_moe_encoder_estimate(const char * path, int32_t image_max_toke
     const int64_t img     = 3 * patch * patch;
     const int64_t s_patch = img * 3 / 2 + n_embd, s_attn = 7 * n_embd, s_mlp = std::max<int64_t>(n_ff, 0) + 2 * n_embd;
     const int64_t rows    = e.flash_attn ? std::max({ s_patch, s_attn + img, s_mlp + img }) : s_patch + s_attn + s_mlp;
-    e.compute_bytes = n_patches * 4 * rows * (e.flash_attn ? 105 : 110) / 100 +
-                      (e.flash_attn ? 0 : n_head * n_patches * n_patches * 4) +
-                      (f32_weights ? 0 : n_patches * std::max(n_ff, n_embd) * 2) +  // activations converted to F16
-                      (4ll << 20);                                                 // graph metadata
+    e.compute_bytes = c_patches * 4 * rows * (e.flash_attn ? 105 : 110) / 100 +
+                      (e.flash_attn ? 0 : n_head * c_patches * c_patches * 4) +
+                      (f32_weights ? 0 : c_patches * std::max(n_ff, n_embd) * 2) +  // activations converted to F16
+                      VIS_MOE_ENCODER_RUNTIME;
     // host copies of one image: the preprocessed f32 image (mtmd keeps it in the chunk) and the output embeddings
     const int64_t n_embd_out = n_proj * (1 + n_deepstack);
     e.image_bytes = n_patches * 3 * patch * patch * 4 + tokens * n_embd_out * 4;
@@ -147,9 +157,9 @@ int32_t llama_vis_moe_encoder_estimate(const char * path, int32_t image_max_toke
     return 0;
 }
 
-int32_t llama_vis_moe_plan_encoder(const char * path, int32_t image_max_tokens, int32_t flash_attn) {
+int32_t llama_vis_moe_plan_encoder(const char * path, int32_t image_max_tokens, int32_t flash_attn, int32_t warmup) {
     struct llama_vis_encoder_estimate e = {};
-    if (path && *path && llama_vis_moe_encoder_estimate(path, image_max_tokens, flash_attn, &e) != 0) {
+    if (path && *path && llama_vis_moe_encoder_estimate(path, image_max_tokens, flash_attn, warmup, &e) != 0) {
         return -1;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
