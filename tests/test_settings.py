@@ -19,7 +19,7 @@ from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams, T
 HEADER = Path(__file__).resolve().parent.parent / "src" / "api" / "llama-vis.h"
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
           "const char *": ctypes.c_char_p, "const float *": ctypes.POINTER(ctypes.c_float),
-          "int32_t *": ctypes.POINTER(ctypes.c_int32)}
+          "int32_t *": ctypes.POINTER(ctypes.c_int32), "char": ctypes.c_char}
 
 
 def _ctype(t: str):
@@ -36,7 +36,7 @@ def _header():
     enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
              for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
     structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
-                            re.findall(r"(int32_t \*|const float \*|int32_t|int64_t|double|const char \*|struct \w+)\s*"
+                            re.findall(r"(int32_t \*|const float \*|int32_t|int64_t|double|const char \*|char|struct \w+)\s*"
                                        r"(\w+)\s*(?:\[(\w+)\])?;", m.group(2))]
                for m in re.finditer(r"struct (\w+) \{(.*?)\};", text, re.S)}
     funcs = re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text)
