@@ -98,12 +98,15 @@ def split_by_utility(curves: dict[int, dict[int, int]], slots: int) -> dict[int,
     return caps
 
 
-def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis: float = 0.1) -> dict[int, int]:
+def split_by_exchange(curves: dict[int, dict[int, float]], slots: int, hysteresis: float = 0.1,
+                      row_bytes: dict[int, int] | None = None) -> dict[int, int]:
     """Per-layer slot counts for ``slots`` x layers slots fixed from miss curves (layer -> capacity -> misses),
     starting from the even split: a slot moves from the layer that loses least by giving one up to the layer that
     gains most by getting one while the gain beats the loss by the ``hysteresis`` margin (the online split's rule,
-    run once on a profile), within the capacities the curves cover.  Unlike :func:`split_by_utility` it never
-    strays far from the even split on noisy, non-convex curves (docs/policies-limits.md)."""
+    run once on a profile), within the capacities the curves cover; with ``row_bytes`` (bytes of one slot per
+    layer) only a layer whose slot is at least as large gives one up, so the bytes never exceed the even split's.
+    Unlike :func:`split_by_utility` it never strays far from the even split on noisy, non-convex curves
+    (docs/policies-limits.md).  src/vis-moe-split.cpp (llama_vis_moe_split_slots) is the same rule in C."""
     caps = {il: slots for il in curves}
     lo = {il: min(c) for il, c in curves.items()}
     hi = {il: max(c) for il, c in curves.items()}
@@ -112,13 +115,29 @@ def split_by_exchange(curves: dict[int, dict[int, int]], slots: int, hysteresis:
     while True:
         gain = {il: curves[il][caps[il]] - curves[il][caps[il] + 1] if caps[il] < hi[il] else -1 for il in curves}
         a = max(curves, key=gain.__getitem__)
-        loss = {il: curves[il][caps[il] - 1] - curves[il][caps[il]] if caps[il] > lo[il] and il != a else math.inf
+        loss = {il: curves[il][caps[il] - 1] - curves[il][caps[il]]
+                if caps[il] > lo[il] and il != a and (row_bytes is None or row_bytes[il] >= row_bytes[a]) else math.inf
                 for il in curves}
         b = min(curves, key=loss.__getitem__)
         if not gain[a] > max(loss[b], loss[b] * (1 + hysteresis)) + 1e-12:   # the total falls: no cycles
             return caps
         caps[a] += 1
         caps[b] -= 1
+
+
+def split_slots(curves, n_expert_used: int, slots: int, row_bytes=None) -> list[int]:
+    """The per-layer split VIS_MOE_SLOT_SPLIT runs at attach (llama_vis_moe_split_slots, src/vis-moe-split.cpp), in
+    Python: ``curves`` [layers][n_expert + 1] (misses with 0..n_expert slots), ``slots`` per layer on average,
+    every layer within min(top-k, slots) .. min(n_expert, 2 slots), :func:`split_by_exchange` with 10 % hysteresis.
+    A list of slot counts in the curves' layer order."""
+    n = len(curves[0]) - 1
+    if not 1 <= n_expert_used <= n or not 1 <= slots <= n:
+        raise ValueError(f"need 1 <= top-k ({n_expert_used}) <= experts ({n}) and 1 <= slots ({slots}) <= experts")
+    lo, hi = min(n_expert_used, slots), min(n, 2 * slots)
+    cv = {i: {c: float(row[c]) for c in range(lo, hi + 1)} for i, row in enumerate(curves)}
+    rb = None if row_bytes is None else {i: int(b) for i, b in enumerate(row_bytes)}
+    caps = split_by_exchange(cv, slots, 0.1, rb)
+    return [caps[i] for i in range(len(curves))]
 
 
 def profile_split(t: Trace, slots: int, policy: str = policies.DEFAULT, hysteresis: float = 0.1) -> dict[int, int]:

@@ -316,6 +316,17 @@ def llama_vis_moe_configure(req, out) -> int:
     """The marginal-value configurator: the ubatch and slots with the lowest predicted latency in one budget."""
 
 
+# LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
+#                                             int32_t n_expert_used, int32_t slots, const int64_t * row_bytes,
+#                                             int32_t * out);
+@ctypes_function("llama_vis_moe_split_slots",
+                 [ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                  ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+def llama_vis_moe_split_slots(miss_curve, n_layers: int, n_expert: int, n_expert_used: int, slots: int, row_bytes,
+                              out) -> int:
+    """Per-layer slot counts from one expert budget by the layers' miss curves (the rule VIS_MOE_SLOT_SPLIT runs)."""
+
+
 # LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);
 @ctypes_function("llama_vis_moe_cost_default", [ctypes.c_char_p, ctypes.POINTER(llama_vis_moe_cost)], ctypes.c_int32)
 def llama_vis_moe_cost_default(path, cost) -> int:

@@ -311,6 +311,24 @@ def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch:
     return d
 
 
+def split_slots(miss_curve, n_expert_used: int, slots: int, row_bytes=None) -> list[int]:
+    """llama_vis_moe_split_slots: per-layer slot counts for ``slots`` per layer on average from miss curves
+    [layers][n_expert + 1] (what VIS_MOE_SLOT_SPLIT runs at attach; pyvis.runtime.cachesim_split.split_slots is the
+    same rule in Python)."""
+    curve = np.ascontiguousarray(miss_curve, dtype=np.float64)
+    if curve.ndim != 2 or curve.shape[0] < 1:
+        raise VisError(f"split_slots: miss_curve must be [layers][n_expert + 1], got {curve.shape}")
+    n_layers, n_expert = curve.shape[0], curve.shape[1] - 1
+    rb = None
+    if row_bytes is not None:
+        rba = (ctypes.c_int64 * n_layers)(*[int(x) for x in row_bytes])
+        rb = ctypes.cast(rba, ctypes.POINTER(ctypes.c_int64))
+    out = (ctypes.c_int32 * n_layers)()
+    _check(capi.llama_vis_moe_split_slots(curve.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), n_layers, n_expert,
+                                          n_expert_used, slots, rb, out), "llama_vis_moe_split_slots")
+    return list(out)
+
+
 def estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int, n_ff_exp: int) -> int:
     """Bytes of compute buffers + runtime the runtime plans --moe-mem with, from the model's shape."""
     args = dict(n_ubatch=n_ubatch, n_vocab=n_vocab, n_embd=n_embd, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp)

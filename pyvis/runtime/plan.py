@@ -271,39 +271,6 @@ def refusal_hint(p: dict, n_ctx: int) -> str:
             f"largest context for {_mib_up(p['budget'])}: {largest}")
 
 
-def miss_curves(shape: ModelShape, managed: list[int], profile, policy: str | None = None):
-    """Per managed layer, the expected misses per decode token with s = 0..n_expert slots: the routing trace
-    ``profile`` (a --moe-trace file or the shared CSV, pyvis.runtime.trace_csv.load_any) replayed through the
-    runtime's eviction policy by pyvis cachesim's machinery; a layer the trace lacks gets the configurator's prior
-    k (1 - s / n).  A [len(managed)][n_expert + 1] array for llama_vis_moe_configure."""
-    import numpy as np
-    from . import policies
-    from .cachesim_replay import replay
-    from .trace_csv import load_any
-    t = load_any(profile)
-    if t.n_expert != shape.n_expert:
-        raise ValueError(f"--profile {profile}: the trace has {t.n_expert} experts per layer, the model "
-                         f"{shape.n_expert}; record it with this model (--moe-trace)")
-    n, k = shape.n_expert, shape.n_expert_used
-    curve = np.array([[k * (1 - s / n) for s in range(n + 1)] for _ in managed], dtype=np.float64)
-    have = set(t.layers().tolist())
-    rows = {il: i for i, il in enumerate(managed) if il in have}
-    # the slot counts replayed (every count up to 32 experts, else a grid), the rest interpolated
-    grid = list(range(n + 1)) if n <= 32 else sorted({int(round(n * f / 16)) for f in range(17)} | set(range(k + 1)))
-    misses = {il: np.zeros(len(grid)) for il in rows}
-    for gi, s in enumerate(grid):
-        if s == 0 or s >= n:
-            continue
-        for r in replay(t, s, policy or policies.DEFAULT):
-            if r.layer in rows and r.uses:
-                misses[r.layer][gi] = r.misses / r.uses * k      # misses per decode token
-    for il, i in rows.items():
-        m = misses[il]
-        m[0], m[-1] = float(k), 0.0
-        curve[i] = np.interp(np.arange(n + 1), grid, m)
-    return curve
-
-
 def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost: dict | None = None, **kw) -> dict:
     """The configurator's plan (llama_vis_moe_configure, docs/planning.md), as --moe-mem runs it: the plan request
     of :func:`make_plan` (same keywords) priced at each ubatch from n_ubatch down, with the cost model the runtime
@@ -319,7 +286,8 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     rq = asked["request"]
     pinned = asked["pinned_layers"]
     managed = shape.moe_layers[pinned:] if asked["managed_layers"] else []
-    curve = miss_curves(shape, managed, profile) if profile and managed else None
+    from .slot_split import profile_curves
+    curve = profile_curves(shape, managed, profile) if profile and managed else None
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
                           cost=cost, miss_curve=curve)
     # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
@@ -382,6 +350,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             if args.profile:
                 raise ValueError("--profile prices plans for the configurator, which VIS_MOE_CONFIGURE=off turns off")
             p = make_plan(shape, n_ubatch=args.ubatch_size, **kw)
+        p["layer_slots"] = _layer_slots(shape, p, args)
     except (ValueError, ProfileError, OSError, _native.VisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -426,6 +395,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ("tier 3  GGUF file only (read on demand)", p["file_only_bytes"])]
     for label, b in rows:
         print(f"  {label:<62s} {_fmt(b)}")
+    if p["layer_slots"]:
+        print(f"  per-layer slots (VIS_MOE_SLOT_SPLIT, the same slab bytes or fewer): "
+              f"{','.join(map(str, p['layer_slots'].values()))} (layers {min(p['layer_slots'])}..{max(p['layer_slots'])})")
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
     if enc and enc["image_tokens"] and not enc["limit_known"]:
@@ -457,6 +429,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"fits: run with --moe-mem {budget if sku else args.budget}" + (f" --moe-pinned-layers {args.pinned}" if args.pinned else "")
           + f"  (minimum budget {p['min_budget'] / MIB:.0f} MiB)")
     return 0
+
+
+def _layer_slots(shape: ModelShape, p: dict, args) -> dict:
+    """--write-split FILE (written from --profile), or VIS_MOE_SLOT_SPLIT: the per-layer slots the runtime runs."""
+    import os
+    from . import policies, slot_split
+    if args.write_split:
+        if not args.profile:
+            raise ValueError("--write-split needs --profile TRACE (the routing whose miss curves it holds)")
+        slot_split.write_for_model(shape, args.profile, args.write_split, policies.DEFAULT)
+        print(f"wrote {args.write_split}: run with VIS_MOE_SLOT_SPLIT={args.write_split}", file=sys.stderr)
+    path = os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split
+    return slot_split.for_plan(shape, p, path) if path else {}
 
 
 def configure_mode() -> str:
@@ -499,7 +484,7 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
     if "layer_slots" in c:
         print(f"  per-layer split of the same slab bytes (--profile): {c['layer_slots']}, predicted decode "
               f"{c['layer_decode_tps']:.2f} tok/s; pinned prefix {c['n_pinned']} layer(s) "
-              f"(the runtime runs equal slots per layer: docs/planning.md)")
+              f"(VIS_MOE_SLOT_SPLIT=FILE from --write-split FILE runs it: docs/planning.md)")
     print()
 
 
@@ -547,5 +532,8 @@ def register(sub) -> None:
                    help="with --mmproj: the largest image in tokens (default: the projector's limit)")
     s.add_argument("--no-warmup", action="store_true", help="with --mmproj: the tool runs without warmup (its "
                    "--no-warmup; pyvis chat does not warm the encoder up): the compute buffer is the image's")
+    s.add_argument("--write-split", default=None, metavar="FILE",
+                   help="with --profile: write its per-layer miss curves to FILE, for VIS_MOE_SLOT_SPLIT=FILE "
+                        "(per-layer slot counts at run time; docs/planning.md)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=_cmd_plan)

@@ -112,10 +112,14 @@ def as_decode(t: Trace) -> Trace:
     return u
 
 
-def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: bool = False) -> dict:
-    """The numbers ``pyvis cachesim`` prints: totals and per layer (`split`: cachesim_split.replay_split)."""
-    caps = None
-    if split:
+def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: bool = False,
+            layer_slots: dict[int, int] | None = None) -> dict:
+    """The numbers ``pyvis cachesim`` prints: totals and per layer (`split`: cachesim_split.replay_split;
+    `layer_slots`: fixed per-layer slot counts, as VIS_MOE_SLOT_SPLIT gives them)."""
+    caps = layer_slots or None
+    if layer_slots:
+        res = replay(t, layer_slots, policies.DEFAULT if policy == "default" else policy, per_expert)
+    elif split:
         from .cachesim_split import replay_split
         res, caps = replay_split(t, slots, policies.DEFAULT if policy == "default" else policy)
     else:
@@ -130,7 +134,7 @@ def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: 
     return {
         "trace": t.meta.get("source", ""), "policy": policies.DEFAULT if policy == "default" else policy,
         "slots": slots, "requests": "expert" if per_expert else "token", "decode_steps": n_dec,
-        "split": caps is not None,
+        "split": "fixed" if layer_slots else caps is not None,
         "uses": uses, "misses": misses, "belady_misses": opt,
         "hit_rate": 1 - misses / uses if uses else float("nan"),
         "belady_hit_rate": 1 - opt / uses if uses else float("nan"),
@@ -146,7 +150,8 @@ def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: 
 
 def _print(s: dict) -> None:
     mib = 1 << 20
-    split = " (split between the layers online; Belady at the even split)" if s["split"] else ""
+    split = (" (split between the layers online; Belady at the even split)" if s["split"] is True else
+             " on average, split per layer (--split-file; Belady at the same split)" if s["split"] else "")
     print(f"trace {s['trace']}: policy {s['policy']}, {s['slots']} slots per layer{split}, {s['requests']} requests, "
           f"{s['decode_steps']} decode steps counted (the prompt warms the caches)")
     print(f"{'layer':>5} {'slots':>5} {'uses':>6} {'misses':>7} {'hit %':>6} {'belady':>7} {'x opt':>6} {'MiB':>8}")
@@ -184,6 +189,22 @@ def _plot(args: argparse.Namespace, t: Trace, slots: int) -> None:
     print(f"miss curves: {out}", file=sys.stderr)
 
 
+def _split_file(args: argparse.Namespace, t: Trace, slots: int) -> dict[int, int]:
+    """--split-file FILE: the per-layer slots VIS_MOE_SLOT_SPLIT=FILE gives the trace's layers at `slots` each."""
+    from . import slot_split
+    if args.split:
+        raise SystemExit("error: --split (online) and --split-file (fixed) are two splits: give one")
+    try:
+        sf = slot_split.read(args.split_file)
+        layers = t.layers().tolist()
+        slot_split.check_model(sf, args.split_file, layers, t.n_expert)
+        eb = t.expert_bytes
+        rb = [int(eb[il]) for il in layers] if eb is not None and len(eb) > max(layers) else None
+        return dict(zip(layers, sf.split(slots, None, rb)))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _cmd_cachesim(args: argparse.Namespace) -> int:
     if args.plot and _same_file(Path(args.trace), Path(args.plot)):
         raise SystemExit(f"error: --plot {args.plot} is the input trace; choose another output file")
@@ -196,7 +217,8 @@ def _cmd_cachesim(args: argparse.Namespace) -> int:
     if args.split and (args.policy not in ("default", "lru", "lfu", "lfu-adapt") or args.requests == "expert"):
         raise SystemExit("error: --split runs the lru, lfu or lfu-adapt policy with token requests")
     slots = _slots(args, t)
-    s = summary(t, slots, args.policy, args.requests == "expert", args.split)
+    caps = _split_file(args, t, slots) if args.split_file else None
+    s = summary(t, slots, args.policy, args.requests == "expert", args.split, caps)
     if args.json:
         print(json.dumps(s))
     else:
@@ -237,6 +259,9 @@ def register(sub) -> None:
     c.add_argument("--split", action="store_true",
                    help="split the same total of slots between the layers online by marginal utility (lru, lfu, lfu-adapt; "
                    "simulator only, pyvis/runtime/cachesim_split.py)")
+    c.add_argument("--split-file", metavar="FILE",
+                   help="fixed per-layer slots: the split VIS_MOE_SLOT_SPLIT=FILE runs at attach (a file of pyvis "
+                   "plan --write-split), the same total as --slots per layer")
     c.add_argument("--as-decode", action="store_true",
                    help="replay every token as a decode step of its own (traces of prefill-only runs, e.g. "
                    "llama-perplexity --moe-trace)")

@@ -474,7 +474,7 @@ struct llama_vis_moe_configure_request {
                                // at another ubatch depends on the weight types: docs/planning.md#outputs)
     const float * miss_curve;  // NULL: the uniform prior k (1 - s / n); else [n_managed_layers][n_expert + 1]: expected
                                // misses per decode token of each managed layer with s = 0..n_expert slots (a trace)
-    int32_t * layer_slots;     // optional out [n_managed_layers]: the same slab bytes split per layer by marginal value
+    int32_t * layer_slots;     // optional out [n_managed_layers]: the same slots split per layer (llama_vis_moe_split_slots)
     struct llama_vis_moe_cost cost;
 };
 struct llama_vis_moe_configuration {
@@ -496,6 +496,17 @@ struct llama_vis_moe_configuration {
 };
 LLAMA_API int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * req,
                                           struct llama_vis_moe_configuration * out);
+// Per-layer slot counts from one expert budget (docs/planning.md#per-layer-slot-counts): n_layers x slots slots
+// split by the layers' miss curves (miss_curve [n_layers][n_expert + 1]: misses with s = 0..n_expert slots).
+// From the even split, a slot moves from the layer whose misses rise least by giving one up to the layer whose
+// misses fall most by getting one, while the fall beats the rise by 10 %; every layer stays within
+// min(n_expert_used, slots) .. min(n_expert, 2 slots), and a layer gives a slot only to one whose slot is no larger
+// (row_bytes: bytes of one slot per layer; NULL: all equal), so the bytes never exceed the even split's.
+// out [n_layers].  VIS_MOE_SLOT_SPLIT applies it at attach, llama_vis_moe_configure to its profile's curves, and
+// pyvis.runtime.cachesim_split.split_slots is the same rule in Python (tested equal).  0 on success.
+LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
+                                            int32_t n_expert_used, int32_t slots, const int64_t * row_bytes,
+                                            int32_t * out);
 // The cost model --moe-mem runs the configurator with: the bandwidths measured by expert-sized O_DIRECT reads of
 // the file at path (page-cache reads with the pages dropped where O_DIRECT is refused) and a memcpy, probed once
 // per device and cached in ~/.cache/vis-moe/bandwidth (XDG_CACHE_HOME respected); VIS_MOE_READ_MBPS overrides the

@@ -514,6 +514,13 @@ const vis_moe_env_row ENV_ROWS[] = {
       "vis-moe: ... and this many generated tokens (default: 128)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.gen = (int32_t) parse_int(w, v, 0, 1 << 24); } },
+    { "VIS_MOE_SLOT_SPLIT", "FILE",
+      "vis-moe: per-layer slot counts: the slots the plan gives every managed layer (--moe-mem, --moe-slots,\n"
+      "--moe-cache-mib) are split between the layers by the miss curves in FILE, a split file written by\n"
+      "pyvis plan MODEL --profile TRACE --write-split FILE; the slab bytes never exceed the equal split's\n"
+      "(docs/planning.md#per-layer-slot-counts; default: unset, equal slots)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.slot_split = parse_path(w, v); } },
     { "VIS_MOE_REPLAY", "TRACE",
       "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
       "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"

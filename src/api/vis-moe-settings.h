@@ -99,6 +99,7 @@ struct vis_moe_plan_settings {
     double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
     int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
+    std::string slot_split;           // VIS_MOE_SLOT_SPLIT: a split file, per-layer slot counts at attach ("" = equal)
 };
 
 struct vis_moe_settings {

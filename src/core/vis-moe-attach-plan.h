@@ -31,13 +31,15 @@ struct vis_moe_attach_plan {
     bool all_host_devices = true;   // every managed layer's device is CPU-writable memory
     bool cpu_only = false;          // no GPU at all: no staging slot
     int  staging  = 0;
-    int  n_slots  = 0;
+    int  n_slots  = 0;              // slots per managed layer (on average, with layer_slots)
+    std::vector<int> layer_slots;   // VIS_MOE_SLOT_SPLIT: slots of each layer (indexed by layer), empty: n_slots each
     int64_t host_bytes = 0;
     bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
     int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
     int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
     int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
+    int slots(int il) const { return layer_slots.empty() ? n_slots : layer_slots[il]; }
 };
 
 // bytes of one expert of a layer (all its expert tensors)
@@ -69,6 +71,10 @@ std::string vis_moe_unpaged_line(const llama_model & model, const vis_moe_attach
 // --moe-precision on, its slots' bytes go into `ap` (they share the budget).  Null when nothing is managed.
 std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, const vis_moe_settings & s,
                                                     vis_moe_attach_plan & ap);
+
+// step 3, last: VIS_MOE_SLOT_SPLIT splits the managed layers' n_slots each by the split file's miss curves
+// (vis-moe-split.h) into ap.layer_slots; throws on a file for another model.  Returns the line that says so ("": no split)
+std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap);
 
 // step 3 decides the slots with the --moe-mem plan (not --moe-slots or --moe-cache-mib)
 bool vis_moe_uses_memory_plan(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap);

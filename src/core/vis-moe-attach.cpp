@@ -142,6 +142,10 @@ void size_slots(const llama_context * lctx, const llama_model & model, const vis
                       ap.planned ? "; a larger budget gives top-k slots" : "");
         vm.note(msg);
     }
+    const std::string split = vis_moe_apply_slot_split(model, s, ap);  // throws on a file for another model
+    if (!split.empty()) {
+        LLAMA_LOG_INFO("vis-moe: %s\n", split.c_str());
+    }
 }
 
 // step 4: one layer's slot table and slab tensors (in the context for its device's buffer type)
@@ -174,7 +178,7 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
         L.part_off[ti] = off;
         off += t->nb[2];
     }
-    const int ns = std::min(ap.n_slots, n_exp);
+    const int ns = std::min(ap.slots(il), n_exp);
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         if (ggml_tensor * t = L.orig[ti]) {
             L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + ap.staging);
@@ -202,7 +206,7 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
     const int n_layer = (int) model.hparams.n_layer();
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
     for (int il : ap.managed) {
-        if (ap.n_slots >= n_exp && !ap.deferred[il]) {
+        if (ap.slots(il) >= n_exp && !ap.deferred[il]) {
             continue;  // everything fits: bypass, upstream graph
         }
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model.dev_layer(il));
@@ -285,9 +289,9 @@ void lock_resident_weights(const llama_model & model, const attach_plan & ap, vi
 
 void log_summary(const vis_moe_settings & s, const attach_plan & ap, const vis_moe_context & vm, int n_exp) {
     if (vm.n_managed > 0) {
-        LLAMA_LOG_INFO("vis-moe: expert cache: %d of %zu MoE layers managed (%d pinned), %d slots of %d experts each, "
-                       "slabs %.2f MiB\n", vm.n_managed, ap.moe_layers.size(), ap.pinned, std::min(ap.n_slots, n_exp), n_exp,
-                       vm.slab_bytes / 1048576.0);
+        LLAMA_LOG_INFO("vis-moe: expert cache: %d of %zu MoE layers managed (%d pinned), %d slots%s of %d experts each, "
+                       "slabs %.2f MiB\n", vm.n_managed, ap.moe_layers.size(), ap.pinned, std::min(ap.n_slots, n_exp),
+                       ap.layer_slots.empty() ? "" : " on average (VIS_MOE_SLOT_SPLIT)", n_exp, vm.slab_bytes / 1048576.0);
         if (ap.any_deferred) {
             LLAMA_LOG_INFO("vis-moe: tiers: slabs %.2f MiB (%s) | host cache %.2f MiB (%s) | file: %s, %d I/O threads%s\n",
                            vm.slab_bytes / 1048576.0, vm.unified ? "filled straight from the file" : "filled through a staging buffer",

@@ -8,9 +8,13 @@
 #include "vis-moe-profile.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-shadow.h"
+#include "vis-moe-split.h"
+#include "vis-moe-attach-plan.h"
 #include "vis-moe-substitute.h"
 
 #include "vis-error.h"
+
+#include "llama-model.h"
 
 #include <stdexcept>
 #include <string>
@@ -36,6 +40,12 @@ void vis_moe_check_named_files(const vis_moe_settings & s, const llama_model & m
         vis_predict_profile_load(s.predict.profile, model);
         vis_tell_user("--moe-predict-profile " + s.predict.profile + ": validated, not used: " +
                       (!s.predict.on() ? "--moe-predict is off" : cache ? "no prediction runs" : off));
+    }
+    if (!s.plan.slot_split.empty() && !cache && model.hparams.n_expert > 0) {
+        vis_moe_attach_plan ap;
+        vis_moe_find_moe_layers(model, ap);
+        vis_moe_split_file_load(s.plan.slot_split, (int) ap.moe_layers.size(), (int) model.hparams.n_expert);
+        vis_tell_user("VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": validated, not used: " + off);
     }
     if (!s.cap.profile.empty() && !(vm && vm->capacity && vm->capacity->profile())) {
         vis_modality_profile_load(s.cap.profile, model);

@@ -135,31 +135,21 @@ std::string fmt(double v) {
     return b;
 }
 
-// the managed layers' slot counts filling `units` slots (>= 1 each) by marginal decode saving: the layer whose next
-// slot saves the most goes first, ties to the layer with fewer slots (equal curves give equal counts)
-std::vector<int> split_per_layer(const cost_model & m, int units, double h) {
-    std::vector<int> s(m.L, 1);
-    units -= m.L;
-    while (units > 0) {
-        int best = -1;
-        double gain = -1;
-        for (int l = 0; l < m.L; ++l) {
-            if (s[l] >= m.n) {
-                continue;
-            }
-            const double g = m.layer_decode(l, s[l], h) - m.layer_decode(l, s[l] + 1, h);
-            if (g > gain + 1e-15 || (std::fabs(g - gain) <= 1e-15 && best >= 0 && s[l] < s[best])) {
-                gain = g;
-                best = l;
-            }
+// the managed layers' slot counts for `s` slots each on average: the one per-layer rule (llama_vis_moe_split_slots,
+// what VIS_MOE_SLOT_SPLIT runs at attach and pyvis.runtime.cachesim_split.split_slots in the simulator) on the
+// curves the plans are priced with, so the configurator's split is the runtime's at start-up
+std::vector<int> split_per_layer(const cost_model & m, int s) {
+    std::vector<double> cv((size_t) m.L * (m.n + 1));
+    for (int l = 0; l < m.L; ++l) {
+        for (int x = 0; x <= m.n; ++x) {
+            cv[(size_t) l * (m.n + 1) + x] = m.miss(l, x);
         }
-        if (best < 0) {
-            break;
-        }
-        s[best]++;
-        units--;
     }
-    return s;
+    std::vector<int32_t> out(m.L, s);
+    if (s >= 1 && s < m.n) {
+        llama_vis_moe_split_slots(cv.data(), m.L, m.n, std::min(m.k, m.n), s, nullptr, out.data());
+    }
+    return std::vector<int>(out.begin(), out.end());
 }
 
 } // namespace
@@ -268,8 +258,7 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
         o.mv_ubatch_up = mv_ubatch(b, cs[best - 1]);
     }
     if (rq.layer_slots && m.L > 0) {
-        const int units = std::min(s, m.n) * m.L;
-        const std::vector<int> ls = split_per_layer(m, units, m.host_share(b.p, std::min(s, m.n)));
+        const std::vector<int> ls = split_per_layer(m, std::min(s, m.n));
         std::copy(ls.begin(), ls.end(), rq.layer_slots);
         while (o.n_pinned < m.L && ls[o.n_pinned] >= m.n) {
             o.n_pinned++;

@@ -1,0 +1,160 @@
+"""Split files: per-layer miss curves from a routing profile, for per-layer slot counts at attach
+(VIS_MOE_SLOT_SPLIT=FILE, docs/planning.md#per-layer-slot-counts).
+
+`pyvis plan MODEL --profile TRACE --write-split FILE` writes one (:func:`write`); the runtime reads it
+(src/vis-moe-split.cpp) and splits the slots its plan gives every managed layer by
+``llama_vis_moe_split_slots``; the simulator (``pyvis cachesim --split-file FILE``) runs the same rule in Python
+(:func:`pyvis.runtime.cachesim_split.split_slots`).  Format (text)::
+
+    vis-moe slot-split 1
+    # comments
+    experts N top_k K
+    layer ID m_0 m_1 ... m_N        one line per MoE layer, in order: misses per decode token with 0..N slots
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .trace import Trace
+
+MAGIC = "vis-moe slot-split 1"
+
+
+@dataclass
+class SplitFile:
+    n_expert: int
+    top_k: int
+    layers: list[int]             # the recorded layer ids, one per MoE layer in order
+    curves: np.ndarray            # [layers][n_expert + 1]: misses per decode token with 0..n_expert slots
+
+    def split(self, slots: int, positions: list[int] | None = None, row_bytes=None) -> list[int]:
+        """The slot counts of the layers at ``positions`` (default: all) for ``slots`` each on average: the rule
+        the runtime runs (cachesim_split.split_slots); at ``slots`` >= experts, every layer holds all."""
+        from .cachesim_split import split_slots
+        rows = self.curves if positions is None else self.curves[positions]
+        if slots >= self.n_expert:
+            return [self.n_expert] * len(rows)
+        return split_slots(rows, self.top_k, slots, row_bytes)
+
+
+def trace_curves(t: Trace, policy: str, counts) -> dict[int, np.ndarray]:
+    """Per layer of ``t``: misses per decode token under ``policy`` with each slot count of ``counts`` (0: every
+    use misses, n_expert and above: none), the prompt warming the cache (pyvis cachesim's replay)."""
+    from .cachesim_replay import replay
+    counts = list(counts)
+    out = {il: np.zeros(len(counts)) for il in t.layers().tolist()}
+    for gi, s in enumerate(counts):
+        if s == 0 or s >= t.n_expert:
+            for il in out:
+                out[il][gi] = float(t.k) if s == 0 else 0.0
+            continue
+        for r in replay(t, s, policy):
+            out[r.layer][gi] = r.misses / r.uses * t.k if r.uses else 0.0
+    return out
+
+
+def profile_curves(shape, managed: list[int], profile, policy: str | None = None):
+    """Per managed layer, the expected misses per decode token with s = 0..n_expert slots: the routing trace
+    ``profile`` (a --moe-trace file or the shared CSV, pyvis.runtime.trace_csv.load_any) replayed through the
+    runtime's eviction policy by pyvis cachesim's machinery; a layer the trace lacks gets the configurator's prior
+    k (1 - s / n).  A [len(managed)][n_expert + 1] array for llama_vis_moe_configure (`pyvis plan --profile`)."""
+    import numpy as np
+    from . import policies
+    from .trace_csv import load_any
+    t = load_any(profile)
+    if t.n_expert != shape.n_expert:
+        raise ValueError(f"--profile {profile}: the trace has {t.n_expert} experts per layer, the model "
+                         f"{shape.n_expert}; record it with this model (--moe-trace)")
+    n, k = shape.n_expert, shape.n_expert_used
+    curve = np.array([[k * (1 - s / n) for s in range(n + 1)] for _ in managed], dtype=np.float64)
+    have = set(t.layers().tolist())
+    rows = {il: i for i, il in enumerate(managed) if il in have}
+    # the slot counts replayed (every count up to 32 experts, else a grid), the rest interpolated
+    grid = list(range(n + 1)) if n <= 32 else sorted({int(round(n * f / 16)) for f in range(17)} | set(range(k + 1)))
+    per = trace_curves(t, policy or policies.DEFAULT, grid)
+    for il, i in rows.items():
+        curve[i] = np.interp(np.arange(n + 1), grid, per[il] / t.k * k)
+    return curve
+
+
+def from_trace(t: Trace, policy: str) -> SplitFile:
+    """The split file of a profile trace: ``policy``'s curves at every slot count 0..n_expert."""
+    per = trace_curves(t, policy, range(t.n_expert + 1))
+    layers = sorted(per)
+    return SplitFile(t.n_expert, t.k, layers, np.stack([per[il] for il in layers]))
+
+
+def write(sf: SplitFile, path, source: str = "", policy: str = "") -> None:
+    lines = [MAGIC, f"# per MoE layer: misses per decode token with 0..{sf.n_expert} slots per layer"
+             + (f", policy {policy}" if policy else "") + (f", from {source}" if source else ""),
+             "# written by pyvis plan --write-split; read by VIS_MOE_SLOT_SPLIT (docs/planning.md)",
+             f"experts {sf.n_expert} top_k {sf.top_k}"]
+    for il, row in zip(sf.layers, sf.curves):
+        lines.append(f"layer {il} " + " ".join(repr(float(x)) for x in row))
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def read(path) -> SplitFile:
+    """Read a split file, strictly (the runtime's checks; ValueError naming the file and the line)."""
+    raw = Path(path).read_bytes()
+    if raw.split(b"\n", 1)[0] != MAGIC.encode():
+        what = ("this is a routing trace, not a split file (its per-layer miss curves)"
+                if raw.startswith((b"VISTRACE", b"# route_trace", b"turn,")) else
+                f"not a split file (the first line is not '{MAGIC}')")
+        raise ValueError(f"{path}: {what}; make one with pyvis plan MODEL --profile TRACE --write-split FILE")
+    text = raw.decode("utf-8", "replace").splitlines()
+    n = k = 0
+    layers, rows = [], []
+    for i, line in enumerate(text[1:], 2):
+        w = line.split()
+        if not w or w[0].startswith("#"):
+            continue
+        if w[0] == "experts" and len(w) == 4 and w[2] == "top_k":
+            n, k = int(w[1]), int(w[3])
+        elif w[0] == "layer" and n > 0 and len(w) == n + 3:
+            layers.append(int(w[1]))
+            rows.append([float(x) for x in w[2:]])
+        else:
+            raise ValueError(f"{path}: line {i}: expected 'experts N top_k K' or 'layer ID' and N + 1 misses")
+    if not rows or not 1 <= k <= n:
+        raise ValueError(f"{path}: no layer lines, or no 'experts N top_k K' line with 1 <= K <= N")
+    return SplitFile(n, k, layers, np.array(rows, dtype=np.float64))
+
+
+def check_model(sf: SplitFile, path, moe_layers: list[int], n_expert: int) -> None:
+    """The runtime's check: one curve per MoE layer of the model and its expert count (ValueError naming both)."""
+    if len(sf.layers) != len(moe_layers) or sf.n_expert != n_expert:
+        raise ValueError(f"VIS_MOE_SLOT_SPLIT {path}: it was made for a model with {len(sf.layers)} MoE layers x "
+                         f"{sf.n_expert} experts, this model has {len(moe_layers)} x {n_expert}; make one for this "
+                         "model with: pyvis plan MODEL --profile TRACE --write-split FILE")
+
+
+def for_plan(shape, plan: dict, path) -> dict[int, int]:
+    """What VIS_MOE_SLOT_SPLIT=path makes of `pyvis plan`'s plan: managed layer -> slots (empty: no split)."""
+    sf = read(path)
+    check_model(sf, path, shape.moe_layers, shape.n_expert)
+    if not plan.get("ok") or not plan["managed_layers"] or plan["n_slots"] >= shape.n_expert:
+        return {}
+    managed = shape.moe_layers[plan["pinned_layers"]:]
+    pos = [shape.moe_layers.index(il) for il in managed]
+    got = sf.split(plan["n_slots"], pos, [shape.expert_bytes[il] for il in managed])
+    return dict(zip(managed, got))
+
+
+def write_for_model(shape, profile, out, policy: str) -> SplitFile:
+    """`pyvis plan --profile TRACE --write-split FILE`: the trace's curves for this model's MoE layers, written to
+    ``out`` (never over the trace or the model)."""
+    from .trace_csv import load_any
+    for other in (profile, shape.path):
+        if Path(out).exists() and Path(out).resolve() == Path(other).resolve():
+            raise ValueError(f"--write-split {out} is an input file ({other}); choose another output file")
+    t = load_any(profile)
+    if t.n_expert != shape.n_expert or len(t.layers()) != len(shape.moe_layers):
+        raise ValueError(f"--profile {profile}: the trace has {len(t.layers())} MoE layers x {t.n_expert} experts, "
+                         f"the model {len(shape.moe_layers)} x {shape.n_expert}; record it with this model (--moe-trace)")
+    sf = from_trace(t, policy)
+    write(sf, out, source=str(profile), policy=policy)
+    return sf
