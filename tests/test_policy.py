@@ -35,6 +35,18 @@ def reference(fixture_dir):
     return get
 
 
+def run_workload(llm) -> None:
+    """A prefill in passes, 12 greedy steps, then random tokens with repeats, so that some experts come back often
+    (frequency matters)."""
+    llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
+    for _ in range(12):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    rng = np.random.default_rng(7)
+    pool = rng.integers(100, 20000, size=12)
+    for tok in rng.choice(pool, size=60).tolist():
+        llm.eval([int(tok)])
+
+
 @pytest.mark.parametrize("policy", policies.RUNTIME)
 def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatch, policy):
     """A prefill in passes, greedy steps and random tokens (varied routing, evictions often choosing between experts
@@ -47,14 +59,7 @@ def test_runtime_policy_matches_the_simulation(fixture_dir, tmp_path, monkeypatc
     slots = 12
     llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=slots, trace=str(path)),
                    n_ctx=160, n_threads=2, verbose=False)
-    llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
-    for _ in range(12):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    # random tokens, with repeats so that some experts come back often (frequency matters)
-    rng = np.random.default_rng(7)
-    pool = rng.integers(100, 20000, size=12)
-    for tok in rng.choice(pool, size=60).tolist():
-        llm.eval([int(tok)])
+    run_workload(llm)
     per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_layer)}
     del llm
     t = read(path)

@@ -24,6 +24,7 @@ from pyvis.runtime.cachesim_split import split_slots
 from pyvis.runtime.trace import read
 
 from conftest import greedy_logits, run
+from test_policy import run_workload
 
 PROMPT = "Per-layer slot counts move slots to the layers that miss most; the output must not change."
 N_DECODE = 5
@@ -107,16 +108,10 @@ def test_an_uneven_split_is_byte_identical(fixture_dir, tmp_path, monkeypatch, n
 
 
 def _run(fixture_dir, path, slots):
-    """test_policy's workload: a prefill in passes, greedy steps, random tokens with repeats."""
+    """test_policy's workload on qwen3moe: per layer (slots, misses), and the slab bytes."""
     llm = moe.load(fixture_dir / "qwen3moe.gguf", moe.MoeConfig(slots=slots, trace=str(path)),
                    n_ctx=160, n_threads=2, verbose=False)
-    llm.eval(llm.tokenize(b"a prefill that routes more experts than slots, in passes", add_bos=True))
-    for _ in range(12):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    rng = np.random.default_rng(7)
-    pool = rng.integers(100, 20000, size=12)
-    for tok in rng.choice(pool, size=60).tolist():
-        llm.eval([int(tok)])
+    run_workload(llm)
     spec = fx.FIXTURES["qwen3moe"]()
     per = {il: (moe.layer_stats(llm, il).n_slots, moe.layer_stats(llm, il).n_misses) for il in range(spec.n_layer)}
     slab = moe.io_stats(llm)["slab_bytes"]
