@@ -133,7 +133,8 @@ def test_runtime_equals_the_simulator_with_a_split(fixture_dir, tmp_path, monkey
     assert r.returncode == 0, r.stderr
     sf = slot_split.read(split)
     want = sf.split(slots)
-    if len(set(want)) == 1:                                    # the profile asks for no move: force one
+    forced = len(set(want)) == 1
+    if forced:                                                 # the profile asks for no move: force one
         sf = _skewed("qwen3moe")
         slot_split.write(sf, split)
         want = sf.split(slots)
@@ -148,10 +149,14 @@ def test_runtime_equals_the_simulator_with_a_split(fixture_dir, tmp_path, monkey
     r = run([*_pyvis(), "cachesim", tmp_path / "split.trace", "--slots", str(slots), "--split-file", split, "--json"])
     assert r.returncode == 0, r.stderr
     assert [x["slots"] for x in json.loads(r.stdout)["layers"]] == want
-    # pyvis plan shows what the runtime runs
+    # pyvis plan shows what the runtime runs; with the profile the file came from, the configurator advises the same
     r = run([*_pyvis(), "plan", model, "--budget", "4000", "--slots", str(slots), "-c", "256", "--json"],
             extra_env={"VIS_MOE_SLOT_SPLIT": str(split)})
     assert list(json.loads(r.stdout)["plan"]["layer_slots"].values()) == want
+    if not forced:
+        r = run([*_pyvis(), "plan", model, "--budget", "4000", "--slots", str(slots), "-c", "256", "--json",
+                 "--profile", tmp_path / "even.trace"], extra_env={"VIS_MOE_SLOT_SPLIT": str(split)})
+        assert json.loads(r.stdout)["configuration"]["layer_slots"] == want
 
 
 def _pyvis():

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +73,28 @@ def profile_curves(shape, managed: list[int], profile, policy: str | None = None
     curve = np.array([[k * (1 - s / n) for s in range(n + 1)] for _ in managed], dtype=np.float64)
     have = set(t.layers().tolist())
     rows = {il: i for i, il in enumerate(managed) if il in have}
-    # the slot counts replayed (every count up to 32 experts, else a grid), the rest interpolated
-    grid = list(range(n + 1)) if n <= 32 else sorted({int(round(n * f / 16)) for f in range(17)} | set(range(k + 1)))
-    per = trace_curves(t, policy or policies.DEFAULT, grid)
+    sf = _profile(str(profile), policy or policies.DEFAULT)[0]
     for il, i in rows.items():
-        curve[i] = np.interp(np.arange(n + 1), grid, per[il] / t.k * k)
+        curve[i] = sf.curves[sf.layers.index(il)] / t.k * k
     return curve
+
+
+@functools.lru_cache(maxsize=4)
+def _profile(path: str, policy: str) -> tuple[SplitFile, list[int]]:
+    """A profile trace's curves at every slot count, once per run of `pyvis plan` (the configurator's advice and
+    --write-split use the same curves, so they give the same split).  A trace without decode steps (llama-perplexity
+    --moe-trace) counts every token as one (`pyvis cachesim --as-decode`)."""
+    from .trace_cli import as_decode
+    from .trace_csv import load_any
+    t = load_any(path)
+    got = from_trace(t if (t.phase == 1).any() else as_decode(t), policy)
+    # a layer without decode steps (the last layer of a llama-perplexity trace computes the output rows only) gets
+    # the mean curve of the others: an average layer, neither a donor nor a receiver by design
+    layers = sorted(t.layers().tolist())
+    mean = got.curves.mean(axis=0)
+    sf = SplitFile(t.n_expert, t.k, layers, np.stack([got.curves[got.layers.index(il)] if il in got.layers else mean
+                                                      for il in layers]))
+    return sf, [il for il in layers if il not in got.layers]
 
 
 def from_trace(t: Trace, policy: str) -> SplitFile:
@@ -155,6 +172,7 @@ def write_for_model(shape, profile, out, policy: str) -> SplitFile:
     if t.n_expert != shape.n_expert or len(t.layers()) != len(shape.moe_layers):
         raise ValueError(f"--profile {profile}: the trace has {len(t.layers())} MoE layers x {t.n_expert} experts, "
                          f"the model {len(shape.moe_layers)} x {shape.n_expert}; record it with this model (--moe-trace)")
-    sf = from_trace(t, policy)
-    write(sf, out, source=str(profile), policy=policy)
+    sf, missing = _profile(str(profile), policy)
+    write(sf, out, source=str(profile) + (f" (layers {missing}: no decode steps, the mean of the others)"
+                                          if missing else ""), policy=policy)
     return sf
