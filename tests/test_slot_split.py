@@ -66,6 +66,14 @@ def test_c_and_python_give_the_same_split():
             assert sum(x * b for x, b in zip(got, rb)) <= s * sum(rb)
         uneven += len(set(got)) > 1
     assert uneven > 100
+    # curves of counts (misses over decode steps), scaled (another top-k) and rounded to float as the configurator
+    # passes them: the same split
+    for i in range(100):
+        L, n, steps = int(rng.integers(2, 30)), int(rng.integers(8, 129)), int(rng.integers(16, 2048))
+        c = np.sort(rng.integers(0, steps * 6, (L, n + 1)), axis=1)[:, ::-1] / steps
+        k, s = int(rng.integers(1, n // 2)), int(rng.integers(n // 4, n // 2 + 1))
+        want = split_slots(c, k, s)
+        assert native.split_slots((c * 4 / 3).astype(np.float32), k, s) == want, i
 
 
 def test_the_configurators_split_is_the_runtimes_rule():

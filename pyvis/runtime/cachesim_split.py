@@ -112,14 +112,22 @@ def split_by_exchange(curves: dict[int, dict[int, float]], slots: int, hysteresi
     hi = {il: max(c) for il, c in curves.items()}
     if any(not lo[il] <= slots <= hi[il] for il in curves):
         raise ValueError(f"the miss curves must cover {slots} slots in every layer")
+    # differences within 1e-5 of the largest curve value are ties (float-rounded or scaled curves split alike)
+    tol = 1e-5 * max(abs(x) for c in curves.values() for x in c.values()) + 1e-12
     while True:
         gain = {il: curves[il][caps[il]] - curves[il][caps[il] + 1] if caps[il] < hi[il] else -1 for il in curves}
-        a = max(curves, key=gain.__getitem__)
+        a = None
+        for il in curves:                                      # the first that gains most
+            if a is None or gain[il] > gain[a] + tol:
+                a = il
         loss = {il: curves[il][caps[il] - 1] - curves[il][caps[il]]
                 if caps[il] > lo[il] and il != a and (row_bytes is None or row_bytes[il] >= row_bytes[a]) else math.inf
                 for il in curves}
-        b = min(curves, key=loss.__getitem__)
-        if not gain[a] > max(loss[b], loss[b] * (1 + hysteresis)) + 1e-12:   # the total falls: no cycles
+        b = None
+        for il in curves:                                      # the first that loses least
+            if b is None or loss[il] < loss[b] - tol:
+                b = il
+        if not gain[a] > max(loss[b], loss[b] * (1 + hysteresis)) + tol:   # the total falls: no cycles
             return caps
         caps[a] += 1
         caps[b] -= 1

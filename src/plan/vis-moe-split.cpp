@@ -14,6 +14,7 @@
 namespace {
 
 constexpr double HYSTERESIS = 0.1;  // a slot moves only where it saves 10 % more than it costs (docs/policies-limits.md)
+constexpr double TOL = 1e-5;        // relative to the largest curve value: closer is a tie
 constexpr const char * MAGIC = "vis-moe slot-split 1";
 constexpr const char * MAKE  = "pyvis plan MODEL --profile TRACE --write-split FILE";
 
@@ -42,6 +43,15 @@ int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, i
     const int lo = std::min(n_expert_used, slots);
     const int hi = std::min(n_expert, 2 * slots);
     auto c = [&](int l, int s) { return miss_curve[(size_t) l * w + s]; };
+    // comparisons within TOL of the largest curve value in the range are ties: the rule gives the same split on curves rounded
+    // to float (the configurator's) or scaled, as long as real differences are larger (curves of counts are)
+    double top = 0;
+    for (int l = 0; l < n_layers; ++l) {
+        for (int x = lo; x <= hi; ++x) {
+            top = std::max(top, std::fabs(c(l, x)));
+        }
+    }
+    const double tol = TOL * top + 1e-12;
     std::vector<int> caps(n_layers, slots);
     const double inf = std::numeric_limits<double>::infinity();
     for (;;) {
@@ -50,7 +60,7 @@ int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, i
         double gain = 0;
         for (int l = 0; l < n_layers; ++l) {
             const double g = caps[l] < hi ? c(l, caps[l]) - c(l, caps[l] + 1) : -1.0;
-            if (a < 0 || g > gain) {
+            if (a < 0 || g > gain + tol) {
                 a = l;
                 gain = g;
             }
@@ -61,12 +71,12 @@ int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, i
         for (int l = 0; l < n_layers; ++l) {
             const bool may = caps[l] > lo && l != a && (!row_bytes || row_bytes[l] >= row_bytes[a]);
             const double x = may ? c(l, caps[l] - 1) - c(l, caps[l]) : inf;
-            if (b < 0 || x < loss) {
+            if (b < 0 || x < loss - tol) {
                 b = l;
                 loss = x;
             }
         }
-        if (!(gain > std::max(loss, loss * (1 + HYSTERESIS)) + 1e-12)) {  // the total falls each move: no cycles
+        if (!(gain > std::max(loss, loss * (1 + HYSTERESIS)) + tol)) {  // the total falls each move: no cycles
             break;
         }
         caps[a]++;
