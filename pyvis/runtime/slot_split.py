@@ -2,7 +2,7 @@
 (VIS_MOE_SLOT_SPLIT=FILE, docs/planning.md#per-layer-slot-counts).
 
 `pyvis plan MODEL --profile TRACE --write-split FILE` writes one (:func:`write`); the runtime reads it
-(src/vis-moe-split.cpp) and splits the slots its plan gives every managed layer by
+(src/plan/vis-moe-split.cpp) and splits the slots its plan gives every managed layer by
 ``llama_vis_moe_split_slots``; the simulator (``pyvis cachesim --split-file FILE``) runs the same rule in Python
 (:func:`pyvis.runtime.cachesim_split.split_slots`).  Format (text)::
 
