@@ -1,4 +1,4 @@
-"""Per-layer slot counts at run time (VIS_MOE_SLOT_SPLIT=FILE, src/plan/vis-moe-split.cpp, docs/planning.md
+"""Per-layer slot counts at run time (VIS_MOE_SLOT_SPLIT=FILE, src/core/vis-moe-split.cpp, docs/planning.md
 #per-layer-slot-counts; issue #24 item 4, issue #26 item 3):
 
 - one rule: llama_vis_moe_split_slots (C: the attach and the configurator) and cachesim_split.split_slots (Python:

@@ -106,7 +106,7 @@ def split_by_exchange(curves: dict[int, dict[int, float]], slots: int, hysteresi
     run once on a profile), within the capacities the curves cover; with ``row_bytes`` (bytes of one slot per
     layer) only a layer whose slot is at least as large gives one up, so the bytes never exceed the even split's.
     Unlike :func:`split_by_utility` it never strays far from the even split on noisy, non-convex curves
-    (docs/policies-limits.md).  src/plan/vis-moe-split.cpp (llama_vis_moe_split_slots) is the same rule in C."""
+    (docs/policies-limits.md).  src/core/vis-moe-split.cpp (llama_vis_moe_split_slots) is the same rule in C."""
     caps = {il: slots for il in curves}
     lo = {il: min(c) for il, c in curves.items()}
     hi = {il: max(c) for il, c in curves.items()}
@@ -134,7 +134,7 @@ def split_by_exchange(curves: dict[int, dict[int, float]], slots: int, hysteresi
 
 
 def split_slots(curves, n_expert_used: int, slots: int, row_bytes=None) -> list[int]:
-    """The per-layer split VIS_MOE_SLOT_SPLIT runs at attach (llama_vis_moe_split_slots, src/plan/vis-moe-split.cpp), in
+    """The per-layer split VIS_MOE_SLOT_SPLIT runs at attach (llama_vis_moe_split_slots, src/core/vis-moe-split.cpp), in
     Python: ``curves`` [layers][n_expert + 1] (misses with 0..n_expert slots), ``slots`` per layer on average,
     every layer within min(top-k, slots) .. min(n_expert, 2 slots), :func:`split_by_exchange` with 10 % hysteresis.
     A list of slot counts in the curves' layer order."""

@@ -2,7 +2,7 @@
 (VIS_MOE_SLOT_SPLIT=FILE, docs/planning.md#per-layer-slot-counts).
 
 `pyvis plan MODEL --profile TRACE --write-split FILE` writes one (:func:`write`); the runtime reads it
-(src/plan/vis-moe-split.cpp) and splits the slots its plan gives every managed layer by
+(src/core/vis-moe-split.cpp) and splits the slots its plan gives every managed layer by
 ``llama_vis_moe_split_slots``; the simulator (``pyvis cachesim --split-file FILE``) runs the same rule in Python
 (:func:`pyvis.runtime.cachesim_split.split_slots`).  Format (text)::
 
@@ -84,7 +84,7 @@ def _profile(path: str, policy: str) -> tuple[SplitFile, list[int]]:
     """A profile trace's curves at every slot count, once per run of `pyvis plan` (the configurator's advice and
     --write-split use the same curves, so they give the same split).  A trace without decode steps (llama-perplexity
     --moe-trace) counts every token as one (`pyvis cachesim --as-decode`)."""
-    from .trace_cli import as_decode
+    from .trace import as_decode
     from .trace_csv import load_any
     t = load_any(path)
     got = from_trace(t if (t.phase == 1).any() else as_decode(t), policy)

@@ -281,3 +281,13 @@ def load(path: str | os.PathLike, progress=None) -> Trace:
         raise
     except (KeyError, ValueError, OSError) as e:
         raise TraceError(f"{p}: not a routing trace (a --moe-trace file or an .npz from Trace.save): {e}") from e
+
+
+def as_decode(t: Trace) -> Trace:
+    """Every token of `t` as a decode step of its own (the layers that routed every token), for traces of
+    prefill-only runs such as ``llama-perplexity --moe-trace``."""
+    ids, layers = t.routes()
+    u = Trace.from_routes(ids, t.n_expert, layers, dict(t.meta))
+    u.n_layer, u.n_expert_used = max(u.n_layer, t.n_layer), t.n_expert_used
+    u.expert_bytes = t.expert_bytes
+    return u

@@ -20,7 +20,7 @@ import numpy as np
 from . import policies
 from .cachesim_replay import replay
 from .plot import pyplot
-from .trace import Trace, TraceError
+from .trace import Trace, TraceError, as_decode  # noqa: F401  (as_decode: scripts import it from here)
 from .trace_csv import load_any
 
 
@@ -100,16 +100,6 @@ def _slots(args: argparse.Namespace, t: Trace) -> int:
         raise SystemExit(f"error: --budget {args.budget:g} MiB holds no expert per layer "
                          f"(one slot in each of {len(layers)} layers takes {total / (1 << 20):.1f} MiB)")
     return n
-
-
-def as_decode(t: Trace) -> Trace:
-    """Every token of `t` as a decode step of its own (the layers that routed every token), for traces of
-    prefill-only runs such as ``llama-perplexity --moe-trace``."""
-    ids, layers = t.routes()
-    u = Trace.from_routes(ids, t.n_expert, layers, dict(t.meta))
-    u.n_layer, u.n_expert_used = max(u.n_layer, t.n_layer), t.n_expert_used
-    u.expert_bytes = t.expert_bytes
-    return u
 
 
 def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: bool = False,
