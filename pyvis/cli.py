@@ -138,11 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import calibrate
     from .calibrate import graph as buddy_graph
-    from .runtime import plan, shadow, trace_cli
+    from .runtime import plan_cli, shadow, trace_cli
     from .testbed import moefy, prefetch_report, quality, routing_report, substitute_sweep, train_moe
     from .vlm import chat, evaluate, report
     chat.register(sub)
-    for m in (moefy, routing_report, quality, substitute_sweep, prefetch_report, report, evaluate, plan, calibrate,
+    for m in (moefy, routing_report, quality, substitute_sweep, prefetch_report, report, evaluate, plan_cli, calibrate,
               buddy_graph, shadow, trace_cli, train_moe):
         m.register(sub)
     report.register_sim(sub)
