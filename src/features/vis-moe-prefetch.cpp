@@ -360,7 +360,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
                    s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off", seeded.c_str());
 }
 
-void vis_moe_prefetcher::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+void vis_moe_prefetcher::plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
                                         const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
                                         int64_t n_pairs) {
     (void) vm;

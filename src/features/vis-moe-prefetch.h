@@ -71,8 +71,9 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { reset_stats(); }
-    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
-                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
+    void plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                        int64_t n_pairs) override;
 
 private:
     struct ahead_read {
