@@ -67,11 +67,11 @@ CACHE_MUTATIONS = {
         r"\bubatch_plan\s*\.\s*\w+\s*(?:\[[^\]]*\]\s*)?(?:=(?!=)|\.\s*(?:assign|push_back|emplace_back|clear|resize)\s*\()"),
     "runs a pass or applies a plan": re.compile(r"\bvis_moe_run_pass\s*\(|\.\s*apply\s*\(\s*il\b|\bplanning\b"),
 }
-# Features that still change the cache themselves, outside pass 0's plan: the predict op reads ahead (prefetch) and
-# its end of ubatch counts the speculative horizons down, the stream op stages (stage) or empties the slots to lend
-# their memory (lend), the shadow passes fill the shadow pool (shadow-slots).  Only shrinks.
+# Features that still change the cache themselves, outside pass 0's plan: prefetch's end of ubatch counts the
+# speculative horizons down (its reads ahead go through the context's apply_reads), the stream op stages (stage) or
+# empties the slots to lend their memory (lend), the shadow passes fill the shadow pool (shadow-slots).  Only shrinks.
 KNOWN_FEATURE_MUTATIONS = {
-    "vis-moe-prefetch": {"starts a read", "writes a slot pool"},
+    "vis-moe-prefetch": {"writes a slot pool"},
     "vis-moe-stage": {"starts a read"},
     "vis-moe-lend": {"writes a slot pool"},
     "vis-moe-shadow-slots": {"writes a slot pool"},

@@ -10,24 +10,39 @@
 #include <string>
 #include <utility>
 
-// the plan's background reads, in order: a kind whose read found no slot tries none of its kind after it (every
-// slot serves this pass); a read marked if_missing is skipped when the expert is resident by its turn
-static void start_reads(vis_moe_context & vm, vis_moe_layer & L, int il, vis_ubatch_plan & plan) {
+void vis_moe_context::apply_reads(int il, std::vector<vis_plan_read> & reads) {
+    // in order: a kind whose read found no slot tries none of its kind after it (every slot serves this pass, or
+    // a read ahead would evict a protected one); if_missing: skipped when the expert is resident by its turn
+    vis_moe_layer & L = layers[il];
     int full = -1;  // the kind that found no slot
-    for (vis_plan_read & r : plan.reads) {
+    std::vector<int> held;  // reads ahead: slots of resident predicted experts, kept from the later reads' victims
+    for (vis_plan_read & r : reads) {
         if ((int) r.why == full) {
             r.done = VIS_READ_NOT_ISSUED;
             continue;
         }
-        if (r.if_missing && L.slots.resident(r.expert)) {
+        const bool ahead = r.why == VIS_READ_AHEAD;
+        const int  s     = r.if_missing ? L.slots.slot_of(r.expert) : -1;
+        if (s >= 0) {
+            if (ahead && L.slots.policy().slot_class(s) != vis_slot_class::REQUIRED) {
+                L.slots.policy().hold(s, true);
+                held.push_back(s);
+            }
             r.done = VIS_READ_RESIDENT;
             continue;
         }
-        switch (vis_moe_fetch_submit(vm, L, il, r.expert, false)) {
+        if (ahead && L.slots.filling(r.expert)) {
+            r.done = VIS_READ_FILLING;
+            continue;
+        }
+        switch (vis_moe_fetch_submit(*this, L, il, r.expert, ahead)) {
             case VIS_FETCH_NO_SLOT: r.done = VIS_READ_NO_SLOT; full = (int) r.why; break;
             case VIS_FETCH_SERVED:  r.done = VIS_READ_SERVED; break;
             case VIS_FETCH_QUEUED:  r.done = VIS_READ_QUEUED; break;
         }
+    }
+    for (int s : held) {
+        L.slots.policy().hold(s, false);
     }
 }
 
@@ -43,5 +58,5 @@ void vis_moe_context::apply(int il, vis_ubatch_plan & plan, const int32_t * rout
                                  "(plan bug): the ubatch is not computed");
     }
     vis_moe_run_pass(*this, L, il, 0, p.run_ids(routed), p.n_pairs, out);
-    start_reads(*this, L, il, L.ubatch_plan);
+    apply_reads(il, L.ubatch_plan.reads);
 }

@@ -5,7 +5,8 @@
 // Who does what (docs/architecture.md):
 //   vis-moe-attach.cpp    sizing and creation (slots, slabs, tiers, locking)
 //   vis-moe-graph.cpp     the graph of a managed layer (passes, merge, streaming)
-//   vis-moe-ops.cpp       the CPU ops those graphs run (plan, slot ids, merge, stream advice)
+//   vis-moe-ops.cpp       the CPU ops those graphs run (pass 0 makes the ubatch plan; slot ids, merge, stream advice)
+//   vis-moe-apply.cpp     apply / apply_reads: the one place a ubatch plan (vis-moe-ubatch-plan.h) changes the cache
 //   vis-moe-passes.cpp    pass planning and the slot table, eviction through vis-moe-policy.h
 //   vis-moe-transfer.cpp  filling slots from tier 2, tier 3 or the model's copy
 //   vis-moe-stats.cpp     stats API and the --moe-stats table
@@ -229,6 +230,9 @@ struct vis_moe_context {
     // plan's background reads started, in order.  Throws when the plan has more passes than the graph, or on a read
     // failure (vis_io_error, the slot table left consistent).
     void apply(int il, vis_ubatch_plan & plan, const int32_t * routed, int32_t * out);
+    // background reads into layer il's slots, in order (apply's second half; prefetch's reads ahead): each read's
+    // `done` written (vis-moe-ubatch-plan.h)
+    void apply_reads(int il, std::vector<vis_plan_read> & reads);
     // the index of layer L in `layers`
     int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
     // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)

@@ -8,7 +8,8 @@
 // to start in the background once pass 0 is loaded (stand-ins' experts, precision's refetch).  Then the context's
 // apply() (vis-moe-apply.cpp) is the one place that makes it happen: the layer takes the plan (the ops of its other
 // passes read it), pass 0's experts are loaded into the slot pool and the background reads are started; the
-// features count what was started in plan_applied.  The same buffers serve every ubatch: the context's scratch plan
+// features count what was started in plan_applied.  Prefetch's predict op, after pass 0, lists the reads ahead of
+// a later layer the same way (vis_plan_read, VIS_READ_AHEAD) for the context's apply_reads.  The same buffers serve every ubatch: the context's scratch plan
 // and the layer's applied one are swapped, never reallocated once grown.
 #pragma once
 
@@ -19,6 +20,9 @@
 enum vis_read_why : uint8_t {
     VIS_READ_STAND_IN = 0,  // the expert every pair of which runs a stand-in (substitution)
     VIS_READ_REFETCH  = 1,  // the full-precision expert of a miss served from its shadow (precision)
+    VIS_READ_AHEAD    = 2,  // a predicted expert of a later layer (prefetch, vis_moe_context::apply_reads):
+                            // speculative; a resident one is held from the victims of the reads after it, one
+                            // on its way already is skipped
 };
 
 // what apply() did with a background read
@@ -28,9 +32,10 @@ enum vis_read_done : uint8_t {
     VIS_READ_SERVED,          // served on the spot (host cache, model's copy)
     VIS_READ_QUEUED,          // a background read, collected by the layer's next pass 0
     VIS_READ_RESIDENT,        // if_missing and the expert was resident when its turn came: nothing to read
+    VIS_READ_FILLING,         // a read ahead whose expert was on its way already
 };
 
-// one background read of a ubatch plan, in issue order
+// one background read of a ubatch plan (or of a list of reads ahead), in issue order
 struct vis_plan_read {
     int32_t       expert     = -1;
     vis_read_why  why        = VIS_READ_STAND_IN;
