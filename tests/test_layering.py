@@ -12,6 +12,12 @@ the list), but no module may join one and no new circle may appear.  The cache c
 through the feature interface (src/core/vis-moe-feature.h): no core module includes a feature's header.
 The folders of src/ are its layers (plan and vlm on top, then features, core, store, api): a file includes only
 files of its own folder or of a folder below it; today's exceptions are an allow-list that may only shrink.
+
+One mutator (issue #23 item 2): pass 0's planners write a ubatch plan (src/core/vis-moe-ubatch-plan.h) and only the
+context's apply() (src/core/vis-moe-apply.cpp) changes the slot pools and starts reads.  A feature's source writes
+no layer's applied plan, calls no read starter (``vis_moe_fetch_submit``, the fetcher's ``submit``) and no slot-pool
+writer; the features that still do it outside pass 0 (the stream op, the shadow passes, the end of a ubatch) are an
+explicit allow-list that may only shrink.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ KNOWN_SRC_CIRCLES = [
 CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-moe-policy", "vis-moe-graph",
                 "vis-moe-ops", "vis-moe-attach", "vis-moe-attach-plan", "vis-moe-attach-upload", "vis-moe-transfer",
                 "vis-moe-fetch", "vis-moe-fetch-slots", "vis-moe-upload", "vis-moe-feature", "vis-moe-store",
-                "vis-moe-io-pool", "vis-moe-host-cache", "vis-moe-deferred"}
+                "vis-moe-io-pool", "vis-moe-host-cache", "vis-moe-deferred", "vis-moe-apply",
+                "vis-moe-ubatch-plan"}
 # ... and the features: the mechanisms behind vis_moe_feature (src/core/vis-moe-feature.h) and the modules only they use
 FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
@@ -49,6 +56,25 @@ KNOWN_CORE_FEATURE_INCLUDES = {
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},
     "vis-moe-attach-plan": {"vis-moe-shadow"},
+}
+
+# What a feature's source may not do (the context's apply() does it): name -> pattern, on the source without comments
+CACHE_MUTATIONS = {
+    "starts a read": re.compile(r"\bvis_moe_fetch_submit\s*\(|\bfetch\s*->\s*submit\s*\("),
+    "writes a slot pool": re.compile(r"\b(?:slots|pool)\s*\.\s*(?:place|reserve|evict|release|settle|forget_all)\s*\(|"
+                                     r"\bpolicy\s*\(\s*\)\s*\.\s*(?:touch|hold|speculate|end_step)\s*\("),
+    "writes the applied ubatch plan": re.compile(
+        r"\bubatch_plan\s*\.\s*\w+\s*(?:\[[^\]]*\]\s*)?(?:=(?!=)|\.\s*(?:assign|push_back|emplace_back|clear|resize)\s*\()"),
+    "runs a pass or applies a plan": re.compile(r"\bvis_moe_run_pass\s*\(|\.\s*apply\s*\(\s*il\b|\bplanning\b"),
+}
+# Features that still change the cache themselves, outside pass 0's plan: prefetch's end of ubatch counts the
+# speculative horizons down (its reads ahead go through the context's apply_reads), the stream op stages (stage) or
+# empties the slots to lend their memory (lend), the shadow passes fill the shadow pool (shadow-slots).  Only shrinks.
+KNOWN_FEATURE_MUTATIONS = {
+    "vis-moe-prefetch": {"writes a slot pool"},
+    "vis-moe-stage": {"starts a read"},
+    "vis-moe-lend": {"writes a slot pool"},
+    "vis-moe-shadow-slots": {"writes a slot pool"},
 }
 
 # The layer folders of src/ by rank (docs/architecture.md, "Folders"): a file may include files of its own folder
@@ -282,6 +308,35 @@ def test_the_module_lists_agree_with_the_folders():
         assert not wrong, f"{wrong}: move them to src/{' or src/'.join(sorted(allowed))}/ (or fix the list)"
 
 
+def feature_mutations(root: Path) -> dict[str, set[str]]:
+    """feature module -> the CACHE_MUTATIONS its .cpp files do (only those that do any)."""
+    out = {}
+    for p in sorted((root / "src").rglob("*.cpp")):
+        mod = p.name.split(".")[0]
+        if mod not in FEATURE_MODULES:
+            continue
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", p.read_text(), flags=re.S)
+        found = {name for name, pat in CACHE_MUTATIONS.items() if pat.search(text)}
+        if found:
+            out.setdefault(mod, set()).update(found)
+    return out
+
+
+def test_only_apply_changes_the_cache():
+    found = feature_mutations(ROOT)
+    for m, what in found.items():
+        extra = what - KNOWN_FEATURE_MUTATIONS.get(m, set())
+        assert not extra, (f"{m} (a feature) {', '.join(sorted(extra))}: plan it instead (a field or a read of the "
+                           "ubatch plan, src/core/vis-moe-ubatch-plan.h) and let vis_moe_context::apply do it")
+    for m, what in KNOWN_FEATURE_MUTATIONS.items():
+        gone = what - found.get(m, set())
+        assert not gone, (f"{m} no longer {', '.join(sorted(gone))}: good, remove it from KNOWN_FEATURE_MUTATIONS "
+                          "so that it cannot come back")
+    # the planners of pass 0 are clean: they write only the plan
+    for m in ("vis-moe-substitute", "vis-moe-precision", "vis-moe-capacity", "vis-moe-trace"):
+        assert m not in found, f"{m} {', '.join(sorted(found[m]))}"
+
+
 # --------------------------------------------------------------------------
 # the checkers see what they must
 # --------------------------------------------------------------------------
@@ -338,3 +393,20 @@ def test_the_folder_check_sees_an_upward_include_and_a_stray_file(tmp_path):
         "vis-moe-settings": {"vis-moe-store"},        # api -> store: up
         "vis-moe-plan": {"vis-vlm"}}                  # plan -> vlm: a folder of the same rank
     assert [line.split(":")[0] for line in misplaced(folders)] == ["vis-moe-flat", "vis-moe-odd", "vis-moe-split"]
+
+
+def test_the_mutation_check_sees_a_planner_that_writes_the_cache(tmp_path):
+    (tmp_path / "src" / "features").mkdir(parents=True)
+    (tmp_path / "src" / "core").mkdir()
+    (tmp_path / "src" / "features" / "vis-moe-substitute.cpp").write_text(
+        "// vis_moe_fetch_submit(vm, L, il, e, false) in a comment is fine\n"
+        "void f(vis_moe_context & vm, vis_moe_layer & L) {\n"
+        "    const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);\n"
+        "    L.ubatch_plan.sub_active = true;\n"
+        "    if (L.ubatch_plan.exec[j] == e) {}\n"
+        "    L.shadow.pool.evict(s);\n}\n")
+    (tmp_path / "src" / "features" / "vis-moe-capacity.cpp").write_text(
+        "void g(vis_ubatch_plan & plan) { plan.exec.assign(n, 0); plan.sub_active = true; }\n")
+    (tmp_path / "src" / "core" / "vis-moe-apply.cpp").write_text("void h() { vis_moe_fetch_submit(vm, L, il, e, false); }\n")
+    assert feature_mutations(tmp_path) == {
+        "vis-moe-substitute": {"starts a read", "writes the applied ubatch plan", "writes a slot pool"}}

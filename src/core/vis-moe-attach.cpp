@@ -189,7 +189,7 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     L.n_slots      = ns;
     L.n_expert     = n_exp;
     L.expert_bytes = vis_moe_layer_expert_bytes(l);
-    L.pass_of.assign(n_exp, -1);
+    L.ubatch_plan.pass_of.assign(n_exp, -1);
     L.slots.init(n_exp, ns, vis_moe_policy_make(ap.policy, ns, n_exp));
     L.stats.n_slots = ns;
     L.stats.managed = 1;

@@ -5,7 +5,8 @@
 // Who does what (docs/architecture.md):
 //   vis-moe-attach.cpp    sizing and creation (slots, slabs, tiers, locking)
 //   vis-moe-graph.cpp     the graph of a managed layer (passes, merge, streaming)
-//   vis-moe-ops.cpp       the CPU ops those graphs run (plan, slot ids, merge, stream advice)
+//   vis-moe-ops.cpp       the CPU ops those graphs run (pass 0 makes the ubatch plan; slot ids, merge, stream advice)
+//   vis-moe-apply.cpp     apply / apply_reads: the one place a ubatch plan (vis-moe-ubatch-plan.h) changes the cache
 //   vis-moe-passes.cpp    pass planning and the slot table, eviction through vis-moe-policy.h
 //   vis-moe-transfer.cpp  filling slots from tier 2, tier 3 or the model's copy
 //   vis-moe-stats.cpp     stats API and the --moe-stats table
@@ -16,6 +17,7 @@
 #include "vis-moe-slot-pool.h"
 #include "vis-moe-store.h"
 #include "vis-moe-telemetry-types.h"
+#include "vis-moe-ubatch-plan.h"
 #include "vis-moe-upload.h"
 
 #include "ggml.h"
@@ -101,21 +103,17 @@ struct vis_moe_layer {
     // the slot table and eviction policy of the slabs (vis-moe-slot-pool.h: its only writer)
     vis_slot_pool slots;
 
-    // pass plan of the ubatch being computed
-    std::vector<int32_t> pass_of;    // expert -> pass, -1 if not routed
-    std::vector<std::vector<int32_t>> passes;
+    // the ubatch plan it runs (vis-moe-ubatch-plan.h: route, serve, passes, reads), swapped in by
+    // vis_moe_context::apply; the ops of its passes read it
+    vis_ubatch_plan ubatch_plan;
 
     llama_vis_moe_stats stats = {};
 
-    // the planners' choice for the ubatch being computed (substitution, capacity): the expert each pair runs, and why
-    bool sub_active = false;          // some pair runs a stand-in: the ops read exec, not the routed ids
-    std::vector<int32_t> exec;
-    std::vector<uint8_t> outcome;
-    // the shadow slots (--moe-precision; the second slot pool, vis-moe-slot-pool.h) and what they served
+    // the shadow slots (--moe-precision; the second slot pool, vis-moe-slot-pool.h)
     vis_shadow_slots shadow;
 
     // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
-    const int32_t * run_ids(const int32_t * routed) const { return sub_active ? exec.data() : routed; }
+    const int32_t * run_ids(const int32_t * routed) const { return ubatch_plan.run_ids(routed); }
 
     // the first slab tensor (every managed layer has one)
     ggml_tensor * any_slab() const {
@@ -185,6 +183,9 @@ struct vis_moe_context {
     int64_t ub_t0_us = 0, ttft_us = -1, n_prompt_ubatches = 0;
     bool    in_prompt = false;
 
+    // the ubatch plan pass 0 of a managed layer is making (one layer at a time); apply() swaps it with the layer's
+    vis_ubatch_plan planning;
+
     // the features (vis-moe-feature.h), in attach order: the lifetime hooks loop over them
     std::vector<std::unique_ptr<vis_moe_feature>> features;
     // typed handles to them, null when off, for the graph and its ops (owned by `features`)
@@ -225,6 +226,14 @@ struct vis_moe_context {
         }
         return p;
     }
+    // the one place a ubatch plan changes the cache (vis-moe-apply.cpp): layer il takes `plan` (it gets the layer's
+    // last one back, for its buffers), pass 0's experts are loaded (the ids of its pairs written to out) and the
+    // plan's background reads started, in order.  Throws when the plan has more passes than the graph, or on a read
+    // failure (vis_io_error, the slot table left consistent).
+    void apply(int il, vis_ubatch_plan & plan, const int32_t * routed, int32_t * out);
+    // background reads into layer il's slots, in order (apply's second half; prefetch's reads ahead): each read's
+    // `done` written (vis-moe-ubatch-plan.h)
+    void apply_reads(int il, std::vector<vis_plan_read> & reads);
     // the index of layer L in `layers`
     int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
     // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)

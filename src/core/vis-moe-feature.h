@@ -8,9 +8,11 @@
 //   --moe-stats            -> stats_print    (after the cache table, before the tiers footer)
 //   llama_vis_moe_reset_stats -> stats_reset
 //   vis_moe_context_detach -> detach         (before the stats are printed)
-// pass 0 of a managed layer plans its ubatch as a chain of planning steps, each a loop over the features
-// (vis-moe-ops.cpp): observe_routing, plan_collected, plan_route, plan_routed, plan_serve; the core then splits
-// the experts into passes and loads pass 0; plan_background starts the reads the plan wants in the background.
+// pass 0 of a managed layer makes its ubatch plan (vis-moe-ubatch-plan.h) as a chain of planning steps, each a
+// loop over the features (vis-moe-ops.cpp): observe_routing, plan_collected, plan_route, plan_routed, plan_serve;
+// the core splits the experts into passes; plan_reads adds the background reads.  A planner gets a const context
+// and layer and writes only into the plan (and its own state).  The context's apply() is the one mutator: it loads
+// pass 0 and starts the reads; plan_applied tells each feature what was started.
 // A streamed layer tells them with stream_layer.  The graph's pass count asks them through image_pass_bound and
 // streams_early.  A feature keeps its own
 // state (per-layer state as a vector indexed by layer) and its own stats (its C struct of llama-vis.h, its own
@@ -29,6 +31,7 @@ struct vis_moe_layer;
 struct llama_ubatch;
 struct ggml_tensor;
 struct vis_fetch_done;  // vis-moe-fetch-slots.h
+struct vis_ubatch_plan;  // vis-moe-ubatch-plan.h
 
 // how a streamed layer reads its experts (the stream op, vis-moe-ops.cpp)
 enum vis_stream_how { VIS_STREAM_MAPPED = 0, VIS_STREAM_STAGED = 1, VIS_STREAM_STAGED_SHADOW = 2 };
@@ -55,17 +58,21 @@ public:
     // the context goes away (before the stats are printed)
     virtual void detach(vis_moe_context & vm) { (void) vm; }
 
-    // ---- planning a ubatch, per layer (pass 0 of a managed layer; ids [k, n_tokens], weights [1, k, n_tokens])
+    // ---- planning a ubatch, per layer (pass 0 of a managed layer; ids [k, n_tokens], weights [1, k, n_tokens]).
+    // A planner reads the context and the layer and writes only into the ubatch plan (vis-moe-ubatch-plan.h) and its
+    // own state; the context's apply() changes the slot pools and starts the plan's reads.  (The gate weights of
+    // pairs a planner drops are zeroed in `weights`, the ubatch's own data.)
     // the routing of layer il, as the router (or the replay) chose it: any layer with ops (the trace's REC1)
-    virtual void observe_routing(vis_moe_context & vm, int il, const ggml_tensor * ids, const ggml_tensor * weights) {
+    virtual void observe_routing(const vis_moe_context & vm, int il, const ggml_tensor * ids, const ggml_tensor * weights) {
         (void) vm;
         (void) il;
         (void) ids;
         (void) weights;
     }
     // the layer's background reads were collected before it plans (waited_us: how long pass 0 waited for them)
-    virtual void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
-                                int64_t waited_us, const int32_t * ids, int64_t n_pairs) {
+    virtual void plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                                int64_t n_pairs) {
         (void) vm;
         (void) L;
         (void) il;
@@ -74,41 +81,53 @@ public:
         (void) ids;
         (void) n_pairs;
     }
-    // which expert each pair runs (L.exec, L.outcome, L.sub_active; dropped pairs' gate weights zeroed in weights):
-    // substitution, then capacity.  scores: [n_expert, n_tokens] when a feature asked for them (wants_scores)
-    virtual void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                            const ggml_tensor * weights, const ggml_tensor * scores) {
+    // route: which expert each pair runs (plan.exec, plan.outcome, plan.sub_active; dropped pairs' gate weights
+    // zeroed in weights): substitution, then capacity.  scores: [n_expert, n_tokens] when a feature asked for them
+    // (wants_scores)
+    virtual void plan_route(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                            const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores) {
         (void) vm;
         (void) L;
         (void) il;
+        (void) plan;
         (void) ids;
         (void) weights;
         (void) scores;
     }
     // after every plan_route: what the pairs run (the trace's SUB1)
-    virtual void plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) {
+    virtual void plan_routed(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan,
+                             const ggml_tensor * ids) {
         (void) vm;
         (void) L;
         (void) il;
+        (void) plan;
         (void) ids;
     }
-    // where each expert is served from: the misses the shadow slots serve (L.shadow.serve).  run: the ids the
-    // passes run [n_pairs]
-    virtual void plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run, const ggml_tensor * ids,
-                            const ggml_tensor * weights) {
+    // serve: where each expert is served from: the misses the shadow slots serve (plan.shadow_serve).  The pairs
+    // run plan.run_ids(ids->data)
+    virtual void plan_serve(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                            const ggml_tensor * ids, const ggml_tensor * weights) {
         (void) vm;
         (void) L;
         (void) il;
-        (void) run;
+        (void) plan;
         (void) ids;
         (void) weights;
     }
-    // pass 0 loaded what the ubatch needs: the reads the plan wants in the background (substitution's and
-    // precision's full-precision experts)
-    virtual void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
+    // the passes are split (plan.passes, plan.shadow_passes): the reads to start in the background once pass 0 is
+    // loaded (plan.read: substitution's stand-ins' experts, precision's full-precision refetch)
+    virtual void plan_reads(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan) {
         (void) vm;
         (void) L;
         (void) il;
+        (void) plan;
+    }
+    // apply() ran the plan: what became of each read (plan.reads[i].done), for the feature's stats
+    virtual void plan_applied(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan) {
+        (void) vm;
+        (void) L;
+        (void) il;
+        (void) plan;
     }
     // layer il streams this ubatch (routed: its distinct experts; ids and weights as above)
     virtual void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed,

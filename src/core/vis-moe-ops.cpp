@@ -44,42 +44,41 @@ static void guarded(vis_moe_context & vm, int32_t * out, int64_t n_pairs, Body b
     }
 }
 
-// pass 0 of a managed layer (dep = the gate weights): plan the ubatch through the features' planning chain
-// (vis-moe-feature.h), split its experts into passes, load pass 0, then start the plan's background reads
+// pass 0 of a managed layer (dep = the gate weights): make the ubatch plan (vis-moe-ubatch-plan.h) through the
+// features' planning chain (vis-moe-feature.h) and the core's split into passes, then apply it (the one mutator:
+// pass 0 loaded, background reads started) and tell the features what was started
 static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor * dep, const ggml_tensor * scores) {
     vis_moe_context & vm = a.vm;
-    vis_moe_layer & L = a.L;
+    const vis_moe_context & cvm = vm;  // the planners read the context and the layer, and write the plan
+    const vis_moe_layer & L = a.L;
     const int il = a.ud.il;
     for (auto & f : vm.features) {
-        f->observe_routing(vm, il, ids_t, dep);  // pass 0 depends on the router weights
+        f->observe_routing(cvm, il, ids_t, dep);  // pass 0 depends on the router weights
     }
     int64_t waited = 0;  // the layer's background reads (substitution, reads ahead): cancelled, waited for, resident
-    const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, L, il, waited);
+    const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, a.L, il, waited);
     for (auto & f : vm.features) {
-        f->plan_collected(vm, L, il, done, waited, a.ids, a.n_pairs);
+        f->plan_collected(cvm, L, il, done, waited, a.ids, a.n_pairs);
     }
-    L.sub_active = false;  // the routed ids, unless a planner picks others
+    vis_ubatch_plan & plan = vm.planning;
+    plan.begin(a.n_pairs);  // the routed ids, unless a planner picks others
     for (auto & f : vm.features) {
-        f->plan_route(vm, L, il, ids_t, dep, scores);  // stand-ins, then image pairs over capacity rerouted
+        f->plan_route(cvm, L, il, plan, ids_t, dep, scores);  // stand-ins, then image pairs over capacity rerouted
     }
     for (auto & f : vm.features) {
-        f->plan_routed(vm, L, il, ids_t);  // the experts the passes run (the trace's SUB1, after the REC1)
+        f->plan_routed(cvm, L, il, plan, ids_t);  // the experts the passes run (the trace's SUB1, after the REC1)
     }
-    const int32_t * run = L.run_ids(a.ids);
     for (auto & f : vm.features) {
-        f->plan_serve(vm, L, il, run, ids_t, dep);  // which misses run from shadows (L.shadow.serve)
+        f->plan_serve(cvm, L, il, plan, ids_t, dep);  // which misses run from shadows (plan.shadow_serve)
     }
-    vis_moe_plan_passes(L, run, a.n_pairs, L.shadow.on() ? L.shadow.serve.data() : nullptr);
-    const int n_full = vis_moe_full_passes(vm, L, a.n_pairs, vm.ub_image);
-    vis_shadow_plan(L, n_full);  // numbered as the graph counts
-    if ((int) L.passes.size() > n_full || (int) L.shadow.passes.size() > vis_moe_shadow_passes(vm, L, a.n_pairs, vm.ub_image)) {
-        throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " planned " + std::to_string(L.passes.size()) +
-                                 " + " + std::to_string(L.shadow.passes.size()) + " passes, more than its graph has "
-                                 "(plan bug): the ubatch is not computed");
-    }
-    vis_moe_run_pass(vm, L, il, 0, run, a.n_pairs, a.out);
+    vis_moe_plan_passes(L, plan, plan.run_ids(a.ids), a.n_pairs);
+    vis_shadow_plan(L, plan, vis_moe_full_passes(vm, L, a.n_pairs, vm.ub_image));  // numbered as the graph counts
     for (auto & f : vm.features) {
-        f->plan_background(vm, L, il);  // stand-ins' experts, precision's refetch
+        f->plan_reads(cvm, L, il, plan);  // stand-ins' experts, precision's refetch
+    }
+    vm.apply(il, plan, a.ids, a.out);
+    for (auto & f : vm.features) {
+        f->plan_applied(cvm, L, il, L.ubatch_plan);
     }
 }
 
@@ -134,7 +133,7 @@ void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
     ids_op a(dst, ids_t, userdata);
     const int32_t * ids = a.L.run_ids(a.ids);
     for (int64_t j = 0; j < a.n_pairs; ++j) {
-        a.out[j] = (int32_t) (a.L.pass_of[ids[j]] * a.n_pairs + j);
+        a.out[j] = (int32_t) (a.L.ubatch_plan.pass_of[ids[j]] * a.n_pairs + j);
     }
 }
 
@@ -254,7 +253,7 @@ void vis_moe_merge_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tenso
     const size_t row = b->nb[1];
     GGML_ASSERT(dst->data == a->data && ggml_is_contiguous(a) && ggml_is_contiguous(b) && a->nb[1] == row);
     for (int64_t j = ith; j < n_pairs; j += nth) {
-        if (L.pass_of[ids[j]] == ud->pass) {
+        if (L.ubatch_plan.pass_of[ids[j]] == ud->pass) {
             std::memcpy((char *) dst->data + j * row, (const char *) b->data + j * row, row);
         }
     }

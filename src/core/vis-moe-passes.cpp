@@ -42,28 +42,29 @@ bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_
     return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > (early ? 1 : vm.stream_passes);
 }
 
-void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip) {
-    std::fill(L.pass_of.begin(), L.pass_of.end(), -1);
+void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs) {
+    const uint8_t * skip = L.shadow.on() ? plan.shadow_serve.data() : nullptr;
+    std::vector<int32_t> & pass_of = plan.pass_of;
+    pass_of.assign(L.n_expert, -1);
     std::vector<int32_t> hits, misses;
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
         GGML_ASSERT(e >= 0 && e < L.n_expert);
-        if (L.pass_of[e] == -1 && !(skip && skip[e])) {
-            L.pass_of[e] = -2;  // seen
+        if (pass_of[e] == -1 && !(skip && skip[e])) {
+            pass_of[e] = -2;  // seen
             (L.slots.resident(e) ? hits : misses).push_back(e);
         }
     }
-    L.passes.clear();
+    plan.passes.clear();
     std::vector<int32_t> order = hits;
     order.insert(order.end(), misses.begin(), misses.end());
     for (size_t i = 0; i < order.size(); i += L.n_slots) {
         const size_t end = std::min(order.size(), i + (size_t) L.n_slots);
-        L.passes.emplace_back(order.begin() + i, order.begin() + end);
+        plan.passes.emplace_back(order.begin() + i, order.begin() + end);
         for (size_t x = i; x < end; ++x) {
-            L.pass_of[order[x]] = (int32_t) L.passes.size() - 1;
+            pass_of[order[x]] = (int32_t) plan.passes.size() - 1;
         }
     }
-    L.stats.n_calls++;
 }
 
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
@@ -85,7 +86,8 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         L.stats.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     };
     static const std::vector<int32_t> none;
-    const std::vector<int32_t> & experts = p < (int) L.passes.size() ? L.passes[p] : none;
+    const vis_ubatch_plan & plan = L.ubatch_plan;
+    const std::vector<int32_t> & experts = p < (int) plan.passes.size() ? plan.passes[p] : none;
     L.stats.n_passes++;
     L.slots.policy().begin_pass();
 
@@ -126,7 +128,7 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
 
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
-        out[j] = L.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
+        out[j] = plan.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
     }
     add_stall();
 }

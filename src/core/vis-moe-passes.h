@@ -17,6 +17,7 @@
 
 struct vis_moe_context;
 struct vis_moe_layer;
+struct vis_ubatch_plan;
 
 // passes a ubatch of n_pairs (token, expert) pairs needs at most, with n_slots slots of n_expert experts
 int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
@@ -29,15 +30,16 @@ int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, i
 // does such a ubatch stream layer L (more than --moe-stream-passes passes needed, or more than one when a feature
 // streams the layer early: vis_moe_feature::streams_early)?  A pass-bounded image ubatch never streams.
 bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image = false);
-// split the distinct experts of this ubatch's routing into passes of at most n_slots (hits first); experts with
-// skip[e] set (served from shadows, vis-moe-shadow-slots.h) are left out, with pass_of -1
-void vis_moe_plan_passes(vis_moe_layer & L, const int32_t * ids, int64_t n_pairs, const uint8_t * skip = nullptr);
+// the ubatch plan's passes: the distinct experts of ids [n_pairs] (the ids the pairs run) in passes of at most
+// L.n_slots (hits first: plan.passes, plan.pass_of); experts the plan serves from shadows (plan.shadow_serve, on a
+// layer with shadow slots: vis-moe-shadow-slots.h) are left out, with pass_of -1
+void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs);
 
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);
 
-// make the experts of pass p resident (evicting through the layer's policy, filling through the tiers)
-// and write the slot id of every pair (foreign pairs: L.foreign_id()).  Throws on a load failure, with
+// make the experts of pass p of the layer's ubatch plan resident (evicting through the layer's policy, filling
+// through the tiers) and write the slot id of every pair (foreign pairs: L.foreign_id()).  Throws on a load failure, with
 // the slot table left consistent.
 void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs,
                       int32_t * out);

@@ -65,11 +65,7 @@ struct vis_shadow_slots {
     std::array<ggml_tensor *, 4>             slab = {};  // [ne0, ne1, n_slots (+ staging)] of the shadow type
     std::array<const vis_shadow_tensor *, 4> src  = {};  // the sidecar's tensors, in VIS_T_* order
     vis_slot_pool pool;              // which shadow slot holds which expert, and who is evicted (vis-moe-slot-pool.h)
-
-    // the ubatch being computed
-    std::vector<uint8_t> serve;                  // expert -> 1: its pairs run from its shadow
-    std::vector<std::vector<int32_t>> passes;    // the served experts, in passes of at most n_slots
-    int first_pass = 0;                          // graph index of shadow pass 0
+    // what the running ubatch serves from them: the layer's ubatch plan (shadow_serve, shadow_passes)
 
     bool on() const { return n_slots > 0; }
 };

@@ -148,8 +148,8 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
     return changed;
 }
 
-void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                           const ggml_tensor * weights, const ggml_tensor * scores) {
+void vis_moe_capacity_plan(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                           const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores) {
     if (!vm.capacity || !vm.modality || !vm.modality->has_image()) {
         return;
     }
@@ -161,7 +161,7 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
     rule.drop = cr.drop && L.cpu_passes;  // the gate weight is zeroed in the CPU's copy
     rule.bias = vm.capacity->profile() ? vm.capacity->profile()->layer(il) : nullptr;
     vis_cap_input in;
-    in.ids      = L.run_ids((const int32_t *) ids->data);
+    in.ids      = plan.run_ids((const int32_t *) ids->data);
     in.n_tokens = n_tokens;
     in.k        = k;
     in.tok_w    = vm.modality->weights();
@@ -196,10 +196,10 @@ void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, cons
     }
     st.bytes_saved += ((st.n_overflow - over0) - (st.n_forced - forced0)) * L.expert_bytes;
     if (!vm.sub) {
-        L.outcome.assign(n_pairs, 0);  // with substitution on, its outcomes of this ubatch stay (the trace's SUB1)
+        plan.outcome.assign(n_pairs, 0);  // with substitution on, its outcomes of this ubatch stay (the trace's SUB1)
     }
-    L.exec = std::move(exec);
-    L.sub_active = true;
+    plan.exec.assign(exec.begin(), exec.end());
+    plan.sub_active = true;
     float * w = (float *) weights->data;
     const int64_t w_rank = (int64_t) (weights->nb[1] / sizeof(float)), w_tok = (int64_t) (weights->nb[2] / sizeof(float));
     for (int64_t j = 0; j < n_pairs; ++j) {

@@ -60,10 +60,11 @@ bool vis_cap_decide(const vis_cap_rule & rule, int n_expert, const std::vector<u
 
 struct vis_modality_profile;
 
-// pass 0 of a managed layer, after substitution and before the precision policy: apply the capacity to this
-// ubatch's pairs (L.exec, L.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image tokens.
-void vis_moe_capacity_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                           const ggml_tensor * weights, const ggml_tensor * scores);
+// pass 0 of a managed layer, after substitution and before the precision policy: the capacity applied to this
+// ubatch's pairs (plan.exec, plan.sub_active; dropped pairs' gate weights zeroed in `weights`).  No-op without image
+// tokens.
+void vis_moe_capacity_plan(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                           const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores);
 
 // the capacity of a context: its rule, the experts' modality bias, per layer what it rerouted and dropped
 class vis_moe_capacity : public vis_moe_feature {
@@ -81,9 +82,9 @@ public:
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
     int  image_pass_bound(const vis_moe_context & vm, const vis_moe_layer & L) const override;
-    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
-                    const ggml_tensor * scores) override {
-        vis_moe_capacity_plan(vm, L, il, ids, weights, scores);  // image pairs over capacity rerouted
+    void plan_route(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                    const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores) override {
+        vis_moe_capacity_plan(vm, L, il, plan, ids, weights, scores);  // image pairs over capacity rerouted
     }
     bool wants_scores(const vis_moe_context &, int) const override { return true; }  // reroutes choose by score
 

@@ -2,7 +2,6 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
-#include "vis-moe-fetch-slots.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-shadow-slots.h"
@@ -207,8 +206,8 @@ void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, 
                    c.refetch && vm.fetch ? "on" : "off");
 }
 
-void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32_t * ids, const ggml_tensor * ids_t,
-                            const ggml_tensor * weights) {
+void vis_moe_precision_plan(const vis_moe_context & vm, const vis_moe_layer & L, const int32_t * ids,
+                            const ggml_tensor * ids_t, const ggml_tensor * weights, std::vector<uint8_t> & serve) {
     if (!vm.precision || !L.shadow.on()) {
         return;
     }
@@ -227,7 +226,7 @@ void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32
     }
     llama_vis_moe_prec_stats & st = vm.precision->stats(vm.index_of(L));
     const int64_t before = st.n_eligible;
-    vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, L.shadow.serve, st);
+    vis_prec_decide(vm.precision->rule(), L.n_expert, resident, in, serve, st);
     vm.precision->eligible_seen = vm.precision->eligible_seen || st.n_eligible > before;
 }
 
@@ -246,32 +245,15 @@ void vis_moe_precision_staged(vis_moe_context & vm, vis_moe_layer & L, const ggm
         return;
     }
     const int32_t * ids = (const int32_t *) ids_t->data;
-    vis_moe_precision_plan(vm, L, ids, ids_t, weights);
+    std::vector<uint8_t> & serve = vm.precision->staged_serve;
+    vis_moe_precision_plan(vm, L, ids, ids_t, weights, serve);
     auto & st = vm.precision->stats(vm.index_of(L));
     for (int64_t j = 0; j < ggml_nelements(ids_t); ++j) {
-        st.n_shadow_pairs += ids[j] >= 0 && ids[j] < L.n_expert && L.shadow.serve[ids[j]] ? 1 : 0;
+        st.n_shadow_pairs += ids[j] >= 0 && ids[j] < L.n_expert && serve[ids[j]] ? 1 : 0;
     }
     st.n_shadow_reads += n_routed;
     st.bytes_shadow   += n_routed * L.shadow.expert_bytes;
     st.bytes_saved    += n_routed * (L.expert_bytes - L.shadow.expert_bytes);
-}
-
-void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il) {
-    if (!vm.precision || !vm.precision->settings().refetch || !vm.fetch || L.passes.size() > 1) {
-        return;  // several full passes: every slot may serve a later pass of this ubatch
-    }
-    for (const auto & pass : L.shadow.passes) {
-        for (int e : pass) {
-            if (L.slots.resident(e)) {
-                continue;
-            }
-            const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);
-            if (r == VIS_FETCH_NO_SLOT) {
-                return;  // every slot serves this pass
-            }
-            vm.precision->stats(il).n_refetch++;
-        }
-    }
 }
 
 void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_stats & t) {
@@ -296,12 +278,31 @@ void vis_moe_total_prec_stats(const vis_moe_context & vm, llama_vis_moe_prec_sta
     t.share_pct  = (int32_t) std::lround(100.0 * vm.precision->rule().share);
 }
 
-void vis_moe_precision::plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run,
+void vis_moe_precision::plan_serve(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
                                    const ggml_tensor * ids, const ggml_tensor * weights) {
     (void) il;
-    vis_moe_precision_plan(vm, L, run, ids, weights);  // which misses run from shadows (L.shadow.serve)
+    // which misses run from shadows, among the experts the pairs run
+    vis_moe_precision_plan(vm, L, plan.run_ids((const int32_t *) ids->data), ids, weights, plan.shadow_serve);
 }
 
-void vis_moe_precision::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
-    vis_moe_precision_refetch(vm, L, il);
+void vis_moe_precision::plan_reads(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan) {
+    (void) L;
+    (void) il;
+    if (!cfg.refetch || !vm.fetch || plan.passes.size() > 1) {
+        return;  // several full passes: every slot may serve a later pass of this ubatch
+    }
+    for (const auto & pass : plan.shadow_passes) {
+        for (int e : pass) {
+            plan.read(e, VIS_READ_REFETCH, true);  // the full-precision expert, unless resident by then
+        }
+    }
+}
+
+void vis_moe_precision::plan_applied(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                     const vis_ubatch_plan & plan) {
+    (void) vm;
+    (void) L;
+    for (const auto & r : plan.reads) {
+        layer_stats[il].n_refetch += r.why == VIS_READ_REFETCH && (r.done == VIS_READ_SERVED || r.done == VIS_READ_QUEUED);
+    }
 }

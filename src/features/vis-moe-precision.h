@@ -91,9 +91,12 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
-    void plan_serve(vis_moe_context & vm, vis_moe_layer & L, int il, const int32_t * run, const ggml_tensor * ids,
-                    const ggml_tensor * weights) override;
-    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
+    void plan_serve(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                    const ggml_tensor * ids, const ggml_tensor * weights) override;
+    void plan_reads(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan) override;
+    void plan_applied(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan) override;
+
+    std::vector<uint8_t> staged_serve;  // the stream op's decision for a layer staged from its shadows (scratch)
 
 private:
     vis_moe_prec_settings cfg;
@@ -106,12 +109,10 @@ private:
 // when --moe-precision is off.  Throws std::runtime_error naming the flag (no --moe-shadow, ...).
 void vis_moe_precision_attach(vis_moe_context & vm, const vis_moe_settings & s, int n_shadow_slots, bool file_store);
 
-// pass 0 of a managed layer, before the full-precision plan: which of the ubatch's misses run from shadows
-// (L.shadow.serve).  ids: the experts the pairs run [k, n_tokens]; weights [1, k, n_tokens].
-void vis_moe_precision_plan(vis_moe_context & vm, vis_moe_layer & L, const int32_t * ids, const ggml_tensor * ids_t,
-                            const ggml_tensor * weights);
-// after pass 0 loaded what it needs: the full-precision experts of the served misses read in the background
-void vis_moe_precision_refetch(vis_moe_context & vm, vis_moe_layer & L, int il);
+// pass 0 of a managed layer, before the full-precision passes: which of the ubatch's misses run from shadows
+// (serve[e] = 1; plan.shadow_serve).  ids: the experts the pairs run [k, n_tokens]; weights [1, k, n_tokens].
+void vis_moe_precision_plan(const vis_moe_context & vm, const vis_moe_layer & L, const int32_t * ids,
+                            const ggml_tensor * ids_t, const ggml_tensor * weights, std::vector<uint8_t> & serve);
 
 // graph build of a streamed ubatch: does it run every routed expert of a layer from its shadow, so that staged
 // streaming reads the layers' shadows (vis-moe-stage.h)?  Yes for `all`, and for an image ubatch (libmtmd: every

@@ -2,7 +2,7 @@
 #include "vis-moe-prefetch.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
-#include "vis-moe-fetch-slots.h"
+#include "vis-moe-fetch-slots.h"  // vis_fetch_done
 #include "vis-moe-profile.h"
 
 #include "llama-impl.h"
@@ -65,7 +65,7 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
     const int n_layer = (int) vm.layers.size();
     for (int d = 1; d <= W && in.il + d < n_layer; ++d) {
         const int T = in.il + d;
-        vis_moe_layer & L = vm.layers[T];
+        const vis_moe_layer & L = vm.layers[T];
         layer_state & ls = layers[T];
         if (!L.managed || !L.deferred || ls.off_left > 0) {
             continue;
@@ -82,28 +82,17 @@ void vis_moe_prefetcher::step(vis_moe_context & vm, vis_predict_input & in) {
             continue;  // measured slower with reads ahead: predictions are still scored
         }
         // best first; a resident expert is kept from the victims of the reads for the experts ranked below it
-        std::vector<int> held;
+        // (vis_moe_context::apply_reads), one already being read is skipped, the first without a slot ends them
+        reads.clear();
         for (int e : top) {
-            const int s = L.slots.slot_of(e);
-            if (s >= 0) {
-                if (L.slots.policy().slot_class(s) != vis_slot_class::REQUIRED) {
-                    L.slots.policy().hold(s, true);
-                    held.push_back(s);
-                }
-                continue;
-            }
-            if (L.slots.filling(e)) {
-                continue;  // already being read
-            }
-            const vis_fetch_result r = vis_moe_fetch_submit(vm, L, T, e, true);
-            if (r == VIS_FETCH_NO_SLOT) {
-                break;
-            }
-            ls.ahead.push_back({ e, r == VIS_FETCH_QUEUED });
-            ls.st.n_issued++;
+            reads.push_back({ e, VIS_READ_AHEAD, true, VIS_READ_NOT_ISSUED });
         }
-        for (int s : held) {
-            L.slots.policy().hold(s, false);
+        vm.apply_reads(T, reads);
+        for (const auto & r : reads) {
+            if (r.done == VIS_READ_SERVED || r.done == VIS_READ_QUEUED) {
+                ls.ahead.push_back({ r.expert, r.done == VIS_READ_QUEUED });
+                ls.st.n_issued++;
+            }
         }
     }
 }
@@ -360,7 +349,7 @@ void vis_moe_prefetch_attach(vis_moe_context & vm, const llama_model & model, co
                    s.predict.lookahead == 1 ? "" : "s", budget, s.predict.tune ? "on" : "off", seeded.c_str());
 }
 
-void vis_moe_prefetcher::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+void vis_moe_prefetcher::plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
                                         const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
                                         int64_t n_pairs) {
     (void) vm;

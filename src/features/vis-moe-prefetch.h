@@ -1,15 +1,15 @@
 // vis-moe-prefetch.h - lookahead prefetch: layer l predicts the experts of layers l+1 .. l+W (vis-moe-predict.h)
 // and reads the best ones in the background while it computes (src/vis-moe-prefetch.cpp; docs/prediction.md).
 //
-// Where it runs.  Each MoE layer l of the graph gets one "predict" op (vis-moe-graph.cpp) once layer l has
-// routed and, when l is managed, loaded what its own ubatch needs: demand reads come first.  For each later
-// managed layer T = l+d it takes the predictor's top-B experts (--moe-prefetch-budget) and starts background
-// reads (vis-moe-fetch.h) of those not resident into victim slots of T that are Empty or Expired: a read ahead
-// never evicts a slot the running step uses (Required), a protected Speculative one, or an expert it predicted
-// itself.  Layer T's pass 0 collects them before it plans: reads not started yet are dropped (the layer's own
-// demand reads are faster), the others are waited for (a late read is a partial stall, not a miss), and the
-// arrived experts are Speculative for the step; one the step does not use goes first (vis-moe-policy.h).
-// Demand reads pre-empt reads ahead: the background worker starts none while a pass reads.
+// Where it runs.  Each MoE layer l of the graph gets one "predict" op (vis-moe-graph.cpp) once layer l has routed and,
+// when l is managed, loaded what its own ubatch needs: demand reads come first.  For each later managed layer T = l+d it
+// takes the predictor's top-B experts (--moe-prefetch-budget) and has the context start background reads (apply_reads,
+// vis-moe-apply.cpp; the reader: vis-moe-fetch.h) of those not resident into victim slots of T that are Empty or
+// Expired: a read ahead never evicts a slot the running step uses (Required), a protected Speculative one, or an expert
+// it predicted itself.  Layer T's pass 0 collects them before it plans: reads not started yet are dropped (the layer's
+// own demand reads are faster), the others are waited for (a late read is a partial stall, not a miss), and the arrived
+// experts are Speculative for the step; one the step does not use goes first (vis-moe-policy.h). Demand reads pre-empt
+// reads ahead: the background worker starts none while a pass reads.
 //
 // Exactness: a read ahead writes only a held slot no id points at; it changes which experts are resident and
 // when, never what is computed.
@@ -25,6 +25,7 @@
 #include "vis-moe-predict.h"
 #include "vis-moe-prefetch-ab.h"
 #include "vis-moe-settings.h"
+#include "vis-moe-ubatch-plan.h"
 
 #include <cstdint>
 #include "vis-moe-feature.h"
@@ -71,8 +72,9 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { reset_stats(); }
-    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
-                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
+    void plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                        int64_t n_pairs) override;
 
 private:
     struct ahead_read {
@@ -99,6 +101,7 @@ private:
     vis_prefetch_ab ab;
     std::vector<layer_state> layers;
     std::vector<float> score;  // scratch
+    std::vector<vis_plan_read> reads;  // scratch: the reads ahead of one layer (vis-moe-ubatch-plan.h)
 };
 
 // the predict op (a graph node after layer il's routing): learn from the layer's routing, read the layers ahead's

@@ -12,26 +12,26 @@
 #include <map>
 #include <stdexcept>
 
-void vis_shadow_plan(vis_moe_layer & L, int first_pass) {
-    vis_shadow_slots & S = L.shadow;
-    S.passes.clear();
-    S.first_pass = first_pass;
+void vis_shadow_plan(const vis_moe_layer & L, vis_ubatch_plan & plan, int first_pass) {
+    const vis_shadow_slots & S = L.shadow;
+    plan.shadow_passes.clear();
+    plan.shadow_first_pass = first_pass;
     if (!S.on()) {
         return;
     }
     std::vector<int32_t> order;  // shadow hits first: they never look for a victim
     for (int pass = 0; pass < 2; ++pass) {
         for (int e = 0; e < L.n_expert; ++e) {
-            if (S.serve[e] && S.pool.resident(e) == (pass == 0)) {
+            if (plan.shadow_serve[e] && S.pool.resident(e) == (pass == 0)) {
                 order.push_back(e);
             }
         }
     }
     for (size_t i = 0; i < order.size(); i += S.n_slots) {
         const size_t end = std::min(order.size(), i + (size_t) S.n_slots);
-        S.passes.emplace_back(order.begin() + i, order.begin() + end);
+        plan.shadow_passes.emplace_back(order.begin() + i, order.begin() + end);
         for (size_t x = i; x < end; ++x) {
-            L.pass_of[order[x]] = first_pass + (int32_t) S.passes.size() - 1;
+            plan.pass_of[order[x]] = first_pass + (int32_t) plan.shadow_passes.size() - 1;
         }
     }
 }
@@ -52,7 +52,8 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
     vis_shadow_slots & S = L.shadow;
     const auto t0 = std::chrono::steady_clock::now();
     static const std::vector<int32_t> none;
-    const std::vector<int32_t> & experts = sp < (int) S.passes.size() ? S.passes[sp] : none;
+    const vis_ubatch_plan & plan = L.ubatch_plan;
+    const std::vector<int32_t> & experts = sp < (int) plan.shadow_passes.size() ? plan.shadow_passes[sp] : none;
     const int32_t foreign = L.cpu_passes ? -1 : S.n_slots;
     if (!experts.empty()) {
         S.pool.policy().begin_pass();
@@ -113,11 +114,11 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
         // what the critical path did not read: the full expert, less its shadow when the shadow had to be read
         st.bytes_saved += (int64_t) experts.size() * L.expert_bytes - (int64_t) misses.size() * S.expert_bytes;
     }
-    const int32_t me = S.first_pass + sp;
+    const int32_t me = plan.shadow_first_pass + sp;
     for (int64_t j = 0; j < n_pairs; ++j) {
         const int e = ids[j];
-        out[j] = L.pass_of[e] == me ? S.pool.slot_of(e) : foreign;
-        st.n_shadow_pairs += L.pass_of[e] == me ? 1 : 0;
+        out[j] = plan.pass_of[e] == me ? S.pool.slot_of(e) : foreign;
+        st.n_shadow_pairs += plan.pass_of[e] == me ? 1 : 0;
     }
     st.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -158,7 +159,6 @@ void vis_shadow_slots_create(vis_moe_context & vm, int n_slots) {
         }
         S.n_slots = ns;
         S.pool.init(L.n_expert, ns, vis_moe_policy_lru(ns));
-        S.serve.assign(L.n_expert, 0);
     }
     for (auto & [buft, c] : ctx_of) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);

@@ -27,16 +27,17 @@
 
 struct vis_moe_context;
 struct vis_moe_layer;
+struct vis_ubatch_plan;
 struct vis_shadow_tensor;
 struct llama_model;
 
 
 
-// after the full-precision plan: the experts with L.shadow.serve set go into shadow passes (shadow hits first),
-// numbered from first_pass; their L.pass_of is set accordingly
-void vis_shadow_plan(vis_moe_layer & L, int first_pass);
+// after the full-precision passes of a ubatch plan: the experts with plan.shadow_serve set go into shadow passes
+// (plan.shadow_passes; shadow hits first), numbered from first_pass; their plan.pass_of is set accordingly
+void vis_shadow_plan(const vis_moe_layer & L, vis_ubatch_plan & plan, int first_pass);
 
-// shadow pass sp of the ubatch: its experts made resident in the shadow slots (LRU; misses read from the sidecar
+// shadow pass sp of the layer's ubatch plan: its experts made resident in the shadow slots (LRU; misses read from the sidecar
 // through the I/O pool) and the id of every pair written (pairs of other passes: -1 on CPU, else the staging slot).
 // Throws vis_io_error on a failed read, with the slot table left consistent.
 // st: the precision stats of the layer (hits, reads, bytes, time)

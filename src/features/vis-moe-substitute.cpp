@@ -2,9 +2,7 @@
 #include "vis-moe-substitute.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
-#include "vis-moe-fetch-slots.h"
-#include "vis-moe-passes.h"
-#include "vis-moe-transfer.h"
+#include "vis-moe-fetch-slots.h"  // vis_fetch_done
 
 #include "llama-impl.h"
 #include "llama-model.h"
@@ -371,9 +369,10 @@ void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, 
                    u.prefill ? "on" : "off", u.profile.empty() ? "" : ", profile ", u.profile.c_str());
 }
 
-std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                                             const ggml_tensor * weights, const ggml_tensor * scores) {
-    L.sub_active = false;
+std::vector<int32_t> vis_moe_substitute_plan(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                             vis_ubatch_plan & plan, const ggml_tensor * ids, const ggml_tensor * weights,
+                                             const ggml_tensor * scores) {
+    plan.sub_active = false;
     std::vector<int32_t> background;
     if (!vm.sub) {
         return background;
@@ -395,8 +394,8 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     in.decode          = vm.ub_decode && (!drop || L.cpu_passes);
     in.prefill_allowed = vm.sub->settings().prefill && (!drop || L.cpu_passes);
     const int64_t n_pairs = in.n_tokens * in.k;
-    L.exec.resize(n_pairs);
-    L.outcome.resize(n_pairs);
+    plan.exec.resize(n_pairs);
+    plan.outcome.resize(n_pairs);
     std::vector<uint8_t> resident(L.n_expert);
     for (int e = 0; e < L.n_expert; ++e) {
         resident[e] = L.slots.resident(e) ? 1 : 0;
@@ -404,32 +403,17 @@ std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer
     if (rule.mode == VIS_SUB_ROUTER && !in.scores) {
         throw std::runtime_error("vis-moe: router substitution without router scores (graph bug)");
     }
-    L.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, L.exec.data(), L.outcome.data(), background, vm.sub->stats(il));
-    if (L.sub_active && drop) {
-        vis_sub_apply_drops((float *) weights->data, in.w_tok, in.w_rank, in.n_tokens, in.k, L.outcome.data(),
+    plan.sub_active = vis_sub_decide(rule, L.n_expert, resident, in, plan.exec.data(), plan.outcome.data(), background,
+                                     vm.sub->stats(il));
+    if (plan.sub_active && drop) {
+        vis_sub_apply_drops((float *) weights->data, in.w_tok, in.w_rank, in.n_tokens, in.k, plan.outcome.data(),
                             vm.sub->settings().renorm != 0);
     }
     vm.sub->stats(il).bytes_saved += (int64_t) background.size() * L.expert_bytes;
     return background;
 }
 
-void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts) {
-    if (experts.empty() || !vm.fetch || L.passes.size() > 1) {
-        return;  // several passes: every slot may serve a later pass of this ubatch
-    }
-    if (vm.sub->rule_mode() == VIS_SUB_DROP && !vm.sub->settings().drop_read) {
-        return;  // --moe-sub-drop-read off: a dropped expert's bytes are saved, not read later
-    }
-    for (int e : experts) {
-        const vis_fetch_result r = vis_moe_fetch_submit(vm, L, il, e, false);
-        if (r == VIS_FETCH_NO_SLOT) {
-            return;  // every slot serves this pass
-        }
-        vm.sub->stats(il).bg_fetches += r == VIS_FETCH_QUEUED ? 1 : 0;
-    }
-}
-
-void vis_moe_substitute::plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il,
+void vis_moe_substitute::plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
                                         const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
                                         int64_t n_pairs) {
     (void) vm;
@@ -444,12 +428,29 @@ void vis_moe_substitute::plan_collected(vis_moe_context & vm, vis_moe_layer & L,
     }
 }
 
-void vis_moe_substitute::plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                                    const ggml_tensor * weights, const ggml_tensor * scores) {
-    background = vis_moe_substitute_plan(vm, L, il, ids, weights, scores);
+void vis_moe_substitute::plan_route(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                                    const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores) {
+    background = vis_moe_substitute_plan(vm, L, il, plan, ids, weights, scores);
 }
 
-void vis_moe_substitute::plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) {
-    vis_moe_substitute_fetch(vm, L, il, background);
+void vis_moe_substitute::plan_reads(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan) {
+    (void) L;
+    (void) il;
+    // several passes: every slot may serve a later pass of this ubatch.  --moe-sub-drop-read off: a dropped
+    // expert's bytes are saved, not read later
+    if (!background.empty() && vm.fetch && plan.passes.size() <= 1 && (cfg.mode != VIS_SUB_DROP || cfg.drop_read)) {
+        for (int e : background) {
+            plan.read(e, VIS_READ_STAND_IN, false);  // into slots no pair uses; the first without one ends them
+        }
+    }
     background.clear();
+}
+
+void vis_moe_substitute::plan_applied(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                      const vis_ubatch_plan & plan) {
+    (void) vm;
+    (void) L;
+    for (const auto & r : plan.reads) {
+        layer_stats[il].bg_fetches += r.why == VIS_READ_STAND_IN && r.done == VIS_READ_QUEUED ? 1 : 0;
+    }
 }

@@ -87,15 +87,17 @@ public:
     const char * feature_name() const override { return "substitution"; }
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override;
-    void plan_collected(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<vis_fetch_done> & done,
-                        int64_t waited_us, const int32_t * ids, int64_t n_pairs) override;
-    void plan_route(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids, const ggml_tensor * weights,
-                    const ggml_tensor * scores) override;
-    void plan_background(vis_moe_context & vm, vis_moe_layer & L, int il) override;
+    void plan_collected(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                        const std::vector<vis_fetch_done> & done, int64_t waited_us, const int32_t * ids,
+                        int64_t n_pairs) override;
+    void plan_route(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan,
+                    const ggml_tensor * ids, const ggml_tensor * weights, const ggml_tensor * scores) override;
+    void plan_reads(const vis_moe_context & vm, const vis_moe_layer & L, int il, vis_ubatch_plan & plan) override;
+    void plan_applied(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan) override;
     bool wants_scores(const vis_moe_context &, int il) const override { return rules[il].mode == VIS_SUB_ROUTER; }
 
 private:
-    std::vector<int32_t> background;  // the experts the running layer's plan reads in the background
+    std::vector<int32_t> background;  // the missing experts every pair of which runs a stand-in (plan_route)
     vis_moe_sub_settings cfg;
     std::unique_ptr<vis_buddy_profile> profile;
     std::vector<vis_sub_rule> rules;  // per layer
@@ -108,12 +110,11 @@ private:
 void vis_moe_substitute_attach(vis_moe_context & vm, const llama_model & model, const vis_moe_settings & s, bool file_store);
 
 // pass 0 of a managed layer, after its background reads were collected (vis_moe_fetch_collect): decide this
-// ubatch's stand-ins (L.exec, L.outcome, L.sub_active).  ids: [k, n_tokens]; weights [1, k, n_tokens];
-// scores [n_expert, n_tokens] or null.  Returns the experts to read in the background.
-std::vector<int32_t> vis_moe_substitute_plan(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids,
-                                             const ggml_tensor * weights, const ggml_tensor * scores);
+// ubatch's stand-ins (plan.exec, plan.outcome, plan.sub_active; a dropped pair's gate weight zeroed in weights).
+// ids: [k, n_tokens]; weights [1, k, n_tokens]; scores [n_expert, n_tokens] or null.  Returns the missing experts
+// every pair of which runs a stand-in (to read in the background).
+std::vector<int32_t> vis_moe_substitute_plan(const vis_moe_context & vm, const vis_moe_layer & L, int il,
+                                             vis_ubatch_plan & plan, const ggml_tensor * ids, const ggml_tensor * weights,
+                                             const ggml_tensor * scores);
 // the totals of every layer (zeros without substitution)
 void vis_moe_total_sub_stats(const vis_moe_context & vm, llama_vis_moe_sub_stats & out);
-
-// after pass 0 loaded what it needs: start the background reads of `experts` into slots no pair uses
-void vis_moe_substitute_fetch(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int32_t> & experts);

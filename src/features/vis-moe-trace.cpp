@@ -110,8 +110,10 @@ void vis_moe_trace::ubatch_end(vis_moe_context & vm) {
     }
 }
 
-void vis_moe_trace::plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) {
-    if (vm.sub || L.sub_active) {  // the experts the passes run (SUB1, after the REC1)
-        record_sub(il, ids->ne[1], (int) ids->ne[0], L.exec.data(), L.outcome.data());
+void vis_moe_trace::plan_routed(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan,
+                                const ggml_tensor * ids) {
+    (void) L;
+    if (vm.sub || plan.sub_active) {  // the experts the passes run (SUB1, after the REC1)
+        record_sub(il, ids->ne[1], (int) ids->ne[0], plan.exec.data(), plan.outcome.data());
     }
 }

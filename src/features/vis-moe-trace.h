@@ -37,10 +37,11 @@ public:
     const char * feature_name() const override { return "trace"; }
     void ubatch_begin(vis_moe_context &, const llama_ubatch & ub) override { begin_ubatch(ub); }
     void ubatch_end(vis_moe_context & vm) override;
-    void observe_routing(vis_moe_context &, int il, const ggml_tensor * ids, const ggml_tensor * weights) override {
+    void observe_routing(const vis_moe_context &, int il, const ggml_tensor * ids, const ggml_tensor * weights) override {
         record(il, ids, weights);
     }
-    void plan_routed(vis_moe_context & vm, vis_moe_layer & L, int il, const ggml_tensor * ids) override;
+    void plan_routed(const vis_moe_context & vm, const vis_moe_layer & L, int il, const vis_ubatch_plan & plan,
+                     const ggml_tensor * ids) override;
 
 private:
     void write(const void * p, size_t size, size_t n);
