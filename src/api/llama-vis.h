@@ -52,7 +52,7 @@ LLAMA_API int32_t llama_vis_model_moe_info(const struct llama_model * model, str
 // experts run (exact mode).  A layer whose slots cover all its experts, and
 // the pinned prefix, run upstream's graph unchanged.
 //
-// Settings (src/vis-moe-settings.cpp).  Every --moe-* flag is one row of a
+// Settings (src/api/vis-moe-settings.cpp).  Every --moe-* flag is one row of a
 // table (llama_vis_moe_flag below): name, VIS_MOE_* variable, value hint,
 // range and help.  The values are kept in two layers:
 //   - process-wide: the environment (read at each use, strictly: a bad value fails
@@ -188,7 +188,7 @@ LLAMA_API const char * llama_vis_moe_last_failure(const struct llama_context * c
 // Print the stats table (as at exit with --moe-stats) to stderr.
 LLAMA_API void    llama_vis_moe_print_stats(const struct llama_context * ctx);
 
-// Telemetry of every expert cache of the process (src/vis-moe-metrics.cpp, docs/telemetry.md), for llama-server
+// Telemetry of every expert cache of the process (src/api/vis-moe-metrics.cpp, docs/telemetry.md), for llama-server
 // (patch 0014); safe to call from any thread (each context publishes a snapshot at the end of every ubatch).
 // Prometheus text exposition of the counters since the process started (llamacpp:vis_moe_* families, HELP and TYPE
 // lines, a freed context's counts kept), "" when no context with an expert cache was created.  Valid until the next
@@ -200,7 +200,7 @@ LLAMA_API const char * llama_vis_moe_metrics_text(void);
 LLAMA_API const char * llama_vis_moe_props_json(void);
 
 // ---------------------------------------------------------------------------
-// Substitution on a miss (lossy, off by default; src/vis-moe-substitute.cpp, docs/substitution.md)
+// Substitution on a miss (lossy, off by default; src/features/vis-moe-substitute.cpp, docs/substitution.md)
 //
 // With --moe-substitute router|buddy|auto, a (token, expert) pair of a managed layer whose expert is not
 // resident may run a resident stand-in instead, with the missing expert's gate weight.  Gates: TAE (token
@@ -240,7 +240,7 @@ LLAMA_API int32_t llama_vis_moe_get_sub_stats(const struct llama_context * ctx, 
                                               struct llama_vis_moe_sub_stats * out);
 
 // ---------------------------------------------------------------------------
-// Shadow experts and the precision policy (lossy; src/vis-moe-precision.cpp, docs/precision.md)
+// Shadow experts and the precision policy (lossy; src/features/vis-moe-precision.cpp, docs/precision.md)
 //
 // With --moe-shadow FILE and --moe-precision vision|gate|all|auto, a missing expert the policy allows runs from its
 // low-bit shadow (a shadow slot of the layer, read from the sidecar on a shadow miss) while the full-precision
@@ -264,7 +264,7 @@ struct llama_vis_moe_prec_stats {
 LLAMA_API int32_t llama_vis_moe_get_prec_stats(const struct llama_context * ctx, int32_t il,
                                                struct llama_vis_moe_prec_stats * out);
 
-// Entropy-weighted capacity (lossy; --moe-capacity, src/vis-moe-capacity.cpp, docs/precision.md): per managed layer
+// Entropy-weighted capacity (lossy; --moe-capacity, src/features/vis-moe-capacity.cpp, docs/precision.md): per managed layer
 // and ubatch with image tokens, at most C distinct missing experts that only image tokens route are loaded; the other
 // image pairs are rerouted to experts in memory, or dropped as a last resort.
 struct llama_vis_moe_cap_stats {
@@ -288,7 +288,7 @@ LLAMA_API int32_t llama_vis_moe_macs_weights(const float * embd, int64_t n_token
                                              float * out);
 
 // ---------------------------------------------------------------------------
-// Lookahead prediction and prefetch (exact; src/vis-moe-prefetch.cpp, docs/prediction.md)
+// Lookahead prediction and prefetch (exact; src/features/vis-moe-prefetch.cpp, docs/prediction.md)
 //
 // With --moe-predict next-router|coact|freq|mlp|random, layer l predicts the experts of layers l+1 .. l+W
 // (--moe-lookahead) and the best --moe-prefetch-budget of them that are not resident are read in the
@@ -332,7 +332,7 @@ LLAMA_API int32_t llama_vis_moe_get_prefetch_stats(const struct llama_context * 
 LLAMA_API int32_t llama_vis_moe_router_hash(const struct llama_model * model, uint64_t * out);
 
 // ---------------------------------------------------------------------------
-// Paging tiers (src/vis-moe-host-cache.cpp, src/vis-moe-io-pool.cpp, src/vis-moe-plan.cpp, docs/paging.md)
+// Paging tiers (src/store/vis-moe-host-cache.cpp, src/store/vis-moe-io-pool.cpp, src/plan/vis-moe-plan.cpp, docs/paging.md)
 //
 //   tier 1  the slabs above (device memory; host memory on CPU / Jetson)
 //   tier 2  a host-RAM expert cache with its own byte budget and LRU
@@ -446,7 +446,7 @@ struct llama_vis_moe_plan {
 };
 LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
 
-// The marginal-value configurator (src/vis-moe-configure.cpp, docs/planning.md): within one budget, the ubatch
+// The marginal-value configurator (src/plan/vis-moe-configure.cpp, docs/planning.md): within one budget, the ubatch
 // size and the expert slots that give the lowest predicted latency of a request, with KV held at the admission
 // floor (the asked context x parallel sequences: plan.kv_bytes).  Each candidate ubatch (the asked one, halved down
 // to n_ubatch_min) is planned by llama_vis_moe_plan with its compute-buffer estimate; the cost model below prices
@@ -561,7 +561,7 @@ LLAMA_API int64_t llama_vis_moe_planned_encoder(struct llama_vis_encoder_estimat
 // ---------------------------------------------------------------------------
 struct mtmd_context;
 
-// -- encoder saliency (src/vis-mtmd-saliency.cpp, patch 0010) --
+// -- encoder saliency (src/vlm/vis-mtmd-saliency.cpp, patch 0010) --
 //
 // "Attention received" of each image token: for each of the last k encoder
 // layers, the softmax attention A[h, q, j] is averaged over heads h and query
@@ -586,7 +586,7 @@ LLAMA_API int32_t llama_vis_mtmd_get_saliency(const struct mtmd_context * ctx, f
 LLAMA_API int32_t llama_vis_mtmd_get_saliency_raw(const struct mtmd_context * ctx, float * out, int32_t n_max);
 
 // Hooks called by libmtmd (patch 0010); not for applications.  The state is owned by the
-// mtmd context (mtmd_context::vis_saliency, src/vis-owner.h) and freed with it.  libmtmd
+// mtmd context (mtmd_context::vis_saliency, src/api/vis-owner.h) and freed with it.  libmtmd
 // links libllama, not the reverse, so the functions above cannot look inside an mtmd_context:
 // attach hands over libmtmd's accessor of a context's state (one function for every context).
 struct vis_saliency_state;
@@ -602,7 +602,7 @@ LLAMA_API void llama_vis_clip_saliency_attn(struct ggml_context * ctx, struct gg
                                             struct ggml_tensor * sinks, int il);
 LLAMA_API void llama_vis_clip_saliency_fetch(struct ggml_cgraph * gf, int n_tokens_out);
 
-// -- prefix-layer evaluation and routing capture (src/vis-moe-capture.cpp, patch 0011) --
+// -- prefix-layer evaluation and routing capture (src/vlm/vis-moe-capture.cpp, patch 0011) --
 
 // From the next llama_decode on, evaluate only layers 0..n_layers-1 (0 = off).
 // Every token runs through every evaluated layer; the graph stops after layer

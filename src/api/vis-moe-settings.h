@@ -1,4 +1,4 @@
-// vis-moe-settings.h - every --moe-* setting, declared once (src/vis-moe-settings.cpp).
+// vis-moe-settings.h - every --moe-* setting, declared once (src/api/vis-moe-settings.cpp).
 //
 // One table holds each flag's name, VIS_MOE_* variable, value hint, help and
 // parser.  Patch 0003 registers the table's rows with common/arg.cpp in one loop;

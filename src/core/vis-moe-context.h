@@ -1,6 +1,6 @@
 // vis-moe-context.h - the state of one context's expert cache: per-layer slot
 // tables and slabs, the backing tiers, stats.  Owned by llama_context::vis_moe
-// (src/vis-owner.h), created by vis-moe-attach.cpp, destroyed with the context.
+// (src/api/vis-owner.h), created by vis-moe-attach.cpp, destroyed with the context.
 //
 // Who does what (docs/architecture.md):
 //   vis-moe-attach.cpp    sizing and creation (slots, slabs, tiers, locking)

@@ -1,4 +1,4 @@
-// vis-moe-ops.h - the CPU custom ops a managed layer's graph runs (src/vis-moe-ops.cpp).
+// vis-moe-ops.h - the CPU custom ops a managed layer's graph runs (src/core/vis-moe-ops.cpp).
 // Each gets a vis_moe_op_ud (layer, pass) as userdata.  An op that fails (an I/O
 // error) records the failure in the context and writes ids that keep the graph on
 // finite data; the ubatch is then reported as failed (vis_moe_end_ubatch).

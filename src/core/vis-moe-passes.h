@@ -1,5 +1,5 @@
 // vis-moe-passes.h - the pass planner and slot table of a managed layer
-// (src/vis-moe-passes.cpp).
+// (src/core/vis-moe-passes.cpp).
 //
 // Exactness.  A managed layer's three mul_mat_id read a slab [ne0, ne1, n_slots
 // (+ 1)] holding byte-identical copies of resident experts, with ids remapped to

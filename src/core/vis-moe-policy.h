@@ -1,5 +1,5 @@
 // vis-moe-policy.h - who gets evicted: the eviction-policy interface of the slot
-// pools and its implementations, LRU, LFU with decay and LFU with an adaptive decay (src/vis-moe-policy.cpp).
+// pools and its implementations, LRU, LFU with decay and LFU with an adaptive decay (src/core/vis-moe-policy.cpp).
 //
 // The pass planner (vis-moe-passes.cpp) asks the layer's policy for a victim on
 // every miss and tells it of every touch.  Slots carry VisMMOE's classes (§3.4.2):

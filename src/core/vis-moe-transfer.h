@@ -1,4 +1,4 @@
-// vis-moe-transfer.h - moving expert bytes into and out of slabs (src/vis-moe-transfer.cpp):
+// vis-moe-transfer.h - moving expert bytes into and out of slabs (src/core/vis-moe-transfer.cpp):
 // from tier 2 (host cache), tier 3 (the GGUF file, in parallel) or llama.cpp's own copy.
 #pragma once
 

@@ -42,9 +42,9 @@ bool vis_moe_end_ubatch(vis_moe_context * vm);
 // Extra graph nodes the cache may add for a ubatch of n_tokens.
 uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
 
-// ---- graph (patch 0002, llm_graph_context::build_moe_ffn; src/vis-moe-graph.cpp) ----
+// ---- graph (patch 0002, llm_graph_context::build_moe_ffn; src/core/vis-moe-graph.cpp) ----
 
-// the experts each token of a MoE layer runs: N under --moe-topk N (src/vis-moe-topk.cpp), else the model's
+// the experts each token of a MoE layer runs: N under --moe-topk N (src/features/vis-moe-topk.cpp), else the model's
 int64_t vis_moe_n_expert_used(const vis_moe_context * vm, int64_t n_expert_used);
 //
 // For one MoE layer of one graph.  An unmanaged layer (or no cache) yields one

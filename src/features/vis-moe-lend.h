@@ -1,6 +1,6 @@
 // vis-moe-lend.h - slab lending: under a tight memory plan, a ubatch that streams a layer (prefill streaming,
 // docs/paging.md#prefill-streaming) first hands the slabs' pages back to the kernel, so that the page cache has
-// room for the streamed experts; the slabs refill on demand afterwards (src/vis-moe-lend.cpp).
+// room for the streamed experts; the slabs refill on demand afterwards (src/features/vis-moe-lend.cpp).
 //
 // Why.  Streaming reads a layer's experts through the mapping and the page cache.  The memory plan spends the
 // whole budget on resident weights, KV, compute and slabs, so at tight budgets (12.5 % of a Qwen3-30B-A3B-sized

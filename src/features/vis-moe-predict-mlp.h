@@ -1,4 +1,4 @@
-// vis-moe-predict-mlp.h - the VisMMOE lookahead MLP predictor (--moe-predict mlp; src/vis-moe-predict-mlp.cpp,
+// vis-moe-predict-mlp.h - the VisMMOE lookahead MLP predictor (--moe-predict mlp; src/features/vis-moe-predict-mlp.cpp,
 // docs/prediction.md "The lookahead MLP").
 //
 // Fitted offline by `pyvis calibrate predictor --mlp` (pyvis/calibrate/mlp.py) and carried by the predictor

@@ -1,5 +1,5 @@
 // vis-moe-predict.h - expert predictors: which experts layers l+1 .. l+W will route, known at layer l
-// (src/vis-moe-predict.cpp; docs/prediction.md).
+// (src/features/vis-moe-predict.cpp; docs/prediction.md).
 //
 // A predictor scores the experts of a later layer; the prefetch engine (vis-moe-prefetch.h) reads the best
 // ones in the background.  Predictions only decide *when* bytes arrive, never what is computed: outputs are
@@ -12,7 +12,7 @@
 //                against)
 //   mlp          the VisMMOE lookahead MLP (§3.3) fitted by pyvis calibrate predictor --mlp: routing-history
 //                histogram + this layer's FFN input -> bottleneck -> scores of layers l+1 .. l+W
-//                (src/vis-moe-predict-mlp.{h,cpp}; needs a profile with the MLP)
+//                (src/features/vis-moe-predict-mlp.{h,cpp}; needs a profile with the MLP)
 //   random       random scores, for tests (stress: predictions that are mostly wrong)
 // coact and freq can start from a calibrated predictor profile (--moe-predict-profile, vis-moe-profile.h): its
 // tables are turned back into counts and online learning goes on counting on top of them.

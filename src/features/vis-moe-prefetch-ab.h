@@ -1,6 +1,6 @@
 // vis-moe-prefetch-ab.h - whether reads ahead pay on this machine, measured: decode steps alternate between
 // prefetch on and off in short epochs, and the faster setting runs for a while before the next probe
-// (src/vis-moe-prefetch-ab.cpp; part of --moe-prefetch-tune, docs/prediction.md).
+// (src/features/vis-moe-prefetch-ab.cpp; part of --moe-prefetch-tune, docs/prediction.md).
 //
 // Why: a read ahead saves at most the compute it overlaps, and a wasted one costs its bytes.  On a device where
 // decode waits on storage (a slow disk, a fast CPU) even good predictions can lose; where compute and reads take

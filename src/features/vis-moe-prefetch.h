@@ -1,5 +1,5 @@
 // vis-moe-prefetch.h - lookahead prefetch: layer l predicts the experts of layers l+1 .. l+W (vis-moe-predict.h)
-// and reads the best ones in the background while it computes (src/vis-moe-prefetch.cpp; docs/prediction.md).
+// and reads the best ones in the background while it computes (src/features/vis-moe-prefetch.cpp; docs/prediction.md).
 //
 // Where it runs.  Each MoE layer l of the graph gets one "predict" op (vis-moe-graph.cpp) once layer l has routed and,
 // when l is managed, loaded what its own ubatch needs: demand reads come first.  For each later managed layer T = l+d it

@@ -1,6 +1,6 @@
 // vis-moe-stage.h - staged prefill streaming: a ubatch that streams its managed layers reads each layer's experts
 // with our own positioned reads (O_DIRECT where allowed, the I/O threads) into staging buffers carved out of the
-// slabs, double-buffered: layer l+1 is read in the background while layer l computes (src/vis-moe-stage.cpp).
+// slabs, double-buffered: layer l+1 is read in the background while layer l computes (src/features/vis-moe-stage.cpp).
 //
 // Why.  Prefill streaming (docs/paging.md#prefill-streaming) reads a layer through the mapping and the page cache.
 // Under a tight budget that cache is the memory the plan did not place: on the 48-layer Qwen3-30B-A3B-sized model

@@ -1,6 +1,6 @@
 // vis-moe-store.h - the backing tiers of the expert cache (docs/paging.md), one header for all of them:
 //
-//   tier 1  device slabs              src/vis-moe-attach.cpp (slabs), src/vis-moe-passes.cpp (slot table)
+//   tier 1  device slabs              src/core/vis-moe-attach.cpp (slabs), src/core/vis-moe-passes.cpp (slot table)
 //   tier 2  host-RAM expert cache     vis_host_cache       vis-moe-host-cache.{h,cpp} (its own byte budget and LRU)
 //   tier 3  the GGUF file on NVMe     vis_io_pool          vis-moe-io-pool.{h,cpp} (one positioned read per expert slice)
 //           deferred expert tensors   vis_moe_deferred     vis-moe-deferred.{h,cpp} (where their bytes live)

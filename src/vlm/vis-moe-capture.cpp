@@ -19,7 +19,7 @@
 // Capture: build_moe_ffn marks a contiguous copy of the routed ids of every MoE
 // layer as a graph output ("vis_capture_ids-<il>"); after each ubatch they are
 // appended per layer to the context's capture state (llama_context::vis_capture,
-// src/vis-owner.h).  Nothing of this exists in the graph when both are off.
+// src/api/vis-owner.h).  Nothing of this exists in the graph when both are off.
 #include "vis-vlm.h"
 #include "vis-error.h"
 #include "vis-owner.h"

@@ -2,7 +2,7 @@
 // encoder (VisMMOE Algorithm 1, line 2), for visual-token pruning (issue #4).
 //
 // libmtmd (tools/mtmd) calls in through patch 0010:
-//   mtmd_context:      owns a vis_saliency_state (member vis_saliency, src/vis-owner.h),
+//   mtmd_context:      owns a vis_saliency_state (member vis_saliency, src/api/vis-owner.h),
 //                      created by llama_vis_mtmd_saliency_attach(), freed with the context;
 //                      attach receives libmtmd's accessor of that member (vis_saliency_of)
 //   mtmd_encode_impl:  llama_vis_mtmd_saliency_begin(state) ... encode ... _end(state, ok)

@@ -1,6 +1,6 @@
 // vis-vlm.h - internal interface of the visual-token pruning support (issue #4):
-// encoder saliency (src/vis-mtmd-saliency.cpp) and prefix-layer evaluation with
-// routing capture (src/vis-moe-capture.cpp), used by the hooks of patches 0010/0011.
+// encoder saliency (src/vlm/vis-mtmd-saliency.cpp) and prefix-layer evaluation with
+// routing capture (src/vlm/vis-moe-capture.cpp), used by the hooks of patches 0010/0011.
 //
 // Public C API: llama-vis.h.  Python: pyvis/_native.py.  Docs: docs/vlm-native-api.md.
 #pragma once
