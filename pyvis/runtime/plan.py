@@ -284,14 +284,10 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     from .slot_split import profile_curves
     curve = profile_curves(shape, managed, profile) if profile and managed else None
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
-                          cost=cost, miss_curve=curve)
-    # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
-    # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
-    # and, where the asked -ub fits, only when the slots it buys reach top-k (below, a smaller -ub measured slower)
-    c["below_k"] = bool(configure_mode() == "auto" and asked["ok"] and c["ok"] and
-                        c["plan"]["n_slots"] < rq["n_expert_used"])
-    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
-                        (configure_mode() == "on" or shape.all_f32) and not c["below_k"])
+                          cost=cost, miss_curve=curve, mode=configure_mode(), all_f32=shape.all_f32)
+    # what the runtime runs (llama_vis_moe_configure_applies' verdict, where anything is paged): the chosen ubatch;
+    # nothing fits: the smallest (its refusal names the budget there)
+    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and c["verdict"] == "applied")
     ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
     c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)
