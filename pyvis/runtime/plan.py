@@ -27,6 +27,7 @@ RANGES = {
     "slots": (0, None, "--slots", " (0 = planned)"),           # None: the runtime's limit (_max_slots)
     "host_mib": (-1, _MAX_MIB, "--host-mib", " (-1 = planned)"),
     "device_mib": (1, _MAX_MIB, "--device-mib", ""),
+    "image_max_tokens": (1, _I32, "--image-max-tokens", " (or -1 = the projector's limit)"),
 }
 
 
@@ -54,11 +55,11 @@ def check_args(**kw) -> None:
             raise ValueError(f"{opt} must be {_range_text(key)}, got {v!r}")
 
 
-def _option(key: str, words: tuple[str, ...] = ()):
-    """argparse type of one RANGES option: an integer in its range, or one of ``words``."""
+def _option(key: str, words: tuple[str, ...] | dict = ()):
+    """argparse type of one RANGES option: an integer in its range, or one of ``words`` (a dict: the word's value)."""
     def parse(s: str):
         if s in words:
-            return s
+            return words[s] if isinstance(words, dict) else s
         try:
             v = int(s)
             check_args(**{key: v})
@@ -66,6 +67,12 @@ def _option(key: str, words: tuple[str, ...] = ()):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {_range_text(key)}, got {s!r}") from None
     return parse
+
+
+# --image-max-tokens of `pyvis plan` and `pyvis chat`: -1 the projector's limit, else at least one token
+image_max_tokens = _option("image_max_tokens", {"-1": -1})
+
+
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
