@@ -36,9 +36,14 @@ def test_plan_reserve_is_the_runtimes(fixture_dir, name):
     (["--host-mib", "-2"], "--host-mib", "(-1 = planned), got '-2'"),
     (["--device-mib", "0"], "--device-mib", "got '0'"),
     (["--slots", "4294967296"], "--slots", "got '4294967296'"),
+    (["--image-max-tokens", "0"], "--image-max-tokens", "in 1..2147483647 (or -1 = the projector's limit), got '0'"),
+    (["--image-max-tokens", "-2"], "--image-max-tokens", "got '-2'"),
+    (["chat", "--image-max-tokens", "-5"], "--image-max-tokens", "(or -1 = the projector's limit), got '-5'"),
 ])
 def test_plan_rejects_nonsense(fixture_dir, args, option, expected):
-    r = run([sys.executable, "-m", "pyvis", "plan", fixture_dir / "qwen3moe.gguf", *args])
+    """pyvis plan's options (and pyvis chat's --image-max-tokens, the same parser) refuse a value out of range."""
+    cmd = ["chat", "--mmproj", fixture_dir / "qwen3moe.gguf"] if args[0] == "chat" else ["plan", fixture_dir / "qwen3moe.gguf"]
+    r = run([sys.executable, "-m", "pyvis", *cmd, *args[args[0] == "chat":]])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-1500:]
     assert f"argument {option}: expected an integer in " in r.stderr and expected in r.stderr, r.stderr
 

@@ -152,6 +152,31 @@ def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatc
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+CONFIGURATOR_LINE = re.compile(r"--moe-mem: -ub (\d+) (could be lowered|lowered) to (\d+): .*? per layer .*?\)"
+                               r"(: not applied: (?:this model's weights are (not all F32)|\d+ slots stay (below top-)))?")
+
+
+@pytest.mark.parametrize("model,budget,mode,verdict", [("f32_model", 130, "auto", "applied"),
+                                                       ("medium_model", 200, "auto", "not_f32"),
+                                                       ("medium_model", 200, "on", "applied")])
+def test_pyvis_plan_says_what_llama_cli_does(request, bindir, monkeypatch, model, budget, mode, verdict):
+    """`pyvis plan --json` and llama-cli read the apply rule from one place (llama_vis_moe_configure_applies): on the
+    all-F32 fixture auto applies the lowered -ub, on Q8_0 weights auto keeps -ub for the not-F32 reason and `on`
+    applies it; pyvis' verdict, 'applied' and advised ubatch are those of llama-cli's configurator line."""
+    path = request.getfixturevalue(model)
+    monkeypatch.setenv("VIS_MOE_CONFIGURE", mode)
+    conf = _plan_json(path, budget)["configuration"]
+    assert conf["verdict"] == verdict and conf["applied"] == (verdict == "applied")
+    r = run([bindir / "llama-cli", "-m", path, "-p", "hi", "-n", "1", "-st", "-t", "2", "--temp", "0", "-c", "1024",
+             "-ub", "512", "--moe-mem", str(budget)], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2500:]
+    m = CONFIGURATOR_LINE.search(out)
+    assert m and int(m.group(1)) == 512 and int(m.group(3)) == conf["advised_n_ubatch"], out[-2500:]
+    cli = "applied" if m.group(2) == "lowered" else "not_f32" if m.group(5) else "below_k" if m.group(6) else "?"
+    assert cli == conf["verdict"], m.group(0)
+
+
 @pytest.mark.parametrize("limit_mib", [110, 140])
 def test_a_configured_run_stays_inside_the_cgroup(bindir, f32_model, limit_mib):
     """llama-cli --moe-mem auto -ub 512 in a memory cgroup on the F32 fixture: the configurator lowers -ub (its line
@@ -211,7 +236,7 @@ def test_auto_lowers_the_ubatch_only_where_it_buys_top_k_slots(monkeypatch, budg
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "auto")
     c = P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]
     assert c["ok"] and c["advised_n_ubatch"] < 512
-    assert c["applied"] == applied and c["below_k"] == (not applied)
+    assert c["applied"] == applied and (c["verdict"] == "below_k") == (not applied)
     assert (c["plan"]["n_slots"] >= 8) == applied
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
     assert P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]["applied"]

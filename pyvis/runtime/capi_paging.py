@@ -316,6 +316,23 @@ def llama_vis_moe_configure(req, out) -> int:
     """The marginal-value configurator: the ubatch and slots with the lowest predicted latency in one budget."""
 
 
+# enum llama_vis_moe_configure_verdict { ... };  whether the runtime runs a configuration, and why not
+LLAMA_VIS_MOE_CONFIGURE_APPLIED = 0  # the runtime runs at conf->n_ubatch
+LLAMA_VIS_MOE_CONFIGURE_OFF = 1      # mode 0: the asked ubatch
+LLAMA_VIS_MOE_CONFIGURE_NOT_F32 = 2  # auto, weights not all F32: outputs differ in the last bits at another ubatch
+LLAMA_VIS_MOE_CONFIGURE_BELOW_K = 3  # auto, the asked ubatch fits and the chosen one's slots stay below top-k
+
+
+# LLAMA_API int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_configure_request * req,
+#                                                   const struct llama_vis_moe_configuration * conf, int32_t mode,
+#                                                   int32_t all_f32);
+@ctypes_function("llama_vis_moe_configure_applies", [ctypes.POINTER(llama_vis_moe_configure_request),
+                                                     ctypes.POINTER(llama_vis_moe_configuration), ctypes.c_int32,
+                                                     ctypes.c_int32], ctypes.c_int32)
+def llama_vis_moe_configure_applies(req, conf, mode: int, all_f32: int) -> int:
+    """Whether the runtime runs a configuration (mode: -1 auto, 1 on, 0 off): an llama_vis_moe_configure_verdict."""
+
+
 # LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
 #                                             int32_t n_expert_used, int32_t slots, const int64_t * row_bytes,
 #                                             int32_t * out);

@@ -275,13 +275,20 @@ def cost_default(path) -> dict:
     return {name: getattr(c, name) for name, _ in c._fields_}
 
 
+CONFIGURE_MODES = {"auto": -1, "on": 1, "off": 0}   # VIS_MOE_CONFIGURE's values as llama_vis_moe_configure_applies takes them
+CONFIGURE_VERDICTS = {capi.LLAMA_VIS_MOE_CONFIGURE_APPLIED: "applied", capi.LLAMA_VIS_MOE_CONFIGURE_OFF: "off",
+                      capi.LLAMA_VIS_MOE_CONFIGURE_NOT_F32: "not_f32", capi.LLAMA_VIS_MOE_CONFIGURE_BELOW_K: "below_k"}
+
+
 def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch: int, cost: dict,
-              n_ubatch_min: int = 0, miss_curve=None) -> dict:
+              n_ubatch_min: int = 0, miss_curve=None, mode: str = "auto", all_f32: bool = False) -> dict:
     """llama_vis_moe_configure: the ubatch and slots with the lowest predicted latency within the plan request's
     budget (``plan``: keys of llama_vis_moe_plan_request; its reserve_bytes is ignored).  ``miss_curve``: None (the
     prior) or an array [managed layers][n_expert + 1] of misses per decode token; then 'layer_slots' (the slab bytes
     split per layer) is returned too.  The configuration as a dict; 'plan' holds llama_vis_moe_plan's at the chosen
-    ubatch, 'error' the reason when it does not fit."""
+    ubatch, 'error' the reason when it does not fit, 'verdict' llama_vis_moe_configure_applies' answer for
+    VIS_MOE_CONFIGURE=``mode`` on weights that are (``all_f32``) or not all F32: 'applied' (the runtime runs at
+    'n_ubatch'), 'off', 'not_f32' or 'below_k'."""
     import numpy as np
     rq = capi.llama_vis_moe_configure_request()
     fill_struct(rq.plan, dict(host_mib=-1, unified=1, reserve_bytes=0) | plan)
@@ -301,6 +308,8 @@ def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch:
     out = capi.llama_vis_moe_configuration()
     _check(capi.llama_vis_moe_configure(ctypes.byref(rq), ctypes.byref(out)), "llama_vis_moe_configure")
     d = {name: getattr(out, name) for name, _ in out._fields_ if name != "plan"}
+    d["verdict"] = CONFIGURE_VERDICTS[capi.llama_vis_moe_configure_applies(ctypes.byref(rq), ctypes.byref(out),
+                                                                            CONFIGURE_MODES[mode], int(all_f32))]
     d["ok"] = bool(d["ok"])
     d["plan"] = _struct_dict(out.plan)
     d["plan"]["ok"] = bool(d["plan"]["ok"])

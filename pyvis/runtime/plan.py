@@ -27,6 +27,7 @@ RANGES = {
     "slots": (0, None, "--slots", " (0 = planned)"),           # None: the runtime's limit (_max_slots)
     "host_mib": (-1, _MAX_MIB, "--host-mib", " (-1 = planned)"),
     "device_mib": (1, _MAX_MIB, "--device-mib", ""),
+    "image_max_tokens": (1, _I32, "--image-max-tokens", " (or -1 = the projector's limit)"),
 }
 
 
@@ -54,11 +55,11 @@ def check_args(**kw) -> None:
             raise ValueError(f"{opt} must be {_range_text(key)}, got {v!r}")
 
 
-def _option(key: str, words: tuple[str, ...] = ()):
-    """argparse type of one RANGES option: an integer in its range, or one of ``words``."""
+def _option(key: str, words: tuple[str, ...] | dict = ()):
+    """argparse type of one RANGES option: an integer in its range, or one of ``words`` (a dict: the word's value)."""
     def parse(s: str):
         if s in words:
-            return s
+            return words[s] if isinstance(words, dict) else s
         try:
             v = int(s)
             check_args(**{key: v})
@@ -66,6 +67,12 @@ def _option(key: str, words: tuple[str, ...] = ()):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {_range_text(key)}, got {s!r}") from None
     return parse
+
+
+# --image-max-tokens of `pyvis plan` and `pyvis chat`: -1 the projector's limit, else at least one token
+image_max_tokens = _option("image_max_tokens", {"-1": -1})
+
+
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
@@ -284,14 +291,10 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     from .slot_split import profile_curves
     curve = profile_curves(shape, managed, profile) if profile and managed else None
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
-                          cost=cost, miss_curve=curve)
-    # what the runtime runs: the chosen ubatch; nothing fits: the smallest (its refusal names the budget there);
-    # VIS_MOE_CONFIGURE=auto applies it only on all-F32 weights (outputs bit-identical at any ubatch)
-    # and, where the asked -ub fits, only when the slots it buys reach top-k (below, a smaller -ub measured slower)
-    c["below_k"] = bool(configure_mode() == "auto" and asked["ok"] and c["ok"] and
-                        c["plan"]["n_slots"] < rq["n_expert_used"])
-    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and
-                        (configure_mode() == "on" or shape.all_f32) and not c["below_k"])
+                          cost=cost, miss_curve=curve, mode=configure_mode(), all_f32=shape.all_f32)
+    # what the runtime runs (llama_vis_moe_configure_applies' verdict, where anything is paged): the chosen ubatch;
+    # nothing fits: the smallest (its refusal names the budget there)
+    c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and c["verdict"] == "applied")
     ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
     c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from .plan import (MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, make_plan, read_shape,
-                   refusal_hint, shadow_expert_bytes)
+from .plan import (MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, image_max_tokens, make_plan,
+                   read_shape, refusal_hint, shadow_expert_bytes)
 from .profile import ProfileError
 
 
@@ -157,7 +157,7 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
               if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
     if ub < asked_ub and not c["applied"]:
         change += (f"; not applied: {c['plan']['n_slots']} slots stay below top-{a['request']['n_expert_used']}, where "
-                   f"a smaller -ub measured slower" if c["below_k"] else
+                   f"a smaller -ub measured slower" if c["verdict"] == "below_k" else
                    "; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
                    "another -ub") + "; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)"
 
@@ -220,7 +220,7 @@ def register(sub) -> None:
     s.add_argument("--mmproj", default=None, metavar="FILE", help="a VLM's projector GGUF: its weights, compute buffer "
                    "and image copies are planned in the same budget, as llama-mtmd-cli / llama-server --mmproj and "
                    "pyvis chat plan them (docs/planning.md#the-vision-encoder)")
-    s.add_argument("--image-max-tokens", type=int, default=-1, metavar="N",
+    s.add_argument("--image-max-tokens", type=image_max_tokens, default=-1, metavar="N",
                    help="with --mmproj: the largest image in tokens (default: the projector's limit)")
     s.add_argument("--no-warmup", action="store_true", help="with --mmproj: the tool runs without warmup (its "
                    "--no-warmup; pyvis chat does not warm the encoder up): the compute buffer is the image's")

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..runtime import settings
 from ..runtime.config import MoeConfig
 from ..runtime.native import VisError
+from ..runtime.plan import image_max_tokens
 from ..runtime.settings import CapacityParams, MoeParams, PrecisionParams
 from . import prune
 
@@ -135,7 +136,7 @@ def register(sub) -> None:
                    help="token selection (default: affinity; ignored at --keep-ratio 1)")
     s.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
     s.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
-    s.add_argument("--image-max-tokens", type=int, default=-1, help="largest image in tokens, as in llama-mtmd-cli "
+    s.add_argument("--image-max-tokens", type=image_max_tokens, default=-1, help="largest image in tokens, as in llama-mtmd-cli "
                    "(default: the projector's limit); under --moe-mem / VIS_MOE_MEM the encoder is planned at it "
                    "(docs/planning.md#the-vision-encoder)")
     add_common_args(s, moe_trace=True, lossy=True)

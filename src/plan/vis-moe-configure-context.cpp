@@ -70,9 +70,10 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
         LLAMA_LOG_WARN("vis-moe: configurator off for this context: %s\n", llama_vis_last_error());
         return false;
     }
-    const bool apply = s.plan.configure > 0 || ubatch_invariant(model);  // auto: only where outputs stay the same
+    const bool all_f32 = ubatch_invariant(model);
+    const int32_t verdict = llama_vis_moe_configure_applies(&rq, &c, s.plan.configure, all_f32);
     if (!c.ok) {
-        if (apply) {
+        if (verdict == LLAMA_VIS_MOE_CONFIGURE_APPLIED) {
             cp.n_ubatch = (uint32_t) c.n_ubatch;  // the refusal names the smallest budget: at the smallest ubatch
         }
         return false;
@@ -96,28 +97,18 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     std::snprintf(msg, sizeof(msg), "--moe-mem: -ub %u lowered to %d: its compute buffer (%.0f MiB less) buys %d expert "
                   "slot%s per layer %s)", cp.n_ubatch, c.n_ubatch, freed, c.plan.n_slots, c.plan.n_slots == 1 ? "" : "s",
                   was);
-    // auto, where the asked -ub fits: lower it only when the slots it buys reach top-k (one pass per decode step).
-    // Below top-k a smaller ubatch measured slower on a quiet machine (shared+16 in 450 MiB: 3 slots at -ub 32 decoded
-    // 7.8 tok/s against 8.9 at 1 slot and -ub 512, prefill 88 against 240), above it faster (520 MiB: 8 slots, 2.7x
-    // decode, the same prefill); docs/planning.md
-    const bool below_k = s.plan.configure < 0 && c.asked_n_slots > 0 && c.plan.n_slots < rq.plan.n_expert_used;
-    if (apply && below_k) {
+    if (verdict != LLAMA_VIS_MOE_CONFIGURE_APPLIED) {
         std::string m(msg);
         m.replace(m.find("lowered to"), 10, "could be lowered to");
-        vis_tell_user(m + ": not applied: " + std::to_string(c.plan.n_slots) + " slots stay below top-" +
-                      std::to_string(rq.plan.n_expert_used) + ", where a smaller -ub measured slower; "
-                      "VIS_MOE_CONFIGURE=on applies it (docs/planning.md)");
+        vis_tell_user(m + (verdict == LLAMA_VIS_MOE_CONFIGURE_BELOW_K
+                      ? ": not applied: " + std::to_string(c.plan.n_slots) + " slots stay below top-" +
+                        std::to_string(rq.plan.n_expert_used) + ", where a smaller -ub measured slower; "
+                        "VIS_MOE_CONFIGURE=on applies it (docs/planning.md)"
+                      : std::string(": not applied: this model's weights are not all F32, and on them outputs "
+                        "differ in the last bits at another -ub; VIS_MOE_CONFIGURE=on applies it (docs/planning.md)")));
         return false;
     }
-    if (!apply) {
-        // auto on weights whose outputs depend on the ubatch: say what it would buy, keep the asked -ub
-        std::string m(msg);
-        m.replace(m.find("lowered to"), 10, "could be lowered to");
-        vis_tell_user(m + ": not applied: this model's weights are not all F32, and on them outputs "
-                      "differ in the last bits at another -ub; VIS_MOE_CONFIGURE=on applies it (docs/planning.md)");
-        return false;
-    }
-    vis_tell_user(std::string(msg) + (s.plan.configure > 0 && !ubatch_invariant(model)
+    vis_tell_user(std::string(msg) + (!all_f32
                   ? ": outputs are upstream's at -ub " + std::to_string(c.n_ubatch) + " (VIS_MOE_CONFIGURE=on)"
                   : std::string(": outputs unchanged (all-F32 weights; VIS_MOE_CONFIGURE=off keeps -ub)")));
     cp.n_ubatch = (uint32_t) c.n_ubatch;

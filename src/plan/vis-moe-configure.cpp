@@ -268,3 +268,25 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
     *out = o;
     return 0;
 }
+
+int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_configure_request * req,
+                                        const struct llama_vis_moe_configuration * conf, int32_t mode,
+                                        int32_t all_f32) {
+    if (mode == 0) {
+        return LLAMA_VIS_MOE_CONFIGURE_OFF;
+    }
+    if (mode > 0) {
+        return LLAMA_VIS_MOE_CONFIGURE_APPLIED;
+    }
+    if (!all_f32) {
+        return LLAMA_VIS_MOE_CONFIGURE_NOT_F32;  // auto: only where outputs stay the same
+    }
+    // auto, where the asked ubatch fits: lower it only when the slots it buys reach top-k (one pass per decode step).
+    // Below top-k a smaller ubatch measured slower on a quiet machine (shared+16 in 450 MiB: 3 slots at -ub 32
+    // decoded 7.8 tok/s against 8.9 at 1 slot and -ub 512, prefill 88 against 240), above it faster (520 MiB:
+    // 8 slots, 2.7x decode, the same prefill); docs/planning.md
+    if (conf->ok && conf->asked_n_slots > 0 && conf->plan.n_slots < req->plan.n_expert_used) {
+        return LLAMA_VIS_MOE_CONFIGURE_BELOW_K;
+    }
+    return LLAMA_VIS_MOE_CONFIGURE_APPLIED;
+}
