@@ -171,3 +171,17 @@ def test_pyvis_load_raises_the_refusal(medium_model):
     from pyvis.runtime.native import VisError
     with pytest.raises(VisError, match=r"--moe-mem 250: .*smallest budget for this 65536-token context: \d+ MiB"):
         moe.load(medium_model, moe.MoeConfig(mem=250), n_ctx=65536, n_threads=2, verbose=False)
+
+
+def test_a_refusal_names_a_smaller_ubatch_that_fits_and_it_runs(bindir, medium_model):
+    """--moe-mem 160 -c 512 on the medium fixture: -ub 512's compute buffer leaves no room even for 256 tokens of
+    context, but a smaller ubatch fits; the refusal names it (before: only the budget and the context), and that
+    -ub runs in the same budget."""
+    args = ["-c", "512", "--moe-mem", "160"]
+    r = run(_tool(bindir, medium_model, "llama-cli", args), timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and REFUSAL.search(out), out[-2500:]
+    m = re.search(r"; or -ub (\d+) at this context", out)
+    assert m and 16 <= int(m.group(1)) < 512, out[-2500:]
+    ok = run(_tool(bindir, medium_model, "llama-cli", [*args, "-ub", m.group(1)]), timeout=300)
+    assert ok.returncode == 0 and not REFUSAL.search(ok.stdout + ok.stderr), (ok.stdout + ok.stderr)[-2500:]

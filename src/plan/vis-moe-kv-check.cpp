@@ -110,6 +110,17 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
         plan_at(pad, p);
         largest = "none (" + std::to_string(pad * n_seq) + " tokens need " + mib_up(p.min_budget) + ")";
     }
+    // the largest smaller ubatch (halving down to 16) whose compute buffer lets this context fit the budget
+    std::string smaller_ub;
+    const int64_t kv = kv_bytes_at(model, pm, cp, cp.n_ctx_seq);
+    for (uint32_t ub = cp.n_ubatch / 2; ub >= 16; ub /= 2) {
+        const llama_vis_moe_plan_request r = vis_moe_plan_request(model, s, ap, ub, kv);
+        struct llama_vis_moe_plan p;
+        if (llama_vis_moe_plan(&r, &p) == 0 && p.ok) {
+            smaller_ub = "; or -ub " + std::to_string(ub) + " at this context";
+            break;
+        }
+    }
     const std::string mem = s.tier.mem_mib < 0 ? std::string("auto") : std::to_string(s.tier.mem_mib);
     const std::string msg = "--moe-mem " + mem + ": " + why + (vis_moe_runs_whole(s, ap, model)
                              ? " (the whole model fits the budget alone, so it was loaded whole)" : std::string()) +
@@ -117,7 +128,7 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
                              mib_up(plan.min_budget) + " (KV cache " + mib_up(rq.kv_bytes) +
                              (rq.encoder_bytes > 0 ? ", vision encoder " + mib_up(rq.encoder_bytes) : std::string()) +
                              "); largest context for " +
-                             mib_up(plan.budget) + ": " + largest;
+                             mib_up(plan.budget) + ": " + largest + smaller_ub;
     vis_tell_user(msg);  // llama-bench silences the llama log
     vis_set_last_error("vis-moe: " + msg);  // pyvis.moe.load raises it as VisError
     throw std::runtime_error("vis-moe: " + msg);
