@@ -112,9 +112,8 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
     }
     // the largest smaller ubatch (halving down to 16) whose compute buffer lets this context fit the budget
     std::string smaller_ub;
-    const int64_t kv = kv_bytes_at(model, pm, cp, cp.n_ctx_seq);
     for (uint32_t ub = cp.n_ubatch / 2; ub >= 16; ub /= 2) {
-        const llama_vis_moe_plan_request r = vis_moe_plan_request(model, s, ap, ub, kv);
+        const llama_vis_moe_plan_request r = vis_moe_plan_request(model, s, ap, ub, rq.kv_bytes);  // the same KV
         struct llama_vis_moe_plan p;
         if (llama_vis_moe_plan(&r, &p) == 0 && p.ok) {
             smaller_ub = "; or -ub " + std::to_string(ub) + " at this context";
