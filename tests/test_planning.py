@@ -194,6 +194,34 @@ def test_a_configured_run_stays_inside_the_cgroup(bindir, f32_model, limit_mib):
     assert _generated(r.stdout) == _generated(ref.stdout)
 
 
+RESIDENT_LOWERED = re.compile(r"--moe-mem: -ub 512 lowered to (\d+): the whole model is resident")
+
+
+def test_a_model_loaded_whole_lowers_the_ubatch_instead_of_refusing(bindir, f32_model):
+    """The F32 fixture (75 MiB) in 200 MiB at -c 1024: the whole model fits the budget alone, so it is loaded whole
+    (nothing pages), but -ub 512's compute buffer does not fit next to it and the KV cache (before: refused, naming
+    -ub 256; the testbed in 700 MiB, docs/planning.md). The configurator lowers -ub instead; the run stays inside
+    the cgroup, prints the resident run's text at -ub 512 (a prompt of several ubatches at the lowered -ub), and
+    `pyvis plan` names the same ubatch."""
+    cli = ["-p", PROMPT * 5, "-n", "8", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512"]
+    ref = run([bindir / "llama-cli", "-m", f32_model, *cli], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    plan = run([sys.executable, "-m", "pyvis", "plan", f32_model, "--budget", "200", "-c", "1024", "--json"])
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    plan = json.loads(plan.stdout)
+    conf = plan["configuration"]
+    assert plan["asked_plan"]["whole_model_fits"] and not plan["asked_plan"]["ok"]
+    assert conf["applied"] and conf.get("resident") and 16 <= conf["n_ubatch"] < 512 and plan["plan"]["ok"]
+    with memory_cgroup(200 * MIB) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", "-m", f32_model, *cli, "--moe-mem", "200"]), timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2500:]
+        assert 0 < peak() <= 200 * MIB
+    m = RESIDENT_LOWERED.search(out)
+    assert m and int(m.group(1)) == conf["n_ubatch"] and "outputs unchanged" in out, out[-2500:]
+    assert _generated(r.stdout) == _generated(ref.stdout)
+
+
 def _generated(stdout: str) -> str:
     """llama-cli's text after the echoed prompt, up to its speed line (the loading spinner differs run to run)."""
     m = re.search(r"\n> [^\n]*\n(.*?)\[ Prompt: ", stdout, re.S)

@@ -297,8 +297,27 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and c["verdict"] == "applied")
     ub = c["n_ubatch"] if c["applied"] else asked_ub     # not applied: the plan at -ub as given, as before
     c["advised_n_ubatch"], c["n_ubatch"] = c["n_ubatch"], ub
+    fit_ub = _resident_ubatch(shape, asked, n_ubatch, kw)
+    if fit_ub:   # loaded whole, the asked -ub does not fit next to it: lowered (src/plan/vis-moe-kv-check.cpp)
+        c.update(applied=True, verdict="applied", resident=True, n_ubatch=fit_ub, advised_n_ubatch=fit_ub)
+        ub = fit_ub
     chosen = make_plan(shape, n_ubatch=ub, **kw)
     return dict(configuration=c, plan=chosen, asked=asked, cost=cost)
+
+
+def _resident_ubatch(shape: ModelShape, asked: dict, n_ubatch: int, kw: dict) -> int:
+    """A model loaded whole whose context does not fit at the asked ubatch: the largest smaller one (halving down to
+    16) that fits, where the runtime lowers -ub to it (VIS_MOE_CONFIGURE=on, or auto on all-F32 weights:
+    vis_moe_configure_resident_ubatch); 0 where it refuses instead."""
+    mode = configure_mode()
+    if not asked["whole_model_fits"] or asked["ok"] or mode == "off" or (mode == "auto" and not shape.all_f32):
+        return 0
+    ub = n_ubatch // 2
+    while ub >= 16:
+        if make_plan(shape, n_ubatch=ub, search=False, **kw)["ok"]:
+            return ub
+        ub //= 2
+    return 0
 
 
 def shadow_expert_bytes(shadow_path, model_path) -> int:

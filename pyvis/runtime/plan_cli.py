@@ -152,6 +152,11 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
               f"are that ubatch's")
         return
     ub = c["advised_n_ubatch"]
+    if c.get("resident"):
+        print(f"configurator: -ub {asked_ub} lowered to {ub}: the whole model is resident, and -ub {asked_ub}'s "
+              f"compute buffer does not fit next to it and the KV cache (VIS_MOE_CONFIGURE=off keeps -ub; "
+              f"docs/planning.md)\n")
+        return
     change = (f"-ub {asked_ub} {'lowered' if c['applied'] else 'could be lowered'} to {ub}: its compute buffer buys "
               f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
               if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")

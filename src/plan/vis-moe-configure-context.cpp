@@ -114,3 +114,21 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     cp.n_ubatch = (uint32_t) c.n_ubatch;
     return true;
 }
+
+bool vis_moe_configure_resident_ubatch(const llama_model & model, const vis_moe_settings & s, llama_cparams & cp,
+                                       uint32_t fit_ub) {
+    if (!s.plan.configure || !cp.causal_attn || fit_ub == 0 || fit_ub >= cp.n_ubatch) {
+        return false;  // off; embeddings (a non-causal ubatch must hold the whole input); nothing to lower
+    }
+    const bool all_f32 = ubatch_invariant(model);
+    if (s.plan.configure < 0 && !all_f32) {
+        return false;  // auto keeps -ub where outputs would differ in the last bits; the refusal names fit_ub
+    }
+    vis_tell_user("--moe-mem: -ub " + std::to_string(cp.n_ubatch) + " lowered to " + std::to_string(fit_ub) +
+                  ": the whole model is resident, and -ub " + std::to_string(cp.n_ubatch) + "'s compute buffer does "
+                  "not fit next to it and the KV cache" +
+                  (all_f32 ? std::string(": outputs unchanged (all-F32 weights; VIS_MOE_CONFIGURE=off keeps -ub)")
+                           : ": outputs are upstream's at -ub " + std::to_string(fit_ub) + " (VIS_MOE_CONFIGURE=on)"));
+    cp.n_ubatch = fit_ub;
+    return true;
+}

@@ -16,3 +16,8 @@ struct llama_cparams;
 // that the refusal that follows names the smallest budget that works, and false is returned.
 bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap,
                               llama_cparams & cp, int64_t kv_bytes);
+// A model loaded whole (vis_moe_runs_whole: it fits the budget alone) whose context does not fit at the asked ubatch
+// but fits at fit_ub: with the configurator on (VIS_MOE_CONFIGURE=on, or auto on all-F32 weights, as above)
+// cp.n_ubatch is lowered to fit_ub, one line says so, and true is returned; otherwise false (the refusal follows).
+bool vis_moe_configure_resident_ubatch(const llama_model & model, const vis_moe_settings & s, llama_cparams & cp,
+                                       uint32_t fit_ub);

@@ -93,6 +93,20 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
         return;
     }
     const std::string why = llama_vis_last_error();
+    // the largest smaller ubatch (halving down to 16) whose compute buffer lets this context fit the budget
+    uint32_t fit_ub = 0;
+    for (uint32_t ub = cp.n_ubatch / 2; ub >= 16 && fit_ub == 0; ub /= 2) {
+        const llama_vis_moe_plan_request r = vis_moe_plan_request(model, s, ap, ub, rq.kv_bytes);  // the same KV
+        struct llama_vis_moe_plan p;
+        if (llama_vis_moe_plan(&r, &p) == 0 && p.ok) {
+            fit_ub = ub;
+        }
+    }
+    // a model loaded whole (it fits the budget alone) has nothing to page, so the configurator above did not run:
+    // where the asked ubatch's compute buffer is what does not fit, that ubatch is lowered instead of refusing
+    if (fit_ub > 0 && vis_moe_runs_whole(s, ap, model) && vis_moe_configure_resident_ubatch(model, s, cp, fit_ub)) {
+        return;
+    }
     // the largest context this budget holds: a multiple of 256 tokens per sequence (upstream pads to it)
     const uint32_t pad = 256, n_seq = cp.kv_unified ? 1 : cp.n_seq_max;
     uint32_t lo = 0, hi = cp.n_ctx_seq / pad;  // lo fits (0: none known), hi does not
@@ -110,16 +124,7 @@ void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm,
         plan_at(pad, p);
         largest = "none (" + std::to_string(pad * n_seq) + " tokens need " + mib_up(p.min_budget) + ")";
     }
-    // the largest smaller ubatch (halving down to 16) whose compute buffer lets this context fit the budget
-    std::string smaller_ub;
-    for (uint32_t ub = cp.n_ubatch / 2; ub >= 16; ub /= 2) {
-        const llama_vis_moe_plan_request r = vis_moe_plan_request(model, s, ap, ub, rq.kv_bytes);  // the same KV
-        struct llama_vis_moe_plan p;
-        if (llama_vis_moe_plan(&r, &p) == 0 && p.ok) {
-            smaller_ub = "; or -ub " + std::to_string(ub) + " at this context";
-            break;
-        }
-    }
+    const std::string smaller_ub = fit_ub > 0 ? "; or -ub " + std::to_string(fit_ub) + " at this context" : "";
     const std::string mem = s.tier.mem_mib < 0 ? std::string("auto") : std::to_string(s.tier.mem_mib);
     const std::string msg = "--moe-mem " + mem + ": " + why + (vis_moe_runs_whole(s, ap, model)
                              ? " (the whole model fits the budget alone, so it was loaded whole)" : std::string()) +
