@@ -234,6 +234,9 @@ def llama_vis_moe_plan(req, out) -> int:
 #     int32_t stream_passes;     // a ubatch needing more passes than this in a layer streams it (0 = never)
 #     int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
 #     int32_t gen_tokens;        // ... and generated tokens (decode)
+#     double  token_byte_s;      // seconds per prompt token per weight byte at a large batch (the probe; 0: prior)
+#     int32_t probed;            // 1: mem_bps, token_byte_s and the pass costs were timed
+#     int32_t gen_tokens;        // ... and generated tokens (decode)
 # };
 class llama_vis_moe_cost(ctypes.Structure):
     _fields_ = [
@@ -245,6 +248,8 @@ class llama_vis_moe_cost(ctypes.Structure):
         ("stream_passes", ctypes.c_int32),
         ("prompt_tokens", ctypes.c_int32),
         ("gen_tokens", ctypes.c_int32),
+        ("token_byte_s", ctypes.c_double),
+        ("probed", ctypes.c_int32),
     ]
 
 
@@ -348,6 +353,16 @@ def llama_vis_moe_split_slots(miss_curve, n_layers: int, n_expert: int, n_expert
 @ctypes_function("llama_vis_moe_cost_default", [ctypes.c_char_p, ctypes.POINTER(llama_vis_moe_cost)], ctypes.c_int32)
 def llama_vis_moe_cost_default(path, cost) -> int:
     """The cost model --moe-mem configures with: probed (cached) bandwidths of the file at path and the knobs."""
+
+
+# LLAMA_API int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd, int64_t n_ff_exp,
+#                                            int32_t n_expert_used, int32_t n_threads, struct llama_vis_moe_cost * cost);
+@ctypes_function("llama_vis_moe_cost_probe", [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_cost)],
+                 ctypes.c_int32)
+def llama_vis_moe_cost_probe(path, type_, n_embd, n_ff_exp, n_expert_used, n_threads, cost) -> int:
+    """llama_vis_moe_cost_default with the compute side timed through the ggml backend (cached per type, shape and
+    threads; the VIS_MOE_MEM_MBPS / TOKEN_NS_PER_MIB / PASS_US / PASS_TOKEN_US knobs override it)."""
 
 
 # LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,

@@ -275,6 +275,20 @@ def cost_default(path) -> dict:
     return {name: getattr(c, name) for name, _ in c._fields_}
 
 
+def cost_probe(path, *, type_: int, n_embd: int, n_ff_exp: int, n_expert_used: int, n_threads: int) -> dict:
+    """llama_vis_moe_cost_probe: :func:`cost_default` with the compute side measured (a matmul of the experts' weight
+    type at 1 and 64 tokens, a pass's element-wise ops) on n_threads threads, probed once and cached in
+    ~/.cache/vis-moe/compute."""
+    c = capi.llama_vis_moe_cost()
+    _check(capi.llama_vis_moe_cost_probe(str(path).encode(), c_int("type", type_, ctypes.c_int32),
+                                         c_int("n_embd", n_embd, ctypes.c_int64),
+                                         c_int("n_ff_exp", n_ff_exp, ctypes.c_int64),
+                                         c_int("n_expert_used", n_expert_used, ctypes.c_int32),
+                                         c_int("n_threads", n_threads, ctypes.c_int32), ctypes.byref(c)),
+           "llama_vis_moe_cost_probe")
+    return {name: getattr(c, name) for name, _ in c._fields_}
+
+
 CONFIGURE_MODES = {"auto": -1, "on": 1, "off": 0}   # VIS_MOE_CONFIGURE's values as llama_vis_moe_configure_applies takes them
 CONFIGURE_VERDICTS = {capi.LLAMA_VIS_MOE_CONFIGURE_APPLIED: "applied", capi.LLAMA_VIS_MOE_CONFIGURE_OFF: "off",
                       capi.LLAMA_VIS_MOE_CONFIGURE_NOT_F32: "not_f32", capi.LLAMA_VIS_MOE_CONFIGURE_BELOW_K: "below_k"}

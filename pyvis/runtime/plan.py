@@ -28,6 +28,7 @@ RANGES = {
     "host_mib": (-1, _MAX_MIB, "--host-mib", " (-1 = planned)"),
     "device_mib": (1, _MAX_MIB, "--device-mib", ""),
     "image_max_tokens": (1, _I32, "--image-max-tokens", " (or -1 = the projector's limit)"),
+    "n_threads": (1, 4096, "-t/--threads", ""),
 }
 
 
@@ -91,6 +92,7 @@ class ModelShape:
     total_bytes: int                      # all tensor bytes
     row_gathered_bytes: int = 0           # token embeddings of a model with its own output matrix (read by row)
     all_f32: bool = False                 # every tensor F32: outputs are bit-identical at any ubatch (docs/planning.md)
+    expert_type: int = 0                  # ggml type of the routed experts' weights (what the compute probe times)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
 
     @property
@@ -161,6 +163,7 @@ def read_shape(path: str | Path) -> ModelShape:
             il = int(m.group(1))
             n_exp = int(t.shape[-1]) if len(t.shape) else 1
             shape.expert_bytes[il] = shape.expert_bytes.get(il, 0) + nb // max(n_exp, 1)
+            shape.expert_type = int(t.tensor_type)
     return shape
 
 
@@ -273,10 +276,18 @@ def refusal_hint(p: dict, n_ctx: int) -> str:
             f"largest context for {_mib_up(p['budget'])}: {largest}")
 
 
-def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost: dict | None = None, **kw) -> dict:
+def default_threads() -> int:
+    """The thread count the tools run with by default (llama-cli / llama-server: the CPUs this process may use)."""
+    import os
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost: dict | None = None,
+                   n_threads: int = 0, **kw) -> dict:
     """The configurator's plan (llama_vis_moe_configure, docs/planning.md), as --moe-mem runs it: the plan request
     of :func:`make_plan` (same keywords) priced at each ubatch from n_ubatch down, with the cost model the runtime
-    uses (:func:`pyvis.runtime.native.cost_default` of the model file) unless ``cost`` is given.  ``profile``: a
+    uses (:func:`pyvis.runtime.native.cost_probe` of the model file and its experts' shape at n_threads threads,
+    0: :func:`default_threads`) unless ``cost`` is given.  ``profile``: a
     routing trace for per-layer miss curves (then 'layer_slots' and 'n_pinned' advise a per-layer split).  Returns
     {'configuration': llama_vis_moe_configure's answer, 'plan': make_plan's at the chosen ubatch, 'asked':
     make_plan's at n_ubatch, 'cost': the cost model}."""
@@ -284,7 +295,9 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     # upstream caps a causal context's batch, so its ubatch, at the (padded) context: the configurator starts there
     asked_ub, n_ubatch = n_ubatch, min(n_ubatch, _ctx_cells(kw.get("n_ctx", 4096)))
     asked = make_plan(shape, n_ubatch=n_ubatch, search=False, **kw)
-    cost = cost or _native.cost_default(shape.path)
+    cost = cost or _native.cost_probe(shape.path, type_=shape.expert_type, n_embd=shape.n_embd,
+                                      n_ff_exp=max(shape.n_ff_exp, 1), n_expert_used=max(shape.n_expert_used, 1),
+                                      n_threads=n_threads or default_threads())
     rq = asked["request"]
     pinned = asked["pinned_layers"]
     managed = shape.moe_layers[pinned:] if asked["managed_layers"] else []

@@ -45,7 +45,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   encoder_bytes=enc["total_bytes"] if enc else 0)
         conf = None
         if configure_mode() != "off":
-            conf = configure_plan(shape, n_ubatch=args.ubatch_size, profile=args.profile, **kw)
+            conf = configure_plan(shape, n_ubatch=args.ubatch_size, profile=args.profile, n_threads=args.threads, **kw)
             p = conf["plan"]
         else:
             if args.profile:
@@ -171,10 +171,12 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
           f"decode {c['decode_tps']:.2f} tok/s, prefill {c['prefill_tps']:.1f} tok/s"
           + (f" (the plan at -ub {asked_ub}: {c['asked_decode_tps']:.2f} and {c['asked_prefill_tps']:.1f})"
              if c["asked_decode_tps"] and ub < asked_ub else ""))
-    print(f"  cost model: expert reads {cost['read_bps'] / MIB:.0f} MiB/s, memory {cost['mem_bps'] / MIB:.0f} MiB/s "
-          f"(probed once, ~/.cache/vis-moe/bandwidth; VIS_MOE_READ_MBPS), {cost['pass_s'] * 1e6:.0f} us per extra "
-          f"pass + {cost['pass_token_s'] * 1e6:.0f} us per token of its ubatch (VIS_MOE_PASS_US, "
-          f"VIS_MOE_PASS_TOKEN_US)")
+    print(f"  cost model: expert reads {cost['read_bps'] / MIB:.0f} MiB/s (probed once, ~/.cache/vis-moe/bandwidth; "
+          f"VIS_MOE_READ_MBPS); {'timed once, ~/.cache/vis-moe/compute' if cost['probed'] else 'the knobs'}: "
+          f"weights at one token {cost['mem_bps'] / MIB:.0f} MiB/s (VIS_MOE_MEM_MBPS), prefill compute "
+          f"{cost['token_byte_s'] * 1e9 * MIB:.0f} ns per token per MiB (VIS_MOE_TOKEN_NS_PER_MIB), "
+          f"{cost['pass_s'] * 1e6:.0f} us per extra pass + {cost['pass_token_s'] * 1e6:.2f} us per token of its "
+          f"ubatch (VIS_MOE_PASS_US, VIS_MOE_PASS_TOKEN_US)")
     print(f"  marginal values at the optimum, seconds saved per request per MiB: last slot row {c['mv_slot']:.3f}, "
           f"next slot row {c['mv_next_slot']:.3f}; last ubatch doubling {c['mv_ubatch_down']:.3f}, next one "
           f"{c['mv_ubatch_up']:.3f}")
@@ -205,6 +207,9 @@ def register(sub) -> None:
     s.add_argument("-c", "--ctx-size", type=_option("n_ctx"), default=4096, help="context size in tokens (default: 4096)")
     s.add_argument("-ub", "--ubatch-size", type=_option("n_ubatch"), default=512,
                    help="physical batch size (default: 512)")
+    s.add_argument("-t", "--threads", type=_option("n_threads"), default=None,
+                   help="threads the run uses, for the cost model's compute probe (default: the CPUs this process "
+                        "may use, as llama-cli)")
     s.add_argument("--pinned", type=_option("pinned"), default=0,
                    help="MoE layers kept fully resident (-1 = all; default: 0)")
     s.add_argument("--slots", type=_option("slots"), default=0, help="fixed slots per managed layer (default: planned)")

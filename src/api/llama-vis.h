@@ -462,6 +462,9 @@ struct llama_vis_moe_cost {
                                // 0 = never): its experts are read once, sequentially, with no passes
     int32_t prompt_tokens;     // one request: prompt tokens (prefill) ...
     int32_t gen_tokens;        // ... and generated tokens (decode)
+    double  token_byte_s;      // seconds of compute per prompt token per byte of weights a token runs through, at a
+                               // large batch (llama_vis_moe_cost_probe); used where token_s <= 0 (0: the prior)
+    int32_t probed;            // 1: mem_bps, token_byte_s and the pass costs come from llama_vis_moe_cost_probe's timing
 };
 struct llama_vis_moe_configure_request {
     struct llama_vis_moe_plan_request plan;  // the --moe-mem request; reserve_bytes is replaced by the estimate at
@@ -527,6 +530,15 @@ LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n
 // read number, VIS_MOE_PASS_US the pass cost, VIS_MOE_PLAN_PROMPT / VIS_MOE_PLAN_GEN the request priced; token_s 0
 // (the prior).  0 on success.
 LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);
+// The cost model with its compute side measured (src/plan/vis-moe-compute-probe.cpp, docs/planning.md#cost-model):
+// llama_vis_moe_cost_default, then mem_bps, token_byte_s, pass_s and pass_token_s timed through the ggml backend API
+// on the CPU device with n_threads threads, for weights of ggml type `type` with rows of n_embd, experts of n_ff_exp
+// and top-n_expert_used (a pass's element-wise ops).  Probed once per (type, shape, threads) and cached in
+// ~/.cache/vis-moe/compute (a line that does not parse: probed again, with a warning); VIS_MOE_MEM_MBPS,
+// VIS_MOE_TOKEN_NS_PER_MIB, VIS_MOE_PASS_US and VIS_MOE_PASS_TOKEN_US override each number (all four set: no
+// probe, probed = 0).  Under a second: a matmul over 48 MiB at 1 and 64 tokens, and a pass's ops at 1 and 64.
+LLAMA_API int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd, int64_t n_ff_exp,
+                                           int32_t n_expert_used, int32_t n_threads, struct llama_vis_moe_cost * cost);
 
 // The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes),
 // from the model's shape: bytes.  pyvis plan calls it too, so plan and runtime agree.

@@ -497,13 +497,23 @@ const vis_moe_env_row ENV_ROWS[] = {
       "in ~/.cache/vis-moe/bandwidth)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.read_mbps = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_MEM_MBPS", "MIB/S",
+      "vis-moe: the configurator's weight bandwidth of a matmul at one token (decode), MiB/s (default: 0 = probed\n"
+      "once per weight type, shape and thread count and cached in ~/.cache/vis-moe/compute: docs/planning.md)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.mem_mbps = parse_real(w, v, 0, 1e9); } },
+    { "VIS_MOE_TOKEN_NS_PER_MIB", "NS",
+      "vis-moe: the configurator's prefill compute, nanoseconds per prompt token per MiB of weights at a large\n"
+      "batch (default: probed and cached as VIS_MOE_MEM_MBPS)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.token_ns_per_mib = parse_real(w, v, 0, 1e12); } },
     { "VIS_MOE_PASS_US", "US",
-      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: 10000, measured\n"
-      "on the loaded 2-core dev VM: docs/planning.md)",
+      "vis-moe: the configurator's cost of one extra pass of one layer, microseconds (default: probed and cached\n"
+      "as VIS_MOE_MEM_MBPS)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.pass_us = parse_real(w, v, 0, 1e7); } },
     { "VIS_MOE_PASS_TOKEN_US", "US",
-      "vis-moe: ... plus this per token of the pass's ubatch, microseconds (default: 2000, same source)",
+      "vis-moe: ... plus this per token of the pass's ubatch, microseconds (default: probed and cached)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.pass_token_us = parse_real(w, v, 0, 1e7); } },
     { "VIS_MOE_PLAN_PROMPT", "N",

@@ -95,8 +95,10 @@ struct vis_moe_plan_settings {
     int32_t configure = -1;           // VIS_MOE_CONFIGURE: under --moe-mem, lower the ubatch where it buys slots:
                                       // -1 auto (only where outputs stay bit-identical: F32 weights), 1 on, 0 off
     double  read_mbps = 0;            // VIS_MOE_READ_MBPS: expert read bandwidth, MiB/s (0 = probed and cached)
-    double  pass_us   = 10000;        // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds ...
-    double  pass_token_us = 2000;     // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
+    double  mem_mbps  = 0;            // VIS_MOE_MEM_MBPS: weight MiB/s of a matmul at one token (0 = probed and cached)
+    double  token_ns_per_mib = -1;    // VIS_MOE_TOKEN_NS_PER_MIB: prefill compute, ns per token per MiB of weights (-1 = probed)
+    double  pass_us   = -1;           // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds (-1 = probed) ...
+    double  pass_token_us = -1;       // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
     int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
     std::string slot_split;           // VIS_MOE_SLOT_SPLIT: a split file, per-layer slot counts at attach ("" = equal)

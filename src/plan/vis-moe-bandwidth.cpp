@@ -1,12 +1,14 @@
 // vis-moe-bandwidth.cpp - the two bandwidths the configurator's cost model is priced in (llama-vis.h,
-// docs/planning.md): expert-sized reads of the model file (O_DIRECT, as tier 3 reads; buffered with the pages
-// dropped where the filesystem refuses it) and a memcpy.  Probed once per device and cached in
-// $XDG_CACHE_HOME/vis-moe/bandwidth (default ~/.cache); VIS_MOE_READ_MBPS overrides the read number.
+// docs/planning.md): expert-sized reads of the model file by --moe-io-threads threads at once (O_DIRECT, as tier 3
+// reads; buffered with the pages dropped where the filesystem refuses it) and a memcpy.  Probed once per device and
+// I/O thread count and cached in $XDG_CACHE_HOME/vis-moe/bandwidth (default ~/.cache); VIS_MOE_READ_MBPS overrides
+// the read number.  The compute side is vis-moe-compute-probe.cpp.
 #include "llama-vis.h"
 #include "vis-error.h"
 #include "vis-moe-settings.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cstdlib>
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
@@ -22,8 +25,8 @@
 
 namespace {
 
-constexpr size_t CHUNK = 1 << 20;   // about one expert of a small model; the reads are spread over the file
-constexpr int    READS = 48;
+constexpr size_t CHUNK = 256 << 10;  // about one expert tensor of a small model; the reads are spread over the file
+constexpr int    READS = 160;
 
 double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -64,7 +67,9 @@ void store(const std::string & key, double rd, double mem) {
     }
 }
 
-double probe_read(const char * path) {
+// expert-sized reads spread over the file, issued as the runtime issues a layer's misses: by n_threads I/O threads
+// at once (--moe-io-threads), so the number is the file's bandwidth under the run's own access pattern
+double probe_read(const char * path, int n_threads) {
     int fd = ::open(path, O_RDONLY | O_DIRECT);
     const bool direct = fd >= 0;
     if (!direct) {
@@ -76,30 +81,47 @@ double probe_read(const char * path) {
     struct stat st = {};
     ::fstat(fd, &st);
     const off_t size = st.st_size;
-    void * buf = nullptr;
-    if (size < (off_t) CHUNK || posix_memalign(&buf, 4096, CHUNK) != 0) {
+    if (size < (off_t) CHUNK) {
         ::close(fd);
         return -1;
     }
     const off_t span = (size - (off_t) CHUNK) / 4096;
-    double t = 0;
-    size_t bytes = 0;
-    for (int i = 0; i < READS; ++i) {
-        const off_t off = (off_t) ((span * (int64_t) ((i * 7919) % READS)) / READS) * 4096;
-        if (!direct) {
-            posix_fadvise(fd, off, CHUNK, POSIX_FADV_DONTNEED);
+    n_threads = std::max(1, n_threads);
+    std::atomic<int> next{0};
+    std::atomic<size_t> bytes{0};
+    std::atomic<bool> failed{false};
+    auto worker = [&]() {
+        void * buf = nullptr;
+        if (posix_memalign(&buf, 4096, CHUNK) != 0) {
+            failed = true;
+            return;
         }
-        const double t0 = now_s();
-        const ssize_t r = ::pread(fd, buf, CHUNK, off);
-        t += now_s() - t0;
-        if (r <= 0) {
-            break;
+        for (int i = next++; i < READS && !failed; i = next++) {
+            const off_t off = (off_t) ((span * (int64_t) ((i * 7919) % READS)) / READS) * 4096;
+            if (!direct) {
+                posix_fadvise(fd, off, CHUNK, POSIX_FADV_DONTNEED);
+            }
+            const ssize_t r = ::pread(fd, buf, CHUNK, off);
+            if (r <= 0) {
+                failed = true;
+                break;
+            }
+            bytes += (size_t) r;
         }
-        bytes += (size_t) r;
+        std::free(buf);
+    };
+    const double t0 = now_s();
+    std::vector<std::thread> ts;
+    for (int i = 1; i < n_threads; ++i) {
+        ts.emplace_back(worker);
     }
-    std::free(buf);
+    worker();
+    for (auto & t : ts) {
+        t.join();
+    }
+    const double t = now_s() - t0;
     ::close(fd);
-    return bytes > 0 && t > 0 ? bytes / t : -1;
+    return !failed && bytes > 0 && t > 0 ? bytes / t : -1;
 }
 
 double probe_mem() {
@@ -129,10 +151,12 @@ int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost 
         vis_set_last_error(std::string("llama_vis_moe_cost_default: ") + path + ": " + std::strerror(errno));
         return -1;
     }
-    const std::string key = "dev" + std::to_string((unsigned long long) st.st_dev);
+    const vis_moe_settings s = vis_moe_settings_current();
+    const std::string key = "dev" + std::to_string((unsigned long long) st.st_dev) + "-io" +
+                            std::to_string(s.tier.io_threads);
     double rd = 0, mem = 0;
     if (!cached(key, rd, mem)) {
-        rd  = probe_read(path);
+        rd  = probe_read(path, s.tier.io_threads);
         mem = probe_mem();
         if (rd <= 0 || mem <= 0) {
             vis_set_last_error(std::string("llama_vis_moe_cost_default: could not time reads of ") + path +
@@ -141,13 +165,15 @@ int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost 
         }
         store(key, rd, mem);
     }
-    const vis_moe_settings s = vis_moe_settings_current();
     const vis_moe_plan_settings & ps = s.plan;
     cost->read_bps      = ps.read_mbps > 0 ? ps.read_mbps * 1048576.0 : rd;
     cost->mem_bps       = mem;
-    cost->pass_s        = ps.pass_us * 1e-6;
-    cost->pass_token_s  = ps.pass_token_us * 1e-6;
+    // without the compute probe (llama_vis_moe_cost_probe): the pass costs first fitted on the loaded dev VM
+    cost->pass_s        = (ps.pass_us >= 0 ? ps.pass_us : 10000) * 1e-6;
+    cost->pass_token_s  = (ps.pass_token_us >= 0 ? ps.pass_token_us : 2000) * 1e-6;
     cost->token_s       = 0;
+    cost->token_byte_s  = 0;
+    cost->probed        = 0;
     cost->stream_passes = s.stream_passes;
     cost->prompt_tokens = ps.prompt;
     cost->gen_tokens    = ps.gen;

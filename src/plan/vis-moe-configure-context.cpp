@@ -12,17 +12,20 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
 namespace {
 
-// the file the managed experts are read from (their first deferred tensor's), "" if none is deferred
-std::string expert_file(const llama_model & model, const vis_moe_attach_plan & ap) {
+// the file the managed experts are read from (their first deferred tensor's), "" if none is deferred; `type`: that
+// tensor's weight type (what the compute probe times)
+std::string expert_file(const llama_model & model, const vis_moe_attach_plan & ap, int32_t & type) {
     for (int il : ap.managed) {
         for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
             const vis_deferred_tensor * d = t ? vis_moe_deferred(t) : nullptr;
             if (d && d->file) {
+                type = (int32_t) t->type;
                 return d->file->path;
             }
         }
@@ -48,7 +51,8 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     if (!s.plan.configure || !cp.causal_attn || ap.managed.empty() || cp.n_ubatch <= 1) {
         return false;  // off; embeddings (a non-causal ubatch must hold the whole input); nothing paged; already small
     }
-    const std::string path = expert_file(model, ap);
+    int32_t type = GGML_TYPE_F32;
+    const std::string path = expert_file(model, ap, type);
     if (path.empty()) {
         return false;  // nothing deferred: no reads to price
     }
@@ -59,7 +63,9 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     rq.n_ff_exp     = model.hparams.n_ff_exp();
     rq.n_ubatch     = (int32_t) cp.n_ubatch;
     rq.n_ubatch_min = 0;  // the runtime's smallest
-    if (rq.plan.n_managed_layers == 0 || llama_vis_moe_cost_default(path.c_str(), &rq.cost) != 0) {
+    if (rq.plan.n_managed_layers == 0 ||
+        llama_vis_moe_cost_probe(path.c_str(), type, rq.n_embd, rq.n_ff_exp, rq.plan.n_expert_used,
+                                 std::max<int32_t>(1, (int32_t) cp.n_threads), &rq.cost) != 0) {
         if (rq.plan.n_managed_layers != 0) {
             LLAMA_LOG_WARN("vis-moe: configurator off for this context: %s\n", llama_vis_last_error());
         }

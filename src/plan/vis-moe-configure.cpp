@@ -78,10 +78,21 @@ struct cost_model {
         return miss(l, s) * per_miss(h) + passes((double) ((k + s - 1) / s - 1), 1);
     }
 
-    // compute of one prompt token in a large batch: given, or the prior of a quarter of a memory-bound decode step
+    // bytes of the output matrix (n_vocab x n_embd at the experts' bytes per weight): a prompt's tokens skip it
+    // but the last of each ubatch (the logits asked for); it is read once per ubatch with the resident weights
+    double head_bytes(const llama_vis_moe_plan_request & pr) const {
+        const double per_weight = rq.n_ff_exp > 0 && rq.n_embd > 0 ? eb / (3.0 * rq.n_embd * rq.n_ff_exp) : 0.0;
+        return std::min((double) pr.resident_bytes, (double) rq.n_vocab * rq.n_embd * per_weight);
+    }
+
+    // compute of one prompt token in a large batch: given; or the probed seconds per token per weight byte times
+    // the bytes a token runs through (resident weights but the output matrix, and k experts per layer); or the
+    // prior of a quarter of a memory-bound decode step
     double token_s(const llama_vis_moe_plan_request & pr) const {
         const auto & c = rq.cost;
-        return c.token_s > 0 ? c.token_s : ((double) pr.resident_bytes + L * k * eb) / c.mem_bps / 4.0;
+        const double bytes = (double) pr.resident_bytes + L * k * eb;
+        return c.token_s > 0 ? c.token_s : c.token_byte_s > 0 ? (bytes - head_bytes(pr)) * c.token_byte_s
+                                                              : bytes / c.mem_bps / 4.0;
     }
 
     // the whole request with per-layer slots `slots` (or equal `s_all` when slots is empty) at ubatch u
@@ -96,8 +107,15 @@ struct cost_model {
         mean = L > 0 ? mean / L : 0;
         const double h = host_share(p, mean);
         const double resident = (double) pr.resident_bytes - (double) p.pageable_bytes;
-        // pageable resident weights: read every step, and under pressure re-read from the file (the worst case)
-        const double paged = (double) p.pageable_bytes / c.read_bps + (double) p.pageable_bytes / c.mem_bps;
+        // pageable resident weights (not locked, left to the page cache) are read from memory every step like the
+        // locked ones while the page cache holds them.  The compute estimate is an upper bound: a ubatch touches
+        // about the smallest ubatch's estimate, so the bytes above it are room the pages keep.  Pageable bytes
+        // beyond that room are a cyclic scan larger than the cache: LRU drops every page before its next use, so
+        // all of them are re-read from the file every step (measured on the testbed: docs/planning.md)
+        const double room = (double) pr.reserve_bytes - (double) llama_vis_moe_estimate_reserve(
+                                UBATCH_MIN, rq.n_vocab, rq.n_embd, rq.plan.n_expert_used, rq.n_ff_exp);
+        const double paged = (double) p.pageable_bytes / c.mem_bps +
+                             ((double) p.pageable_bytes > room ? (double) p.pageable_bytes / c.read_bps : 0.0);
         priced r;
         // decode: every resident byte and the k routed experts of each layer are read once per token
         r.decode_s = (resident + L * k * eb) / c.mem_bps + paged;
@@ -172,11 +190,12 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
         return -1;
     }
     if (!(c.read_bps > 0) || !(c.mem_bps > 0) || !(c.pass_s >= 0) || !(c.pass_token_s >= 0) ||
+        !(c.token_byte_s >= 0) || !std::isfinite(c.token_byte_s) ||
         !std::isfinite(c.read_bps) || !std::isfinite(c.mem_bps) || !std::isfinite(c.pass_s) ||
         !std::isfinite(c.pass_token_s) || c.stream_passes < 0 || c.prompt_tokens < 0 || c.gen_tokens < 0 ||
         c.prompt_tokens + c.gen_tokens <= 0) {
         vis_set_last_error("llama_vis_moe_configure: the cost needs read_bps > 0, mem_bps > 0, pass_s >= 0, "
-                           "pass_token_s >= 0, stream_passes >= 0 and a "
+                           "pass_token_s >= 0, token_byte_s >= 0, stream_passes >= 0 and a "
                            "request of prompt_tokens + gen_tokens > 0 tokens (read_bps " + fmt(c.read_bps) + ", mem_bps " +
                            fmt(c.mem_bps) + ", pass_s " + fmt(c.pass_s) + ")");
         return -1;

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Predicted vs measured tok/s on a planning grid (docs/planning.md#across-budgets-and-two-contexts): for every arm
+that finished in scripts/bench_planning.py's results (one results.json per context), the cost model's decode and
+prefill at that arm's budget, context and ubatch (pyvis.runtime.plan.configure_plan, the runtime's cost model:
+llama_vis_moe_cost_probe with its knobs), and per grid cell the configurator's choice against the best arm (the
+oracle) by the configurator's own objective, the measured seconds of one request of VIS_MOE_PLAN_PROMPT prompt +
+VIS_MOE_PLAN_GEN generated tokens.
+
+    .venv/bin/python scripts/planning_grid.py MODEL c1024=DIR c4096=DIR [--prompt-tokens 110] [--plot PNG]
+
+The prediction of an arm is priced for the bench's own prompt (--prompt-tokens: llama-cli's prompt in tokens, so
+that the ubatch count matches); the choice is priced for the configurator's request (VIS_MOE_PLAN_PROMPT/GEN)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pyvis.runtime import plan as P  # noqa: E402
+
+
+def predict(shape, cost, budget, n_ctx, ub, prompt_tokens, gen_tokens):
+    """(decode tok/s, prefill tok/s, ubatch the configurator chooses) of the plan at -ub ub, as the runtime prices it."""
+    c = dict(cost, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens)
+    conf = P.configure_plan(shape, n_ubatch=ub, cost=c, budget_mib=budget, n_ctx=n_ctx)
+    k = conf["configuration"]
+    if k.get("resident"):   # loaded whole, -ub lowered to fit: price the lowered one (every expert has a slot)
+        return predict(shape, cost, budget, n_ctx, k["n_ubatch"], prompt_tokens, gen_tokens)[:2] + (k["n_ubatch"],) * 2
+    if not k["ok"] or not k["asked_decode_tps"]:
+        return None, None, k.get("n_ubatch"), k.get("advised_n_ubatch")
+    return k["asked_decode_tps"], k["asked_prefill_tps"], k["n_ubatch"], k["advised_n_ubatch"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("grids", nargs="+", metavar="cN=DIR", help="bench_planning --out DIR of context N")
+    ap.add_argument("--prompt-tokens", type=int, default=110, help="the bench's prompt in tokens (default: 110)")
+    ap.add_argument("--gen-tokens", type=int, default=16, help="the bench's generated tokens (default: 16)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args()
+    shape = P.read_shape(a.model)
+    from pyvis.runtime import native
+    cost = native.cost_probe(shape.path, type_=shape.expert_type, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp,
+                             n_expert_used=shape.n_expert_used, n_threads=a.threads)
+    req_p, req_g = cost["prompt_tokens"], cost["gen_tokens"]
+    print(f"cost: read {cost['read_bps'] / 2**20:.0f} MiB/s, weights at one token {cost['mem_bps'] / 2**20:.0f} MiB/s, "
+          f"prefill {cost['token_byte_s'] * 1e9 * 2**20:.0f} ns/token/MiB, pass {cost['pass_s'] * 1e6:.0f} us + "
+          f"{cost['pass_token_s'] * 1e6:.2f} us/token (probed: {cost['probed']}); request {req_p} + {req_g} tokens\n")
+    rows, cells = [], []
+    for g in a.grids:
+        ctx, d = g.split("=", 1)
+        n_ctx = int(ctx.lstrip("c"))
+        res = json.loads((Path(d) / "results.json").read_text())
+        for b in sorted({r["limit_mib"] for r in res}):
+            arms = [r for r in res if r["limit_mib"] == b and r.get("finished")]
+            for r in arms:
+                pd, pp, _, _ = predict(shape, cost, b, n_ctx, r["ub_run"], a.prompt_tokens, a.gen_tokens)
+                rows.append(dict(c=n_ctx, b=b, arm=r["arm"], ub=r["ub_run"], slots=r.get("slots"),
+                                 decode=r["decode_tps"], prefill=r["prefill_tps"], pred_decode=pd, pred_prefill=pp))
+            # the configurator's choice at -ub 512 for its request, and the measured request time of each arm
+            _, _, chosen, advised = predict(shape, cost, b, n_ctx, 512, req_p, req_g)
+            t = {r["ub_run"]: req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in arms}
+            best = min(t, key=t.get) if t else None
+            cells.append(dict(c=n_ctx, b=b, chosen=chosen, best=best, t_best=t.get(best),
+                              t_chosen=t.get(chosen), ratio=(t[best] / t[chosen]) if chosen in t else None,
+                              advised=advised, ratio_advised=(t[best] / t[advised]) if advised in t else None))
+    f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    print("| -c | cgroup MiB | arm | -ub | slots | decode: measured / predicted (ratio) | prefill: measured / predicted (ratio) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        rd = r["decode"] / r["pred_decode"] if r["pred_decode"] else None
+        rp = r["prefill"] / r["pred_prefill"] if r["pred_prefill"] else None
+        r.update(ratio_decode=rd, ratio_prefill=rp)
+        print(f"| {r['c']} | {r['b']} | {r['arm']} | {r['ub']} | {r['slots'] or 'all'} | {f(r['decode'])} / "
+              f"{f(r['pred_decode'])} ({f(rd, 2)}) | {f(r['prefill'])} / {f(r['pred_prefill'])} ({f(rp, 2)}) |")
+    rs = [x for r in rows for x in (r["ratio_decode"], r["ratio_prefill"]) if x]
+    if rs:
+        worst = max(max(x, 1 / x) for x in rs)
+        within = sum(1 for x in rs if 1 / 1.5 <= x <= 1.5)
+        print(f"\nmeasured / predicted: {min(rs):.2f}..{max(rs):.2f}; {within} of {len(rs)} within 1.5x; worst {worst:.2f}x")
+    print(f"\n| -c | cgroup MiB | configurator's -ub (auto) | best arm's -ub | request s: chosen / best | best / chosen "
+          f"| cheapest priced -ub (`on`) | best / it |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        print(f"| {c['c']} | {c['b']} | {c['chosen']} | {c['best']} | {f(c['t_chosen'], 2)} / {f(c['t_best'], 2)} | "
+              f"{f(c['ratio'], 3)} | {c['advised']} | {f(c['ratio_advised'], 3)} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(cost=cost, rows=rows, cells=cells), indent=1))
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axs = plt.subplots(1, 2, figsize=(10, 4.5))
+        for ax, key, label in ((axs[0], "decode", "decode"), (axs[1], "prefill", "prefill")):
+            for n_ctx, mk in ((1024, "o"), (4096, "s")):
+                xs = [r for r in rows if r["c"] == n_ctx and r["pred_" + key]]
+                ax.scatter([r["pred_" + key] for r in xs], [r[key] for r in xs], marker=mk, label=f"-c {n_ctx}",
+                           alpha=0.8)
+            vals = [v for r in rows for v in (r[key], r["pred_" + key]) if v]
+            lo, hi = min(vals) * 0.7, max(vals) * 1.4
+            ax.plot([lo, hi], [lo, hi], "k:", lw=0.8, label="predicted = measured")
+            ax.plot([lo, hi], [lo * 1.5, hi * 1.5], "k:", lw=0.4)
+            ax.plot([lo, hi], [lo / 1.5, hi / 1.5], "k:", lw=0.4, label="1.5x")
+            ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlim(lo, hi), ax.set_ylim(lo, hi)
+            ax.set_xlabel(f"predicted {label} tok/s (measured cost model)")
+            ax.set_ylabel(f"measured {label} tok/s (llama-cli in the cgroup)")
+            ax.legend(fontsize=7)
+        fig.suptitle("Testbed shared+16 (516 MiB), 450-800 MiB cgroups, every arm: predicted vs measured", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
