@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -151,7 +152,13 @@ int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost 
         vis_set_last_error(std::string("llama_vis_moe_cost_default: ") + path + ": " + std::strerror(errno));
         return -1;
     }
-    const vis_moe_settings s = vis_moe_settings_current();
+    vis_moe_settings s;
+    try {
+        s = vis_moe_settings_current();
+    } catch (const std::exception & e) {
+        vis_set_last_error(e.what());  // a VIS_MOE_* variable that does not parse: named, not a crash
+        return -1;
+    }
     const std::string key = "dev" + std::to_string((unsigned long long) st.st_dev) + "-io" +
                             std::to_string(s.tier.io_threads);
     double rd = 0, mem = 0;

@@ -87,7 +87,7 @@ void store(const std::string & key, const probed & p) {
     ::mkdir(dir.c_str(), 0755);
     std::ofstream f(path, std::ios::app);
     if (f) {
-        f.precision(9);
+        f.precision(17);  // the numbers read back are the ones probed
         f << key << " " << p.mem_bps << " " << p.token_byte_s << " " << p.pass_s << " " << p.pass_token_s << "\n";
     }
 }
@@ -229,7 +229,7 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
                            std::to_string(n_expert_used) + ", n_threads " + std::to_string(n_threads) + ")");
         return -1;
     }
-    const vis_moe_plan_settings ps = vis_moe_settings_current().plan;
+    const vis_moe_plan_settings ps = vis_moe_settings_current().plan;  // parsed by llama_vis_moe_cost_default above
     const bool all_set = ps.mem_mbps > 0 && ps.token_ns_per_mib >= 0 && ps.pass_us >= 0 && ps.pass_token_us >= 0;
     probed p;
     if (!all_set) {
