@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 MIB = 1 << 20
-KNOBS = ("VIS_MOE_READ_MBPS", "VIS_MOE_MEM_MBPS", "VIS_MOE_TOKEN_NS_PER_MIB", "VIS_MOE_PASS_US", "VIS_MOE_PASS_TOKEN_US")
+KNOBS = ("VIS_MOE_READ_MBPS", "VIS_MOE_MEM_MBPS", "VIS_MOE_TOKEN_NS_PER_MIB", "VIS_MOE_PASS_US", "VIS_MOE_PASS_TOKEN_US",
+         "VIS_MOE_PROBE_CACHE")
 # the probe in a fresh process (the settings are read from its environment): the cost dict as JSON
 PROBE = """
 import json, sys
@@ -31,7 +32,10 @@ SHAPE = dict(type_=0, n_embd=128, n_ff_exp=128, n_expert_used=4, n_threads=2)
 
 def _probe(model, cache: Path, shape=SHAPE, **env):
     e = {k: v for k, v in os.environ.items() if k not in KNOBS}
-    e.update(XDG_CACHE_HOME=str(cache), VIS_MOE_READ_MBPS="400", **env)   # the read probe is not under test here
+    # the read probe is not under test here; the cache is written whatever the machine's load (auto skips it on a
+    # busy machine, which the suite's machine may be)
+    e.update(XDG_CACHE_HOME=str(cache), VIS_MOE_READ_MBPS="400", VIS_MOE_PROBE_CACHE="on")
+    e.update(env)
     r = subprocess.run([sys.executable, "-c", PROBE, str(model), json.dumps(shape)], capture_output=True, text=True,
                        env=e, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -81,8 +85,18 @@ def test_the_knobs_override_each_number_and_all_four_skip_the_probe(model, tmp_p
     assert cached != pytest.approx(40e-6)                              # the cache keeps the probe's own number
 
 
+def test_probe_cache_off_times_every_start(model, tmp_path):
+    c1, _ = _probe(model, tmp_path, VIS_MOE_PROBE_CACHE="off")
+    c2, _ = _probe(model, tmp_path, VIS_MOE_PROBE_CACHE="off")
+    assert c1["probed"] == c2["probed"] == 1 and not _lines(tmp_path)
+    _probe(model, tmp_path)                                           # on: cached, and off then ignores the cache
+    c3, _ = _probe(model, tmp_path, VIS_MOE_PROBE_CACHE="off")
+    assert len(_lines(tmp_path)) == 1 and c3["mem_bps"] != float(_lines(tmp_path)[0].split()[1])
+
+
 @pytest.mark.parametrize("var,value", [("VIS_MOE_MEM_MBPS", "fast"), ("VIS_MOE_TOKEN_NS_PER_MIB", "-1"),
-                                       ("VIS_MOE_PASS_US", "1e9"), ("VIS_MOE_PASS_TOKEN_US", "2us")])
+                                       ("VIS_MOE_PASS_US", "1e9"), ("VIS_MOE_PASS_TOKEN_US", "2us"),
+                                       ("VIS_MOE_PROBE_CACHE", "sometimes")])
 def test_a_bad_knob_is_an_error_naming_it(model, tmp_path, var, value):
     c, _ = _probe(model, tmp_path, **{var: value})
     assert isinstance(c, str) and c.startswith("ERROR") and var in c and "fix or unset" in c
@@ -146,7 +160,8 @@ def test_the_probed_compute_reaches_the_price():
 def test_pyvis_plan_json_carries_the_probe_and_prices_with_it(model, tmp_path):
     """`pyvis plan --json`: 'cost' is the probe's (probed 1, the cache's numbers); a knob moves the prediction."""
     env = {k: v for k, v in os.environ.items() if k not in KNOBS} | dict(XDG_CACHE_HOME=str(tmp_path),
-                                                                          VIS_MOE_READ_MBPS="400")
+                                                                          VIS_MOE_READ_MBPS="400",
+                                                                          VIS_MOE_PROBE_CACHE="on")
     def plan(**kw):
         r = subprocess.run([sys.executable, "-m", "pyvis", "plan", str(model), "--budget", "auto", "-c", "512", "-t",
                             "2", "--json"], capture_output=True, text=True, env=env | kw, timeout=300)

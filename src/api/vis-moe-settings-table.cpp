@@ -516,6 +516,12 @@ const vis_moe_env_row ENV_ROWS[] = {
       "vis-moe: ... plus this per token of the pass's ubatch, microseconds (default: probed and cached)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.pass_token_us = parse_real(w, v, 0, 1e7); } },
+    { "VIS_MOE_PROBE_CACHE", "auto|on|off",
+      "vis-moe: cache the configurator's compute probe in ~/.cache/vis-moe/compute. auto: not when the load\n"
+      "average exceeds the CPUs (the timings would measure the other processes); on: always; off: never, probe at\n"
+      "every start (default: auto)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.probe_cache = parse_switch(w, v, true); } },
     { "VIS_MOE_PLAN_PROMPT", "N",
       "vis-moe: the configurator prices a request of this many prompt tokens (default: 512)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {

@@ -99,6 +99,8 @@ struct vis_moe_plan_settings {
     double  token_ns_per_mib = -1;    // VIS_MOE_TOKEN_NS_PER_MIB: prefill compute, ns per token per MiB of weights (-1 = probed)
     double  pass_us   = -1;           // VIS_MOE_PASS_US: cost of one extra pass of one layer, microseconds (-1 = probed) ...
     double  pass_token_us = -1;       // VIS_MOE_PASS_TOKEN_US: ... plus this per token of the ubatch (docs/planning.md)
+    int32_t probe_cache = -1;         // VIS_MOE_PROBE_CACHE: cache the compute probe: -1 auto (not on a busy machine),
+                                      // 1 always, 0 never (probed at every start)
     int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
     std::string slot_split;           // VIS_MOE_SLOT_SPLIT: a split file, per-layer slot counts at attach ("" = equal)

@@ -9,6 +9,7 @@
 //   pass_s        one extra pass of one layer: one graph of the ops a pass re-runs over the ubatch (SiLU, the gate
 //                 product, the routing weights, the sum into the layer's output) at one token ...
 //   pass_token_s  ... and its growth per token of the ubatch (VIS_MOE_PASS_US, VIS_MOE_PASS_TOKEN_US)
+// A probe timed while the load average exceeds the CPUs is used but not cached (VIS_MOE_PROBE_CACHE).
 #include "llama-vis.h"
 #include "vis-error.h"
 #include "vis-moe-settings.h"
@@ -20,12 +21,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <sched.h>
 #include <sys/stat.h>
 
 namespace {
@@ -214,6 +217,16 @@ bool probe(ggml_type type, int64_t n_embd, int64_t n_ff_exp, int64_t k, int n_th
     return true;
 }
 
+// the 1-minute load average above the CPUs this process may use: a probe timed now measures the other processes'
+// share of the cores (a pass measured 25 us on an idle 2-core VM and up to 70 ms at load 6), so it is not cached
+bool machine_busy(double & load, int & n_cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    n_cpu = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    std::ifstream f("/proc/loadavg");
+    return (f >> load) && load > n_cpu;
+}
+
 } // namespace
 
 int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd, int64_t n_ff_exp,
@@ -237,7 +250,7 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
                                 "-f" + std::to_string(n_ff_exp) + "-k" + std::to_string(n_expert_used) + "-t" +
                                 std::to_string(n_threads);
         bool bad = false;
-        if (!cached(key, p, bad)) {
+        if (ps.probe_cache == 0 || !cached(key, p, bad)) {
             if (bad) {
                 vis_tell_user("vis-moe: " + cache_file() + ": the cached compute costs of " + key + " do not parse; "
                               "probing again (docs/planning.md#cost-model)");
@@ -247,7 +260,19 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
                                    "VIS_MOE_MEM_MBPS, VIS_MOE_TOKEN_NS_PER_MIB, VIS_MOE_PASS_US and VIS_MOE_PASS_TOKEN_US");
                 return -1;
             }
-            store(key, p);
+            double load = 0;
+            int n_cpu = 1;
+            if (ps.probe_cache == 0) {
+                // VIS_MOE_PROBE_CACHE=off: timed at every start
+            } else if (ps.probe_cache < 0 && machine_busy(load, n_cpu)) {
+                char msg[256];
+                std::snprintf(msg, sizeof(msg), "vis-moe: the machine is busy (load average %.1f on %d CPUs): the "
+                              "compute costs just timed are used for this plan only, not cached (docs/planning.md#cost-model)",
+                              load, n_cpu);
+                vis_tell_user(msg);
+            } else {
+                store(key, p);
+            }
         }
     }
     cost->mem_bps      = ps.mem_mbps > 0 ? ps.mem_mbps * 1048576.0 : p.mem_bps;
