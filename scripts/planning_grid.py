@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--before", default=None, metavar="JSON",
+                    help='another cost model\'s predictions, {"C/MIB/ARM": [decode, prefill]}: a column and grey points')
     a = ap.parse_args()
     shape = P.read_shape(a.model)
     from pyvis.runtime import native
@@ -54,6 +56,7 @@ def main() -> int:
     print(f"cost: read {cost['read_bps'] / 2**20:.0f} MiB/s, weights at one token {cost['mem_bps'] / 2**20:.0f} MiB/s, "
           f"prefill {cost['token_byte_s'] * 1e9 * 2**20:.0f} ns/token/MiB, pass {cost['pass_s'] * 1e6:.0f} us + "
           f"{cost['pass_token_s'] * 1e6:.2f} us/token (probed: {cost['probed']}); request {req_p} + {req_g} tokens\n")
+    before = json.loads(Path(a.before).read_text()) if a.before else {}
     rows, cells = [], []
     for g in a.grids:
         ctx, d = g.split("=", 1)
@@ -63,8 +66,10 @@ def main() -> int:
             arms = [r for r in res if r["limit_mib"] == b and r.get("finished")]
             for r in arms:
                 pd, pp, _, _ = predict(shape, cost, b, n_ctx, r["ub_run"], a.prompt_tokens, a.gen_tokens)
+                bd, bp = before.get(f"{n_ctx}/{b}/{r['arm']}", (None, None))
                 rows.append(dict(c=n_ctx, b=b, arm=r["arm"], ub=r["ub_run"], slots=r.get("slots"),
-                                 decode=r["decode_tps"], prefill=r["prefill_tps"], pred_decode=pd, pred_prefill=pp))
+                                 decode=r["decode_tps"], prefill=r["prefill_tps"], pred_decode=pd, pred_prefill=pp,
+                                 before_decode=bd, before_prefill=bp))
             # the configurator's choice at -ub 512 for its request, and the measured request time of each arm
             _, _, chosen, advised = predict(shape, cost, b, n_ctx, 512, req_p, req_g)
             t = {r["ub_run"]: req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in arms}
@@ -73,19 +78,25 @@ def main() -> int:
                               t_chosen=t.get(chosen), ratio=(t[best] / t[chosen]) if chosen in t else None,
                               advised=advised, ratio_advised=(t[best] / t[advised]) if advised in t else None))
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-    print("| -c | cgroup MiB | arm | -ub | slots | decode: measured / predicted (ratio) | prefill: measured / predicted (ratio) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| -c | cgroup MiB | arm | -ub | slots | decode: measured / predicted (ratio) | prefill: measured / predicted (ratio) "
+          "| before: predicted decode / prefill |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rd = r["decode"] / r["pred_decode"] if r["pred_decode"] else None
         rp = r["prefill"] / r["pred_prefill"] if r["pred_prefill"] else None
         r.update(ratio_decode=rd, ratio_prefill=rp)
         print(f"| {r['c']} | {r['b']} | {r['arm']} | {r['ub']} | {r['slots'] or 'all'} | {f(r['decode'])} / "
-              f"{f(r['pred_decode'])} ({f(rd, 2)}) | {f(r['prefill'])} / {f(r['pred_prefill'])} ({f(rp, 2)}) |")
+              f"{f(r['pred_decode'])} ({f(rd, 2)}) | {f(r['prefill'])} / {f(r['pred_prefill'])} ({f(rp, 2)}) | "
+              f"{f(r['before_decode'], 2)} / {f(r['before_prefill'])} |")
     rs = [x for r in rows for x in (r["ratio_decode"], r["ratio_prefill"]) if x]
     if rs:
         worst = max(max(x, 1 / x) for x in rs)
         within = sum(1 for x in rs if 1 / 1.5 <= x <= 1.5)
         print(f"\nmeasured / predicted: {min(rs):.2f}..{max(rs):.2f}; {within} of {len(rs)} within 1.5x; worst {worst:.2f}x")
+    bs = [m / p for r in rows for m, p in ((r["decode"], r["before_decode"]), (r["prefill"], r["before_prefill"])) if p]
+    if bs:
+        print(f"before: measured / predicted {min(bs):.2f}..{max(bs):.2f}; "
+              f"{sum(1 for x in bs if 1 / 1.5 <= x <= 1.5)} of {len(bs)} within 1.5x")
     print(f"\n| -c | cgroup MiB | configurator's -ub (auto) | best arm's -ub | request s: chosen / best | best / chosen "
           f"| cheapest priced -ub (`on`) | best / it |")
     print("|---|---|---|---|---|---|---|---|")
@@ -101,10 +112,14 @@ def main() -> int:
         fig, axs = plt.subplots(1, 2, figsize=(10, 4.5))
         for ax, key, label in ((axs[0], "decode", "decode"), (axs[1], "prefill", "prefill")):
             for n_ctx, mk in ((1024, "o"), (4096, "s")):
+                ys = [r for r in rows if r["c"] == n_ctx and r["before_" + key]]
+                if ys:
+                    ax.scatter([r["before_" + key] for r in ys], [r[key] for r in ys], marker=mk, facecolors="none",
+                               edgecolors="gray", label=f"-c {n_ctx}, the former cost model", alpha=0.6)
                 xs = [r for r in rows if r["c"] == n_ctx and r["pred_" + key]]
                 ax.scatter([r["pred_" + key] for r in xs], [r[key] for r in xs], marker=mk, label=f"-c {n_ctx}",
                            alpha=0.8)
-            vals = [v for r in rows for v in (r[key], r["pred_" + key]) if v]
+            vals = [v for r in rows for v in (r[key], r["pred_" + key], r["before_" + key]) if v]
             lo, hi = min(vals) * 0.7, max(vals) * 1.4
             ax.plot([lo, hi], [lo, hi], "k:", lw=0.8, label="predicted = measured")
             ax.plot([lo, hi], [lo * 1.5, hi * 1.5], "k:", lw=0.4)

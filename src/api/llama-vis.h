@@ -524,11 +524,13 @@ LLAMA_API int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_con
 LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
                                             int32_t n_expert_used, int32_t slots, const int64_t * row_bytes,
                                             int32_t * out);
-// The cost model --moe-mem runs the configurator with: the bandwidths measured by expert-sized O_DIRECT reads of
-// the file at path (page-cache reads with the pages dropped where O_DIRECT is refused) and a memcpy, probed once
-// per device and cached in ~/.cache/vis-moe/bandwidth (XDG_CACHE_HOME respected); VIS_MOE_READ_MBPS overrides the
-// read number, VIS_MOE_PASS_US the pass cost, VIS_MOE_PLAN_PROMPT / VIS_MOE_PLAN_GEN the request priced; token_s 0
-// (the prior).  0 on success.
+// The bandwidth half of the cost model: expert-sized O_DIRECT reads of the file at path by --moe-io-threads threads
+// at once (page-cache reads with the pages dropped where O_DIRECT is refused) and a memcpy, probed once per device
+// and I/O thread count and cached in ~/.cache/vis-moe/bandwidth (XDG_CACHE_HOME respected); VIS_MOE_READ_MBPS
+// overrides the read number, VIS_MOE_PASS_US / VIS_MOE_PASS_TOKEN_US the pass cost (unset: the former fitted
+// 10000 us + 2000 us), VIS_MOE_PLAN_PROMPT / VIS_MOE_PLAN_GEN the request priced; token_s 0 and token_byte_s 0
+// (the prior).  --moe-mem runs llama_vis_moe_cost_probe below.  0 on success; a VIS_MOE_* variable that does not
+// parse is an error naming it.
 LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);
 // The cost model with its compute side measured (src/plan/vis-moe-compute-probe.cpp, docs/planning.md#cost-model):
 // llama_vis_moe_cost_default, then mem_bps, token_byte_s, pass_s and pass_token_s timed through the ggml backend API
@@ -536,7 +538,8 @@ LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis
 // and top-n_expert_used (a pass's element-wise ops).  Probed once per (type, shape, threads) and cached in
 // ~/.cache/vis-moe/compute (a line that does not parse: probed again, with a warning); VIS_MOE_MEM_MBPS,
 // VIS_MOE_TOKEN_NS_PER_MIB, VIS_MOE_PASS_US and VIS_MOE_PASS_TOKEN_US override each number (all four set: no
-// probe, probed = 0).  Under a second: a matmul over 48 MiB at 1 and 64 tokens, and a pass's ops at 1 and 64.
+// probe, probed = 0).  About a second: a matmul over 48 MiB at 1 and 64 tokens, and a pass's ops at 1 and 64;
+// a probe timed while the load average exceeds the CPUs is not cached (VIS_MOE_PROBE_CACHE).
 LLAMA_API int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd, int64_t n_ff_exp,
                                            int32_t n_expert_used, int32_t n_threads, struct llama_vis_moe_cost * cost);
 

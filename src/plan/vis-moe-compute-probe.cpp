@@ -37,7 +37,7 @@ constexpr int64_t MATRIX_BYTES = 48ll << 20;  // larger than the last-level cach
 constexpr int     BATCH        = 64;           // tokens of the batched matmul and of the long pass
 constexpr int     REPEAT_MIN   = 3;            // each timing: the best of at least this many runs ...
 constexpr int     REPEAT_MAX   = 50;           // ... and at most this many,
-constexpr double  TIME_S       = 0.2;          // ... repeated while under this many seconds (a loaded machine
+constexpr double  TIME_S       = 0.1;          // ... repeated while under this many seconds (a loaded machine
                                                // leaves the probe some quiet runs to find)
 
 struct probed {
