@@ -6,10 +6,10 @@
 #include "llama-vis.h"
 #include "vis-error.h"
 #include "vis-moe-settings.h"
+#include "vis-moe-cost-cache.h"
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -29,20 +29,9 @@ namespace {
 constexpr size_t CHUNK = 256 << 10;  // about one expert tensor of a small model; the reads are spread over the file
 constexpr int    READS = 160;
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string cache_file() {
-    const char * xdg  = std::getenv("XDG_CACHE_HOME");
-    const char * home = std::getenv("HOME");
-    std::string dir = xdg && *xdg ? xdg : std::string(home && *home ? home : "/tmp") + "/.cache";
-    return dir + "/vis-moe/bandwidth";
-}
-
 // "dev read_bps mem_bps" lines
 bool cached(const std::string & key, double & rd, double & mem) {
-    std::ifstream f(cache_file());
+    std::ifstream f(vis_moe_cost_cache_file("bandwidth"));
     std::string line;
     while (std::getline(f, line)) {
         std::istringstream ss(line);
@@ -58,14 +47,9 @@ bool cached(const std::string & key, double & rd, double & mem) {
 }
 
 void store(const std::string & key, double rd, double mem) {
-    const std::string path = cache_file();
-    const std::string dir = path.substr(0, path.rfind('/'));
-    ::mkdir(dir.substr(0, dir.rfind('/')).c_str(), 0755);
-    ::mkdir(dir.c_str(), 0755);
-    std::ofstream f(path, std::ios::app);
-    if (f) {
-        f << key << " " << rd << " " << mem << "\n";
-    }
+    std::ostringstream ss;
+    ss << key << " " << rd << " " << mem;
+    vis_moe_cost_cache_append("bandwidth", ss.str());
 }
 
 // expert-sized reads spread over the file, issued as the runtime issues a layer's misses: by n_threads I/O threads
@@ -111,7 +95,7 @@ double probe_read(const char * path, int n_threads) {
         }
         std::free(buf);
     };
-    const double t0 = now_s();
+    const double t0 = vis_moe_cost_now_s();
     std::vector<std::thread> ts;
     for (int i = 1; i < n_threads; ++i) {
         ts.emplace_back(worker);
@@ -120,7 +104,7 @@ double probe_read(const char * path, int n_threads) {
     for (auto & t : ts) {
         t.join();
     }
-    const double t = now_s() - t0;
+    const double t = vis_moe_cost_now_s() - t0;
     ::close(fd);
     return !failed && bytes > 0 && t > 0 ? bytes / t : -1;
 }
@@ -130,9 +114,9 @@ double probe_mem() {
     std::vector<char> a(n, 1), b(n, 2);
     double best = 0;
     for (int i = 0; i < 4; ++i) {
-        const double t0 = now_s();
+        const double t0 = vis_moe_cost_now_s();
         std::memcpy(b.data(), a.data(), n);
-        const double t = now_s() - t0;
+        const double t = vis_moe_cost_now_s() - t0;
         a[i] = b[n - 1 - i];  // keep the copies
         best = std::max(best, t > 0 ? 2.0 * n / t : 0.0);  // read + write
     }

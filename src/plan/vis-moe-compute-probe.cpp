@@ -1,4 +1,5 @@
-// vis-moe-compute-probe.cpp - the compute side of the configurator's cost model (llama-vis.h, docs/planning.md#cost-model):
+// vis-moe-compute-probe.cpp - the compute side of the configurator's cost model (llama-vis.h,
+// docs/planning.md#cost-model):
 // timed once per (backend device, weight type, expert shape, thread count) through the ggml backend API, on the
 // device the experts run on, and cached in $XDG_CACHE_HOME/vis-moe/compute (default ~/.cache) next to the
 // bandwidth probe.  Four numbers, each overridden by its knob (all four set: nothing is timed):
@@ -13,13 +14,13 @@
 #include "llama-vis.h"
 #include "vis-error.h"
 #include "vis-moe-settings.h"
+#include "vis-moe-cost-cache.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -29,7 +30,6 @@
 #include <vector>
 
 #include <sched.h>
-#include <sys/stat.h>
 
 namespace {
 
@@ -44,21 +44,10 @@ struct probed {
     double mem_bps = 0, token_byte_s = 0, pass_s = 0, pass_token_s = 0;
 };
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string cache_file() {
-    const char * xdg  = std::getenv("XDG_CACHE_HOME");
-    const char * home = std::getenv("HOME");
-    std::string dir = xdg && *xdg ? xdg : std::string(home && *home ? home : "/tmp") + "/.cache";
-    return dir + "/vis-moe/compute";
-}
-
 // "key mem_bps token_byte_s pass_s pass_token_s" lines; the last valid one of the key wins.  A line of the key that
 // does not parse is reported (the caller probes again and appends a good line).
 bool cached(const std::string & key, probed & p, bool & bad) {
-    std::ifstream f(cache_file());
+    std::ifstream f(vis_moe_cost_cache_file("compute"));
     std::string line;
     bool found = false;
     while (std::getline(f, line)) {
@@ -84,15 +73,10 @@ bool cached(const std::string & key, probed & p, bool & bad) {
 }
 
 void store(const std::string & key, const probed & p) {
-    const std::string path = cache_file();
-    const std::string dir = path.substr(0, path.rfind('/'));
-    ::mkdir(dir.substr(0, dir.rfind('/')).c_str(), 0755);
-    ::mkdir(dir.c_str(), 0755);
-    std::ofstream f(path, std::ios::app);
-    if (f) {
-        f.precision(17);  // the numbers read back are the ones probed
-        f << key << " " << p.mem_bps << " " << p.token_byte_s << " " << p.pass_s << " " << p.pass_token_s << "\n";
-    }
+    std::ostringstream ss;
+    ss.precision(17);  // the numbers read back are the ones probed
+    ss << key << " " << p.mem_bps << " " << p.token_byte_s << " " << p.pass_s << " " << p.pass_token_s;
+    vis_moe_cost_cache_append("compute", ss.str());
 }
 
 // one backend on the CPU device with n_threads threads, and the context its tensors are made in
@@ -106,7 +90,8 @@ struct bench {
         backend = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
         if (backend) {
             ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
-            auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+            auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+                reg, "ggml_backend_set_n_threads");
             if (set_threads) {
                 set_threads(backend, n_threads);
             }
@@ -152,14 +137,14 @@ struct bench {
             return -1;
         }
         double best = 1e30;
-        const double start = now_s();
-        for (int i = 0; i <= REPEAT_MAX && (i <= REPEAT_MIN || now_s() - start < TIME_S); ++i) {
-            const double t0 = now_s();
+        const double start = vis_moe_cost_now_s();
+        for (int i = 0; i <= REPEAT_MAX && (i <= REPEAT_MIN || vis_moe_cost_now_s() - start < TIME_S); ++i) {
+            const double t0 = vis_moe_cost_now_s();
             if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
                 return -1;
             }
             if (i > 0) {
-                best = std::min(best, now_s() - t0);
+                best = std::min(best, vis_moe_cost_now_s() - t0);
             }
         }
         return best;
@@ -234,7 +219,8 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
     if (llama_vis_moe_cost_default(path, cost) != 0) {
         return -1;
     }
-    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((ggml_type) type) <= 0 || ggml_type_size((ggml_type) type) == 0 ||
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((ggml_type) type) <= 0 ||
+        ggml_type_size((ggml_type) type) == 0 ||
         n_embd <= 0 || n_ff_exp <= 0 || n_expert_used <= 0 || n_threads <= 0) {
         vis_set_last_error("llama_vis_moe_cost_probe: need a ggml weight type and n_embd, n_ff_exp, n_expert_used, "
                            "n_threads > 0 (type " + std::to_string(type) + ", n_embd " + std::to_string(n_embd) +
@@ -252,12 +238,13 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
         bool bad = false;
         if (ps.probe_cache == 0 || !cached(key, p, bad)) {
             if (bad) {
-                vis_tell_user("vis-moe: " + cache_file() + ": the cached compute costs of " + key + " do not parse; "
-                              "probing again (docs/planning.md#cost-model)");
+                vis_tell_user("vis-moe: " + vis_moe_cost_cache_file("compute") + ": the cached compute costs of " +
+                              key + " do not parse; probing again (docs/planning.md#cost-model)");
             }
             if (!probe((ggml_type) type, n_embd, n_ff_exp, n_expert_used, n_threads, p)) {
-                vis_set_last_error("llama_vis_moe_cost_probe: the CPU backend could not run the compute probe; set "
-                                   "VIS_MOE_MEM_MBPS, VIS_MOE_TOKEN_NS_PER_MIB, VIS_MOE_PASS_US and VIS_MOE_PASS_TOKEN_US");
+                vis_set_last_error("llama_vis_moe_cost_probe: the CPU backend could not run the compute probe; "
+                                   "set VIS_MOE_MEM_MBPS, VIS_MOE_TOKEN_NS_PER_MIB, VIS_MOE_PASS_US and "
+                                   "VIS_MOE_PASS_TOKEN_US");
                 return -1;
             }
             double load = 0;
@@ -267,7 +254,8 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
             } else if (ps.probe_cache < 0 && machine_busy(load, n_cpu)) {
                 char msg[256];
                 std::snprintf(msg, sizeof(msg), "vis-moe: the machine is busy (load average %.1f on %d CPUs): the "
-                              "compute costs just timed are used for this plan only, not cached (docs/planning.md#cost-model)",
+                              "compute costs just timed are used for this plan only, not cached "
+                              "(docs/planning.md#cost-model)",
                               load, n_cpu);
                 vis_tell_user(msg);
             } else {
