@@ -238,7 +238,7 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
         bool bad = false;
         if (ps.probe_cache == 0 || !cached(key, p, bad)) {
             if (bad) {
-                vis_tell_user("vis-moe: " + vis_moe_cost_cache_file("compute") + ": the cached compute costs of " +
+                vis_tell_user(vis_moe_cost_cache_file("compute") + ": the cached compute costs of " +
                               key + " do not parse; probing again (docs/planning.md#cost-model)");
             }
             if (!probe((ggml_type) type, n_embd, n_ff_exp, n_expert_used, n_threads, p)) {
@@ -253,7 +253,7 @@ int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int64_t n_embd
                 // VIS_MOE_PROBE_CACHE=off: timed at every start
             } else if (ps.probe_cache < 0 && machine_busy(load, n_cpu)) {
                 char msg[256];
-                std::snprintf(msg, sizeof(msg), "vis-moe: the machine is busy (load average %.1f on %d CPUs): the "
+                std::snprintf(msg, sizeof(msg), "the machine is busy (load average %.1f on %d CPUs): the "
                               "compute costs just timed are used for this plan only, not cached "
                               "(docs/planning.md#cost-model)",
                               load, n_cpu);
