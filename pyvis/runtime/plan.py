@@ -277,7 +277,8 @@ def refusal_hint(p: dict, n_ctx: int) -> str:
 
 
 def default_threads() -> int:
-    """The thread count the tools run with by default (llama-cli / llama-server: the CPUs this process may use)."""
+    """`pyvis plan`'s default thread count: the CPUs this process may use (llama-cli's own default counts physical
+    cores where it can tell them apart, so the two agree only without SMT; `-t` on both makes them agree)."""
     import os
     return max(1, len(os.sched_getaffinity(0)))
 

@@ -209,7 +209,7 @@ def register(sub) -> None:
                    help="physical batch size (default: 512)")
     s.add_argument("-t", "--threads", type=_option("n_threads"), default=None,
                    help="threads the run uses, for the cost model's compute probe (default: the CPUs this process "
-                        "may use, as llama-cli)")
+                        "may use; llama-cli's default counts physical cores, so give both the same -t)")
     s.add_argument("--pinned", type=_option("pinned"), default=0,
                    help="MoE layers kept fully resident (-1 = all; default: 0)")
     s.add_argument("--slots", type=_option("slots"), default=0, help="fixed slots per managed layer (default: planned)")
