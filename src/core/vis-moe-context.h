@@ -85,6 +85,7 @@ private:
 struct vis_moe_layer {
     bool managed  = false;
     int  n_slots  = 0;      // cache slots; with a staging slot, slot index n_slots is it
+    int  min_active = 0;    // the online controller's lowest slot limit (vis-moe-online.h), 0: no controller
     int  n_expert = 0;
     int64_t expert_bytes = 0;
 
@@ -209,6 +210,9 @@ struct vis_moe_context {
     int64_t     plan_free     = 0;   // budget bytes it left unplaced (page cache for streaming, slack)
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
+    // bumped whenever a layer's slot limit changes (the online controller): a graph built before is not reused,
+    // since its pass counts were planned at the old limits (patch 0016, llm_graph_params::allow_reuse)
+    uint64_t graph_epoch = 0;
 
     std::mutex  err_mutex;
     bool        failed = false;
