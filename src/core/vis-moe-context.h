@@ -238,6 +238,10 @@ struct vis_moe_context {
     // background reads into layer il's slots, in order (apply's second half; prefetch's reads ahead): each read's
     // `done` written (vis-moe-ubatch-plan.h)
     void apply_reads(int il, std::vector<vis_plan_read> & reads);
+    // the one place a layer's slot limit changes (the online controller, vis-moe-online.h; vis-moe-apply.cpp): on a
+    // shrink its background reads are collected first; the slots at and above n are emptied and their pages released
+    // (vis-pages.h), and graph_epoch is bumped.  Between ubatches only.  Returns the bytes released.
+    int64_t limit_slots(int il, int n);
     // the index of layer L in `layers`
     int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
     // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)

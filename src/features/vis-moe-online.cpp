@@ -1,9 +1,7 @@
 // vis-moe-online.cpp - the online controller (vis-moe-online.h).
 #include "vis-moe-online.h"
 #include "vis-moe-context.h"
-#include "vis-moe-fetch-slots.h"
 #include "vis-moe-kv-pages.h"
-#include "vis-pages.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -47,22 +45,8 @@ void vis_moe_online::resize(vis_moe_context & vm, int slots, const std::string &
         }
         // a split layer keeps its share: its slots scaled like the even count, at least one
         const int n = std::clamp((int) ((int64_t) L.n_slots * slots / p.max_slots), std::max(1, L.min_active), L.n_slots);
-        if (n == L.slots.n_active()) {
-            continue;
-        }
-        if (n < L.slots.n_active()) {
-            int64_t waited = 0;
-            vis_moe_fetch_collect(vm, L, il, waited);  // nothing may be written into a slot whose pages go
-        }
-        for (int s : L.slots.limit(n)) {
-            for (ggml_tensor * t : L.slab) {
-                if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
-                    dropped += vis_release_pages((uint8_t *) t->data + (size_t) s * t->nb[2], t->nb[2], false, false);
-                }
-            }
-        }
+        dropped += vm.limit_slots(il, n);
     }
-    vm.graph_epoch++;  // the graphs' pass counts were planned at the old limits
     // seen without -v (llama-server shows no info lines of libllama): one line per resize, with its reason
     const std::string freed = dropped > 0 ? ", " + std::to_string(dropped >> 20) + " MiB of slabs released" : "";
     if (slots == active) {
