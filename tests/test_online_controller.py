@@ -5,7 +5,7 @@ replace them (their cells are removed: the KV cache empties).  With the controll
 the KV cache grows and grow back as it empties; every request is answered and every greedy text is byte-identical to
 the same requests served with the controller off and with every expert resident (upstream's path), with flash
 attention on and off (off: the V cache is transposed, its pages span cells of many rows).  The controller is not a
-no-op: with the same budget it serves from more slots than the fixed plan, so the misses differ; and the run stays
+no-op: with the same budget it serves from more slots than the fixed plan, so the slot hits differ; and its run stays
 inside a memory cgroup of the budget.
 
 The fixture is all F32 (outputs are then bit-identical however a ubatch is cut, docs/planning.md#outputs), so that
@@ -32,7 +32,7 @@ SPEC = fx.ModelSpec(name="online", arch="qwen3moe", n_layer=3, n_embd=128, n_hea
 BUDGET = 140  # MiB: 1 slot per layer with the whole KV cache (-c 4096), 18 at its floor (one sequence of 1024)
 SERVER = ["-c", "4096", "-np", "4", "-t", "2", "-ub", "64", "-b", "64", "--cache-ram", "0", "--metrics"]
 WORDS = "the quick brown fox jumps over a lazy dog while experts route every token to a few of many".split()
-LONG = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n)) for i, n in enumerate([600, 300, 900, 150])]
+LONG = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n)) for i, n in enumerate([700, 500, 800, 400])]
 SHORT = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(20)) for i in range(4)]
 RESIZE = re.compile(r"^vis-moe: resize: slots (\d+) -> (\d+) per layer \((.*)\)$", re.M)
 
@@ -45,10 +45,10 @@ def model(fixture_dir) -> Path:
     return path
 
 
-def _complete(port, prompt, n=12):
+def _complete(port, prompt, n=12, cache=True):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", method="POST",
                                  data=json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0,
-                                                  "cache_prompt": True}).encode(),
+                                                  "cache_prompt": cache}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=240) as r:
         assert r.status == 200
@@ -66,12 +66,17 @@ def _serve(bindir, model, log, extra=(), env=None, wrap=None):
     texts in order, and the slot hits the server counted."""
     texts, hits = [], None
     with llama_server(bindir, model, *SERVER, *extra, log=log, env=env, wrap=wrap) as (proc, port):
-        for prompts in (LONG, SHORT):
+        # the long prompts at once; the longest again, alone, generating on (decode steps whose graphs are reused
+        # while its context grows below top-k slots: a graph built at another slot limit must not be); the short
+        # ones replace them.  The long generation recomputes its prompt (cache_prompt false): its cached cells came
+        # from batches the requests' timing formed, and upstream's attention is not bit-identical across those
+        # (measured: upstream's own text of 200 tokens differed between two runs), which 200 tokens would amplify
+        for prompts, n in ((LONG, 12), (LONG[2:3], 200), (SHORT, 12)):
             out, errors = {}, []
 
             def go(i, p):
                 try:
-                    out[i] = _complete(port, p)
+                    out[i] = _complete(port, p, n, cache=n == 12)
                 except Exception as e:  # noqa: BLE001 - reported below: a request must never be lost
                     errors.append(f"request {i}: {e!r}")
             threads = [threading.Thread(target=go, args=(i, p)) for i, p in enumerate(prompts)]
@@ -79,16 +84,19 @@ def _serve(bindir, model, log, extra=(), env=None, wrap=None):
                 t.start()
             for t in threads:
                 t.join()
-            assert not errors and len(out) == 4, (errors, Path(log).read_text()[-3000:])
-            texts += [out[i] for i in range(4)]
+            assert not errors and len(out) == len(prompts), (errors, Path(log).read_text()[-3000:])
+            texts += [out[i] for i in range(len(prompts))]
         hits = _hits(port)
     return texts, hits
 
 
 @pytest.mark.parametrize("fa", ["on", "off"])
 def test_resizes_under_concurrent_load_lose_no_request_and_change_no_text(bindir, model, tmp_path, fa):
-    on, m_on = _serve(bindir, model, tmp_path / "on.log", ["-fa", fa, "--moe-mem", str(BUDGET)],
-                      env={"VIS_MOE_ONLINE": "on"})
+    # the plan never exceeds its budget: the controller's run inside a memory cgroup of the budget (killed if not)
+    with memory_cgroup(BUDGET << 20) as (wrap, peak):
+        on, m_on = _serve(bindir, model, tmp_path / "on.log", ["-fa", fa, "--moe-mem", str(BUDGET)],
+                          env={"VIS_MOE_ONLINE": "on"}, wrap=wrap)
+        assert 0 < peak() <= BUDGET << 20
     log = (tmp_path / "on.log").read_text()
     resizes = [(int(a), int(b), why) for a, b, why in RESIZE.findall(log)]
     # both directions: the contexts grew (shrinks), then the short prompts replaced them (a growth)
@@ -105,21 +113,12 @@ def test_resizes_under_concurrent_load_lose_no_request_and_change_no_text(bindir
     off, m_off = _serve(bindir, model, tmp_path / "off.log", ["-fa", fa, "--moe-mem", str(BUDGET)],
                         env={"VIS_MOE_ONLINE": "off"})
     assert "resize:" not in (tmp_path / "off.log").read_text()
-    assert len(set(on)) == 8, on  # the texts differ between requests: a mix-up would be seen
+    assert len(set(on)) == 9, on  # the texts differ between requests: a mix-up would be seen
     assert on == off
     if fa == "on":  # and upstream's, every expert resident (once: the same texts)
         assert on == _serve(bindir, model, tmp_path / "resident.log", ["-fa", fa])[0]
     # not a no-op: the controller served from more slots than the fixed plan (1 slot per layer): more hits
     assert m_on > m_off, (m_on, m_off)
-
-
-def test_online_run_stays_inside_a_cgroup_of_its_budget(bindir, model, tmp_path):
-    with memory_cgroup(BUDGET << 20) as (wrap, peak):
-        on, _ = _serve(bindir, model, tmp_path / "on.log", ["--moe-mem", str(BUDGET)], env={"VIS_MOE_ONLINE": "on"},
-                       wrap=wrap)
-        assert 0 < peak() <= BUDGET << 20
-    log = (tmp_path / "on.log").read_text()
-    assert RESIZE.search(log), log[-3000:]
 
 
 def test_online_is_refused_where_it_cannot_work(bindir, model, tmp_path):
