@@ -100,8 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--bindir", default=str(ROOT / "build" / "bin"))
     ap.add_argument("--out", type=Path, default=Path("bench-online"), help="output folder (logs, results.json)")
-    ap.add_argument("server_args", nargs="*", help="after --: more llama-server arguments (e.g. -c 4096 -np 4)")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.server_args = rest  # after --: more llama-server arguments (e.g. -c 4096 -np 4)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for limit in args.limit_mib:
