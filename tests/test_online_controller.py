@@ -129,3 +129,30 @@ def test_online_is_refused_where_it_cannot_work(bindir, model, tmp_path):
     r = run([bindir / "llama-cli", "-m", model, "-p", "hi", "-n", "2", "-st", "-c", "256", "--moe-slots", "4"],
             extra_env={"VIS_MOE_ONLINE": "maybe"})
     assert r.returncode != 0 and "VIS_MOE_ONLINE" in r.stdout + r.stderr and "maybe" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("fa", [1, 0])
+def test_kv_pages_are_released_exactly(model, tmp_path, fa):
+    """Sequence 0 (900 words) is removed after sequence 1 (40 words) was served, then sequence 1 generates 24 tokens
+    into the cells sequence 0 left (one unified stream): with VIS_MOE_ONLINE=on those pages were dropped (they read
+    as zeros), off they hold sequence 0's stale values.  The logits are bit-identical, with flash attention on and off
+    (off: the V cache is transposed).  And the pages really go: the KV cache is not resident when the context is
+    made, and removing the sequence gives its ~10 MiB back (off: nothing)."""
+    import subprocess
+    import sys
+    import numpy as np
+    probe = Path(__file__).with_name("online_kv_probe.py")
+    rss = {}
+    for mode in ("on", "off"):
+        r = subprocess.run([sys.executable, str(probe), str(model), str(fa), str(tmp_path / f"{mode}.npy")],
+                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                              "VIS_MOE_ONLINE": mode})
+        assert r.returncode == 0, r.stderr[-3000:]
+        rss[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy"))
+    kv_kib = 2048 * 12  # the context's KV cache: 2048 cells of 12 KiB
+    assert rss["off"]["made"] - rss["on"]["made"] > kv_kib * 3 // 4, rss       # not written at creation
+    # ~900 cells dropped by seq_rm: K and V with flash attention; without it the transposed V's pages each span all
+    # 2048 cells, sequence 1's among them, so only K's half goes
+    assert rss["on"]["long"] - rss["on"]["removed"] > (8 if fa else 4) * 1024, rss
+    assert rss["off"]["long"] - rss["off"]["removed"] < 1024, rss
