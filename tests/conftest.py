@@ -86,15 +86,17 @@ def run(cmd: list, timeout: float = 120, extra_env: dict | None = None, **kw) ->
 
 
 @contextlib.contextmanager
-def llama_server(bindir, model, *extra, log=None, env: dict | None = None):
+def llama_server(bindir, model, *extra, log=None, env: dict | None = None, wrap=None):
     """A llama-server for ``model`` on a free 127.0.0.1 port, healthy within 60 s: yields (process, port); stopped
-    (terminate, then kill) on exit.  ``log``: a path for its output (default: discarded)."""
+    (terminate, then kill) on exit.  ``log``: a path for its output (default: discarded); ``wrap``: a function of
+    the command line (a memory cgroup's, test_paging.memory_cgroup)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([str(bindir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                             *[str(x) for x in extra]], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    cmd = [str(bindir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           *[str(x) for x in extra]]
+    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "LLAMA_LOG_COLORS": "0", **(env or {})})
     try:
         deadline = time.monotonic() + 60

@@ -46,13 +46,14 @@ CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-m
 FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
-                   "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk"}
+                   "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk", "vis-moe-online"}
 # Core modules that still reach a feature by name: the graph builds the nodes of prefetch, replay and staging, the
 # ops run the shadow passes, and attach creates the features.  Only shrinks.
 KNOWN_CORE_FEATURE_INCLUDES = {
     "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage"},
     "vis-moe-ops": {"vis-moe-precision", "vis-moe-shadow-slots"},
-    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-precision", "vis-moe-prefetch",
+    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-online", "vis-moe-precision",
+                       "vis-moe-prefetch",
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},
     "vis-moe-attach-plan": {"vis-moe-shadow"},
@@ -61,7 +62,7 @@ KNOWN_CORE_FEATURE_INCLUDES = {
 # What a feature's source may not do (the context's apply() does it): name -> pattern, on the source without comments
 CACHE_MUTATIONS = {
     "starts a read": re.compile(r"\bvis_moe_fetch_submit\s*\(|\bfetch\s*->\s*submit\s*\("),
-    "writes a slot pool": re.compile(r"\b(?:slots|pool)\s*\.\s*(?:place|reserve|evict|release|settle|forget_all)\s*\(|"
+    "writes a slot pool": re.compile(r"\b(?:slots|pool)\s*\.\s*(?:place|reserve|evict|release|settle|forget_all|limit)\s*\(|"
                                      r"\bpolicy\s*\(\s*\)\s*\.\s*(?:touch|hold|speculate|end_step)\s*\("),
     "writes the applied ubatch plan": re.compile(
         r"\bubatch_plan\s*\.\s*\w+\s*(?:\[[^\]]*\]\s*)?(?:=(?!=)|\.\s*(?:assign|push_back|emplace_back|clear|resize)\s*\()"),

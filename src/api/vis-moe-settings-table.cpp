@@ -537,6 +537,12 @@ const vis_moe_env_row ENV_ROWS[] = {
       "(docs/planning.md#per-layer-slot-counts; default: unset, equal slots)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.slot_split = parse_path(w, v); } },
+    { "VIS_MOE_ONLINE", "on|off",
+      "vis-moe: the online controller (llama-server and llama-cli under --moe-mem, CPU): the KV cache's pages are\n"
+      "resident only where its cells are used, and the expert slots shrink as the KV cache grows and grow back as\n"
+      "it empties, with one log line per resize (docs/planning.md#online-controller; default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.online = parse_switch(w, v, false); } },
     { "VIS_MOE_REPLAY", "TRACE",
       "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
       "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"

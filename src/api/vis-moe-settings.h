@@ -104,6 +104,7 @@ struct vis_moe_plan_settings {
     int32_t prompt    = 512;          // VIS_MOE_PLAN_PROMPT: prompt tokens of the request the plan is priced for
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
     std::string slot_split;           // VIS_MOE_SLOT_SPLIT: a split file, per-layer slot counts at attach ("" = equal)
+    int32_t online    = 0;            // VIS_MOE_ONLINE: the online controller (features/vis-moe-online.h), 1 on, 0 off
 };
 
 struct vis_moe_settings {

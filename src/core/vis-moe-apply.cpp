@@ -1,10 +1,12 @@
 // vis-moe-apply.cpp - vis_moe_context::apply: the one place a ubatch plan (vis-moe-ubatch-plan.h) changes the
 // cache, as upstream's llama-memory apply() is for the KV cache.  The planners (vis-moe-feature.h) only read the
 // context and write the plan; this takes it: the layer runs it, pass 0's experts are loaded into the slot pool and
-// the background reads start, in the plan's order.
+// the background reads start, in the plan's order.  limit_slots is the other mutator: the online controller's slot
+// limit (vis-moe-online.h).
 #include "vis-moe-context.h"
 #include "vis-moe-fetch-slots.h"
 #include "vis-moe-passes.h"
+#include "vis-pages.h"
 
 #include <stdexcept>
 #include <string>
@@ -59,4 +61,25 @@ void vis_moe_context::apply(int il, vis_ubatch_plan & plan, const int32_t * rout
     }
     vis_moe_run_pass(*this, L, il, 0, p.run_ids(routed), p.n_pairs, out);
     apply_reads(il, L.ubatch_plan.reads);
+}
+
+int64_t vis_moe_context::limit_slots(int il, int n) {
+    vis_moe_layer & L = layers[il];
+    if (n == L.slots.n_active()) {
+        return 0;
+    }
+    if (n < L.slots.n_active()) {
+        int64_t waited = 0;
+        vis_moe_fetch_collect(*this, L, il, waited);  // nothing may be written into a slot whose pages go
+    }
+    int64_t dropped = 0;
+    for (int s : L.slots.limit(n)) {
+        for (ggml_tensor * t : L.slab) {
+            if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
+                dropped += vis_release_pages((uint8_t *) t->data + (size_t) s * t->nb[2], t->nb[2], false, false);
+            }
+        }
+    }
+    graph_epoch++;  // the graphs' pass counts were planned at the old limit
+    return dropped;
 }

@@ -38,6 +38,8 @@ struct vis_moe_attach_plan {
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
     int64_t shadow_per_slot = 0;    // --moe-precision: bytes of one shadow slot in every managed layer
     int     shadow_slots    = -1;   // --moe-shadow-slots (-1: one per full slot)
+    int     online_min_slots = 0;   // VIS_MOE_ONLINE: slots at the whole KV cache (0: no controller); n_slots is at its floor
+    int64_t online_fixed     = 0;   // ... and what the plan holds besides the KV cache and the slabs
     int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
     int slots(int il) const { return layer_slots.empty() ? n_slots : layer_slots[il]; }
 };

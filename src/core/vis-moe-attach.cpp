@@ -15,6 +15,8 @@
 #include "vis-moe-replay.h"
 #include "vis-moe-modality.h"
 #include "vis-moe-named-files.h"
+#include "vis-moe-online.h"
+#include "vis-pages.h"
 #include "vis-moe-shadow.h"
 #include "vis-moe-settings.h"
 #include "vis-moe-mode.h"
@@ -82,6 +84,29 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     ap.n_slots    = plan.n_slots;
     ap.host_bytes = plan.host_bytes;
     ap.pageable   = plan.pageable_bytes;
+    std::string online;
+    if (s.plan.online > 0) {
+        // the online controller (vis-moe-online.h): the KV cache priced at its admission floor, one sequence of the
+        // asked context; the slabs made for the slots that leaves, the controller shrinks them as the KV cache grows
+        if (!ap.cpu_only) {
+            throw std::runtime_error("VIS_MOE_ONLINE=on: the KV cache or the slabs are on a GPU, whose memory the "
+                                     "controller cannot release page by page; run on the CPU or unset VIS_MOE_ONLINE");
+        }
+        llama_vis_moe_plan_request rq2 = rq;
+        rq2.kv_bytes = rq.kv_bytes / std::max<int64_t>(1, lctx ? (int64_t) llama_n_seq_max(lctx) : 1);
+        struct llama_vis_moe_plan p2;
+        if (llama_vis_moe_plan(&rq2, &p2) == 0 && p2.ok && p2.n_slots >= plan.n_slots) {
+            ap.online_min_slots = plan.n_slots;
+            ap.online_fixed     = p2.fixed_bytes - rq2.kv_bytes + p2.host_bytes;
+            ap.n_slots          = p2.n_slots;
+            ap.host_bytes       = p2.host_bytes;
+            char line[240];
+            std::snprintf(line, sizeof(line), "; online controller: KV priced at its floor %.0f MiB (one sequence of "
+                          "%.0f), slabs for %d slots, %d..%d active", rq2.kv_bytes / 1048576.0, rq.kv_bytes / 1048576.0,
+                          p2.n_slots, plan.n_slots, p2.n_slots);
+            online = line;
+        }
+    }
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
@@ -104,10 +129,10 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
         vm.plan_source = "--moe-mem";
     }
     LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + slabs %.0f "
-                   "(%d slots x %zu layers) + host cache %.0f MiB\n", plan.budget / 1048576.0,
+                   "(%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
-                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), plan.slab_bytes / 1048576.0, ap.n_slots,
-                   ap.managed.size(), plan.host_bytes / 1048576.0);
+                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), plan.slab_bytes / 1048576.0, plan.n_slots,
+                   ap.managed.size(), plan.host_bytes / 1048576.0, online.c_str());
 }
 
 // step 3: slots per managed layer and the host-cache bytes
@@ -226,10 +251,18 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
             throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
                                      "; lower --moe-slots / --moe-cache-mib / --moe-mem");
         }
-        ggml_backend_buffer_clear(buf, 0);  // the staging slot (if any) and the padding hold finite zeros
+        // the staging slot (if any) and the padding hold finite zeros; with the online controller the slabs are
+        // made for its most slots and only the active ones become resident: their pages are dropped, not written
+        if (ap.online_min_slots > 0) {
+            vis_buffer_clear_lazy(buf);
+        } else {
+            ggml_backend_buffer_clear(buf, 0);
+        }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         vm.slab_bytes += (int64_t) ggml_backend_buffer_get_size(buf);
-        if (s.tier.mlock && ggml_backend_buffer_is_host(buf)) {
+        if (ap.online_min_slots > 0 && ggml_backend_buffer_is_host(buf)) {
+            locked = false;  // locking would make every slot resident; the controller releases the inactive ones
+        } else if (s.tier.mlock && ggml_backend_buffer_is_host(buf)) {
             locked = vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs") && locked;
         } else if (s.tier.mlock) {
             locked = false;
@@ -446,6 +479,20 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     }
     if (!hp.no_alloc) {
         vis_moe_lend_decide(*vm, s.stream_lend, vm->plan_budget > 0 ? vm->plan_free : -1);
+    }
+    if (s.plan.online > 0 && !hp.no_alloc && vm->n_managed > 0) {
+        if (ap.online_min_slots <= 0) {
+            throw std::runtime_error("VIS_MOE_ONLINE=on needs a --moe-mem budget to move bytes within (slots from "
+                                     "--moe-slots or --moe-cache-mib are fixed); add --moe-mem or unset VIS_MOE_ONLINE");
+        }
+        vis_moe_online::plan op;
+        op.budget    = vm->plan_budget;
+        op.fixed     = ap.online_fixed;
+        op.row_bytes = ap.per_slot;
+        op.min_slots = ap.online_min_slots;
+        op.max_slots = ap.n_slots;
+        op.n_ubatch  = lctx ? (int64_t) lctx->n_ubatch() : 512;
+        vis_moe_online_attach(*vm, lctx, op);  // throws where it cannot work
     }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {

@@ -85,6 +85,7 @@ private:
 struct vis_moe_layer {
     bool managed  = false;
     int  n_slots  = 0;      // cache slots; with a staging slot, slot index n_slots is it
+    int  min_active = 0;    // the online controller's lowest slot limit (vis-moe-online.h), 0: no controller
     int  n_expert = 0;
     int64_t expert_bytes = 0;
 
@@ -209,6 +210,9 @@ struct vis_moe_context {
     int64_t     plan_free     = 0;   // budget bytes it left unplaced (page cache for streaming, slack)
     std::string plan_source;
     std::vector<std::string> notes;  // what a tight budget costs: logged at attach, repeated in the stats
+    // bumped whenever a layer's slot limit changes (the online controller): a graph built before is not reused,
+    // since its pass counts were planned at the old limits (patch 0016, llm_graph_params::allow_reuse)
+    uint64_t graph_epoch = 0;
 
     std::mutex  err_mutex;
     bool        failed = false;
@@ -234,6 +238,10 @@ struct vis_moe_context {
     // background reads into layer il's slots, in order (apply's second half; prefetch's reads ahead): each read's
     // `done` written (vis-moe-ubatch-plan.h)
     void apply_reads(int il, std::vector<vis_plan_read> & reads);
+    // the one place a layer's slot limit changes (the online controller, vis-moe-online.h; vis-moe-apply.cpp): on a
+    // shrink its background reads are collected first; the slots at and above n are emptied and their pages released
+    // (vis-pages.h), and graph_epoch is bumped.  Between ubatches only.  Returns the bytes released.
+    int64_t limit_slots(int il, int n);
     // the index of layer L in `layers`
     int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
     // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)

@@ -31,10 +31,16 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vis_moe_shadow_passes(*vm, L, pairs, false);
+        // the most passes any graph may build: at the online controller's lowest limit (vis-moe-online.h)
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.min_active > 0 ? L.min_active : L.n_slots) +
+                           vis_moe_shadow_passes(*vm, L, pairs, false);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;
+}
+
+uint64_t vis_moe_graph_epoch(const vis_moe_context * vm) {
+    return vm ? vm->graph_epoch : 0;
 }
 
 vis_moe_layer_graph::vis_moe_layer_graph(const vis_moe_context * vm_, ggml_context * ctx_, ggml_cgraph * gf_, int il_,

@@ -13,7 +13,7 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
 }
 
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots);
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active());
     const int cap = image ? vm.image_pass_bound(L) : 0;
     return cap > 0 ? std::min(n, cap) : n;
 }
@@ -39,7 +39,7 @@ bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_
     for (const auto & f : vm.features) {
         early = early || f->streams_early(vm, L, image);
     }
-    return vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) > (early ? 1 : vm.stream_passes);
+    return vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) > (early ? 1 : vm.stream_passes);
 }
 
 void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs) {
@@ -58,8 +58,9 @@ void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const 
     plan.passes.clear();
     std::vector<int32_t> order = hits;
     order.insert(order.end(), misses.begin(), misses.end());
-    for (size_t i = 0; i < order.size(); i += L.n_slots) {
-        const size_t end = std::min(order.size(), i + (size_t) L.n_slots);
+    const size_t chunk = (size_t) L.slots.n_active();  // the online controller's limit, else every slot
+    for (size_t i = 0; i < order.size(); i += chunk) {
+        const size_t end = std::min(order.size(), i + chunk);
         plan.passes.emplace_back(order.begin() + i, order.begin() + end);
         for (size_t x = i; x < end; ++x) {
             pass_of[order[x]] = (int32_t) plan.passes.size() - 1;

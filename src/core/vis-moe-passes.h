@@ -31,7 +31,7 @@ int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, i
 // streams the layer early: vis_moe_feature::streams_early)?  A pass-bounded image ubatch never streams.
 bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image = false);
 // the ubatch plan's passes: the distinct experts of ids [n_pairs] (the ids the pairs run) in passes of at most
-// L.n_slots (hits first: plan.passes, plan.pass_of); experts the plan serves from shadows (plan.shadow_serve, on a
+// L.slots.n_active() (every slot unless the online controller limits them; hits first: plan.passes, plan.pass_of); experts the plan serves from shadows (plan.shadow_serve, on a
 // layer with shadow slots: vis-moe-shadow-slots.h) are left out, with pass_of -1
 void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs);
 

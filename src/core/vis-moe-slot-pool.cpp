@@ -7,6 +7,7 @@ void vis_slot_pool::init(int n_expert, int n_slots, std::unique_ptr<vis_moe_poli
     slot_of_.assign(n_expert, -1);
     expert_of_.assign(n_slots, -1);
     policy_ = std::move(policy);
+    active_ = -1;
 }
 
 bool vis_slot_pool::filling(int e) const {
@@ -53,4 +54,23 @@ void vis_slot_pool::forget_all() {
         }
         policy_->forget(s);
     }
+}
+
+std::vector<int> vis_slot_pool::limit(int n) {
+    const int was = n_active();
+    std::vector<int> emptied;
+    for (int s = n; s < was; ++s) {
+        if (expert_of_[s] >= 0) {
+            slot_of_[expert_of_[s]] = -1;
+            expert_of_[s] = -1;
+        }
+        policy_->forget(s);
+        policy_->hold(s, true);
+        emptied.push_back(s);
+    }
+    for (int s = was; s < n; ++s) {
+        policy_->hold(s, false);  // back in use, empty (its pages read as zeros until refilled)
+    }
+    active_ = n;
+    return emptied;
 }

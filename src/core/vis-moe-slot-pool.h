@@ -47,10 +47,19 @@ public:
     // every slot emptied and forgotten: the slab memory is about to be lent or overwritten (vis-moe-lend.cpp)
     void forget_all();
 
+    // the slots a pass may use are 0 .. n_active() - 1 (n_slots() unless limited; the online controller,
+    // docs/planning.md#online-controller).  The passes are planned in chunks of n_active().
+    int  n_active() const { return active_ < 0 ? n_slots() : active_; }
+    // use at most n slots (1 <= n <= n_slots()): the experts in slots n.. are evicted and those slots held out of the
+    // policy (never a victim); slots below n held out before are given back, empty.  The caller collected the
+    // background reads first (no slot is being filled).  Returns the slots emptied, whose memory may be released.
+    std::vector<int> limit(int n);
+
 private:
     std::vector<int32_t> slot_of_;    // expert -> slot, -1 if not resident
     std::vector<int32_t> expert_of_;  // slot -> expert, -1 if empty
     std::unique_ptr<vis_moe_policy> policy_;
+    int active_ = -1;                 // limit(n): n; -1 never limited
 };
 
 struct vis_shadow_tensor;

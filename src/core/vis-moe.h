@@ -12,6 +12,8 @@
 #include <vector>
 
 struct llama_context;
+class llama_kv_cache;
+struct ggml_backend_buffer;
 struct llama_cparams;
 struct llama_memory_params;
 struct llama_model;
@@ -41,6 +43,16 @@ bool vis_moe_end_ubatch(vis_moe_context * vm);
 
 // Extra graph nodes the cache may add for a ubatch of n_tokens.
 uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens);
+// Changes whenever the pass counts a graph of this cache builds may change (the online controller's slot limits):
+// a graph built at another epoch is not reused (patch 0016, llm_graph_params::allow_reuse).  0 without a cache.
+uint64_t vis_moe_graph_epoch(const vis_moe_context * vm);
+
+// ---- the KV cache's pages (patch 0016, llama-kv-cache.cpp; src/core/vis-moe-kv-pages.cpp) ----
+// under VIS_MOE_ONLINE=on: the KV buffer's clear drops its pages instead of writing them (zeros all the same,
+// resident only once written), else upstream's clear
+void vis_kv_buffer_clear(ggml_backend_buffer * buf);
+// the end of llama_kv_cache::seq_rm: under VIS_MOE_ONLINE=on, the pages that hold only empty cells are dropped
+void vis_kv_seq_removed(const llama_kv_cache & kv);
 
 // ---- graph (patch 0002, llm_graph_context::build_moe_ffn; src/core/vis-moe-graph.cpp) ----
 

@@ -5,6 +5,7 @@
 #include "vis-moe-fetch-slots.h"
 #include "vis-moe-host-cache.h"
 #include "vis-moe-policy.h"
+#include "vis-pages.h"
 
 #include "llama-impl.h"
 
@@ -13,20 +14,6 @@
 #include <cstdio>
 #include <string>
 
-#include <unistd.h>
-#include <sys/mman.h>
-
-// the whole pages of a host slab buffer: [a0, a1)
-static bool slab_pages(ggml_backend_buffer_t buf, uintptr_t & a0, uintptr_t & a1) {
-    if (!ggml_backend_buffer_is_host(buf)) {
-        return false;
-    }
-    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(buf);
-    a0 = (base + page - 1) & ~(page - 1);
-    a1 = (base + ggml_backend_buffer_get_size(buf)) & ~(page - 1);
-    return a1 > a0;
-}
 
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     if (mode == 0 || (mode < 0 && plan_free < 0) || vm.stream_passes <= 0 || vm.n_managed == 0) {
@@ -87,15 +74,9 @@ void vis_moe_lend_slabs(vis_moe_context & vm) {
     vm.lend->lent = true;  // first: a failed collect below still returns the slabs at the end of the ubatch
     vis_moe_empty_slots(vm);
     for (ggml_backend_buffer_t buf : vm.bufs) {
-        uintptr_t a0, a1;
-        if (!slab_pages(buf, a0, a1)) {
-            continue;
-        }
-        if (vm.locked) {
-            munlock((void *) a0, a1 - a0);
-        }
-        if (madvise((void *) a0, a1 - a0, MADV_DONTNEED) == 0) {
-            vm.lend->bytes_lent += (int64_t) (a1 - a0);
+        if (ggml_backend_buffer_is_host(buf)) {
+            vm.lend->bytes_lent += vis_release_pages(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf),
+                                                     vm.locked, false);
         }
     }
     vm.lend->n_lent++;
@@ -110,9 +91,8 @@ void vis_moe_return_slabs(vis_moe_context & vm) {
         return;  // the pages come back as the slots refill
     }
     for (ggml_backend_buffer_t buf : vm.bufs) {
-        uintptr_t a0, a1;
-        if (slab_pages(buf, a0, a1)) {
-            vis_mlock_region((void *) a0, a1 - a0, "the expert slabs");
+        if (ggml_backend_buffer_is_host(buf)) {
+            vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs");
         }
     }
 }
