@@ -31,7 +31,9 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vis_moe_shadow_passes(*vm, L, pairs, false);
+        // (+ the miss passes a smaller ubatch may get: VIS_MOE_OVERLAP)
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.n_slots) + vis_moe_shadow_passes(*vm, L, pairs, false) +
+                           vm->overlap;
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;

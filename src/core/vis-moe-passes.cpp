@@ -12,8 +12,16 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
     return std::max(1, (int) ((std::min<int64_t>(n_expert, n_pairs) + n_slots - 1) / n_slots));
 }
 
+int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    if (vm.overlap <= 0 || image || n_pairs <= 0 || !L.cpu_passes || !L.deferred || !L.direct_write || !vm.io ||
+        vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) != 1) {
+        return 0;
+    }
+    return (int) std::min<int64_t>(vm.overlap, std::min<int64_t>(n_pairs, L.n_expert));
+}
+
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots);
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.n_slots) + vis_moe_overlap_passes(vm, L, n_pairs, image);
     const int cap = image ? vm.image_pass_bound(L) : 0;
     return cap > 0 ? std::min(n, cap) : n;
 }

@@ -25,6 +25,11 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 // passes a ubatch of n_pairs pairs needs at most in layer L's full-precision slabs, and in its shadow slots after
 // them (0 without shadow slots).  image: the ubatch is image embeddings (a feature may bound its passes:
 // --moe-capacity, vis_moe_feature::image_pass_bound).  The graph builds that many; pass 0 plans within them.
+// miss passes a ubatch of n_pairs pairs of layer L gets on top of its pass 0 when its misses are read while the
+// layer computes (VIS_MOE_OVERLAP, vis-moe-overlap.h): a one-pass ubatch of a CPU layer whose experts come from the
+// file, not an image ubatch; 0 otherwise
+int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
+// (counted in:)
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 // does such a ubatch stream layer L (more than --moe-stream-passes passes needed, or more than one when a feature
