@@ -122,7 +122,7 @@ def llama_vis_moe_get_io_stats(ctx, out) -> int:
 #     int64_t n_reads;      // misses read so (tier 3); misses served from memory are not counted
 #     int64_t n_passes;     // miss passes run (an empty one included)
 #     int64_t wait_us;      // time the miss passes waited for their reads (the stall left)
-#     int64_t hidden_us;    // per read, from its issue to the earlier of its end and its pass's wait
+#     int64_t hidden_us;    // wall time the layer computed while its reads were under way
 #     int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
 # };
 class llama_vis_moe_overlap_stats(ctypes.Structure):

@@ -402,8 +402,8 @@ struct llama_vis_moe_overlap_stats {
     int64_t n_reads;      // misses read so (tier 3); misses served from memory are not counted
     int64_t n_passes;     // miss passes run (an empty one included)
     int64_t wait_us;      // time the miss passes waited for their reads (the stall left)
-    int64_t hidden_us;    // per read, from its issue to the earlier of its end and its pass's wait: read time
-                          // that ran while the layer computed
+    int64_t hidden_us;    // wall time the layer computed while its reads were under way (from the first issue
+                          // to the last read's end, less the miss passes' waits inside it)
     int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
 };
 // Overlap stats of layer il, or totals over all layers with il = -1.  0, or -1 if ctx has no expert cache or il is

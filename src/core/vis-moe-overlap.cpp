@@ -82,6 +82,9 @@ void vis_moe_overlap_issue(vis_moe_context & vm, vis_moe_layer & L, int il) {
             }
         }
         vm.n_file_reads++;
+        if (ov.window_from_us == 0) {
+            ov.window_from_us = vis_moe_now_us();
+        }
         reqs.clear();
         vis_moe_slot_reqs(L, il, r.expert, r.slot, reqs);
         r.ticket    = vm.io->submit(reqs);
@@ -105,9 +108,14 @@ static void take_read(vis_moe_context & vm, vis_moe_layer & L, size_t i, int64_t
     };
     if (r.ticket != 0) {
         try {
-            const int64_t done_us = us_of(vm.io->wait(r.ticket));
-            ov.stats.hidden_us += std::max<int64_t>(0, std::min(done_us, wait_from_us) - r.issued_us);
+            ov.window_done_us = std::max(ov.window_done_us, us_of(vm.io->wait(r.ticket)));
             ov.stats.n_late += r.issued_us > ov.pass0_end_us ? 1 : 0;
+            if (std::none_of(ov.reads.begin(), ov.reads.end(), [](const vis_overlap_read & x) { return x.ticket != 0; })) {
+                // the window's last read: the layer computed inside it for all of it but what its passes waited
+                ov.stats.hidden_us += std::max<int64_t>(0, std::min(ov.window_done_us, wait_from_us) -
+                                                               ov.window_from_us - ov.window_waited_us);
+                ov.window_from_us = ov.window_done_us = ov.window_waited_us = 0;
+            }
         } catch (...) {
             L.slots.release(r.slot);  // never leave a slot marked as holding an expert it does not hold
             resume_fetch();
@@ -128,6 +136,9 @@ void vis_moe_overlap_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p
     auto add_wait = [&]() {
         const int64_t us = vis_moe_now_us() - t0;
         ov.stats.wait_us += us;
+        if (ov.window_from_us != 0) {
+            ov.window_waited_us += us;  // reads of the window still under way: this wait was inside it
+        }
         L.stats.load_us += us;  // the stall the layer still has
     };
     try {

@@ -33,6 +33,9 @@ struct vis_overlap_layer {
     std::vector<vis_overlap_read> reads;  // issued, not waited for
     bool    paused_fetch = false;         // the background reader is paused while they are under way
     int64_t pass0_end_us = 0;             // when the running ubatch's pass 0 op returned (its hits compute next)
+    // the running ubatch's reads as one window (they are queued at once and read in order): its first issue, the
+    // end of the last read taken, and the time its miss passes waited inside it
+    int64_t window_from_us = 0, window_done_us = 0, window_waited_us = 0;
     llama_vis_moe_overlap_stats stats = {};
 };
 
