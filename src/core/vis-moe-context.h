@@ -14,7 +14,7 @@
 
 #include "llama-vis.h"
 #include "vis-moe-feature.h"
-#include "vis-moe-overlap.h"
+#include "vis-moe-overlap-state.h"
 #include "vis-moe-slot-pool.h"
 #include "vis-moe-store.h"
 #include "vis-moe-telemetry-types.h"

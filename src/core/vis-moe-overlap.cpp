@@ -156,10 +156,7 @@ void vis_moe_overlap_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p
         add_wait();
         throw;
     }
-    for (int64_t j = 0; j < n_pairs; ++j) {
-        const int e = ids[j];
-        out[j] = plan.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
-    }
+    vis_moe_pass_ids(L, p, ids, n_pairs, out);
     add_wait();
 }
 

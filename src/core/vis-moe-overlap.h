@@ -11,33 +11,13 @@
 // pairs skipped and outputs merged per pair (vis-moe-passes.h): byte-identical outputs.
 #pragma once
 
-#include "llama-vis.h"
+#include "vis-moe-overlap-state.h"
 
 #include <cstdint>
-#include <vector>
 
 struct vis_moe_context;
 struct vis_moe_layer;
 struct vis_ubatch_plan;
-
-// one miss of an overlapped ubatch, issued and not yet waited for
-struct vis_overlap_read {
-    int32_t  expert = -1;
-    int32_t  slot   = -1;
-    uint64_t ticket = 0;  // the I/O pool's ticket of its reads; 0: served from memory when issued
-    int64_t  issued_us = 0;
-};
-
-// a managed layer's overlap state
-struct vis_overlap_layer {
-    std::vector<vis_overlap_read> reads;  // issued, not waited for
-    bool    paused_fetch = false;         // the background reader is paused while they are under way
-    int64_t pass0_end_us = 0;             // when the running ubatch's pass 0 op returned (its hits compute next)
-    // the running ubatch's reads as one window (they are queued at once and read in order): its first issue, the
-    // end of the last read taken, and the time its miss passes waited inside it
-    int64_t window_from_us = 0, window_done_us = 0, window_waited_us = 0;
-    llama_vis_moe_overlap_stats stats = {};
-};
 
 // the plan's passes of an overlapped ubatch: pass 0 (hits first, then misses) split into the hits and up to
 // vis_moe_overlap_passes() miss passes, later ones at least as large (plan.overlap_first = 1); nothing when the

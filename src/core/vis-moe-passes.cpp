@@ -75,6 +75,14 @@ void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const 
     }
 }
 
+void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
+    const std::vector<int32_t> & pass_of = L.ubatch_plan.pass_of;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        out[j] = pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
+    }
+}
+
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
     const int old = L.slots.evict(s);
     if (old < 0) {
@@ -134,9 +142,6 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         throw;
     }
 
-    for (int64_t j = 0; j < n_pairs; ++j) {
-        const int e = ids[j];
-        out[j] = plan.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
-    }
+    vis_moe_pass_ids(L, p, ids, n_pairs, out);
     add_stall();
 }

@@ -40,6 +40,9 @@ bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_
 // layer with shadow slots: vis-moe-shadow-slots.h) are left out, with pass_of -1
 void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs);
 
+// the ids of pass p of the layer's ubatch plan: each pair's slot if its expert runs in pass p, else L.foreign_id()
+void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out);
+
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);
 
