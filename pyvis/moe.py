@@ -21,7 +21,7 @@ from .runtime import native
 from .runtime.config import MoeConfig, VisTypeError, applied
 from .runtime.native import MoeStats, VisError, llama_cpp
 
-__all__ = ["load", "stats", "layer_stats", "io_stats", "sub_stats", "prec_stats", "cap_stats", "prefetch_stats",
+__all__ = ["load", "stats", "layer_stats", "io_stats", "overlap_stats", "sub_stats", "prec_stats", "cap_stats", "prefetch_stats",
            "reset_stats", "MoeConfig", "MoeStats", "VisError", "VisTypeError"]
 
 # the keywords of the old form, load(path, slots=..., ...): MoeConfig's fields (moe_stats is its stats)
@@ -103,6 +103,11 @@ def layer_stats(llm, layer: int) -> MoeStats | None:
 def io_stats(llm) -> dict | None:
     """Per-tier stats: slab/host hits, file reads, bytes read, I/O wait, peak RSS (docs/paging.md)."""
     return native.io_stats(llm)
+
+
+def overlap_stats(llm, layer: int = -1) -> dict | None:
+    """Decode misses read while their layer computed (VIS_MOE_OVERLAP, docs/paging.md): totals, or one layer."""
+    return native.overlap_stats(llm, layer)
 
 
 def sub_stats(llm, layer: int = -1) -> dict | None:

@@ -116,6 +116,35 @@ def llama_vis_moe_get_io_stats(ctx, out) -> int:
     """Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache."""
 
 
+# struct llama_vis_moe_overlap_stats {
+#     int32_t max_passes;   // miss passes a one-token step of the layer gets (0: not overlapped; totals: the most)
+#     int64_t n_ubatches;   // ubatch x layer evaluations whose misses were read while the layer computed
+#     int64_t n_reads;      // misses read so (tier 3); misses served from memory are not counted
+#     int64_t n_passes;     // miss passes run (an empty one included)
+#     int64_t wait_us;      // time the miss passes waited for their reads (the stall left)
+#     int64_t hidden_us;    // wall time the layer computed while its reads were under way
+#     int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
+# };
+class llama_vis_moe_overlap_stats(ctypes.Structure):
+    _fields_ = [
+        ("max_passes", ctypes.c_int32),
+        ("n_ubatches", ctypes.c_int64),
+        ("n_reads", ctypes.c_int64),
+        ("n_passes", ctypes.c_int64),
+        ("wait_us", ctypes.c_int64),
+        ("hidden_us", ctypes.c_int64),
+        ("n_late", ctypes.c_int64),
+    ]
+
+
+# LLAMA_API int32_t llama_vis_moe_get_overlap_stats(const struct llama_context * ctx, int32_t il,
+#                                                   struct llama_vis_moe_overlap_stats * out);
+@ctypes_function("llama_vis_moe_get_overlap_stats",
+                 [llama_context_p, ctypes.c_int32, ctypes.POINTER(llama_vis_moe_overlap_stats)], ctypes.c_int32)
+def llama_vis_moe_get_overlap_stats(ctx, il, out) -> int:
+    """Overlap stats of layer il, or totals with il = -1. 0, or -1 without a cache or il out of range."""
+
+
 # struct llama_vis_mem_info {
 #     int64_t mem_total;       // MemTotal
 #     int64_t mem_available;   // MemAvailable

@@ -115,6 +115,7 @@ class MoeConfig:
     stream_ahead: bool = True
     stream_lend: str = "auto"            # auto | on | off
     stream_stage: bool = True
+    overlap: int | str = "on"            # on | off | N: decode misses read while the layer computes (docs/paging.md)
     sub_profile: str | None = None       # buddy lists (pyvis calibrate buddies)
     sub_tae: str = "off"                 # off | TAU in 0..1 | pN
     sub_margin: float | str = "off"      # off | G in 0..1

@@ -23,7 +23,7 @@ from .capi import llama_cpp  # noqa: F401  (re-exported: the llama_cpp bound to 
 
 __all__ = ["llama_cpp", "VisError", "last_error", "c_int", "version", "upstream_commit", "system_info_fragment",
            "MoeInfo", "moe_info", "MoeStats", "moe_stats", "moe_reset_stats", "moe_n_managed", "moe_failures", "moe_print_stats",
-           "io_stats", "mem_probe", "plan", "estimate_reserve", "context_reserve", "Flag", "flags",
+           "io_stats", "overlap_stats", "mem_probe", "plan", "estimate_reserve", "context_reserve", "Flag", "flags",
            "saliency_enable", "mtmd_saliency", "set_layer_limit", "get_layer_limit", "layer_limit", "moe_capture",
            "moe_capture_reset", "moe_routes"]
 
@@ -181,6 +181,15 @@ def io_stats(ctx) -> dict | None:
     """Per-tier stats of a context (slab/host hits, file reads, bytes, I/O wait, peak RSS); None without a cache."""
     s = capi.llama_vis_moe_io_stats()
     if capi.llama_vis_moe_get_io_stats(_ctx_ptr(ctx), ctypes.byref(s)) != 0:
+        return None
+    return _struct_dict(s)
+
+
+def overlap_stats(ctx, layer: int = -1) -> dict | None:
+    """Decode misses read while their layer computed (VIS_MOE_OVERLAP): reads, miss passes, read time hidden behind
+    compute, time waited, reads issued late; one layer or totals (layer=-1); None without a cache."""
+    s = capi.llama_vis_moe_overlap_stats()
+    if capi.llama_vis_moe_get_overlap_stats(_ctx_ptr(ctx), c_int("layer", layer), ctypes.byref(s)) != 0:
         return None
     return _struct_dict(s)
 

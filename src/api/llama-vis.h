@@ -392,6 +392,25 @@ struct llama_vis_moe_io_stats {
 // Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache.
 LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);
 
+// Reads overlapped with compute in decode (VIS_MOE_OVERLAP, docs/paging.md#reads-overlapped-with-compute-in-decode):
+// a one-pass ubatch's misses are read in the background from the moment its layer planned, while the resident
+// experts compute; each miss runs in a pass of its own once its read landed.  Exact: the same misses, bytes and
+// outputs as without it.
+struct llama_vis_moe_overlap_stats {
+    int32_t max_passes;   // miss passes a one-token step of the layer gets (0: not overlapped; totals: the most)
+    int64_t n_ubatches;   // ubatch x layer evaluations whose misses were read while the layer computed
+    int64_t n_reads;      // misses read so (tier 3); misses served from memory are not counted
+    int64_t n_passes;     // miss passes run (an empty one included)
+    int64_t wait_us;      // time the miss passes waited for their reads (the stall left)
+    int64_t hidden_us;    // wall time the layer computed while its reads were under way (from the first issue
+                          // to the last read's end, less the miss passes' waits inside it)
+    int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
+};
+// Overlap stats of layer il, or totals over all layers with il = -1.  0, or -1 if ctx has no expert cache or il is
+// out of range.
+LLAMA_API int32_t llama_vis_moe_get_overlap_stats(const struct llama_context * ctx, int32_t il,
+                                                  struct llama_vis_moe_overlap_stats * out);
+
 // What this machine gives us.
 struct llama_vis_mem_info {
     int64_t mem_total;       // MemTotal

@@ -19,6 +19,7 @@ constexpr long long MAX_LAYERS = 1 << 16;
 constexpr long long MAX_MIB    = 1ll << 30; // 1 PiB
 constexpr long long MAX_IO     = 64;
 constexpr long long MAX_STREAM = 1 << 16;
+constexpr long long MAX_OVERLAP = 64;      // miss passes of an overlapped decode step: at most the top-k
 constexpr long long MAX_SUB_BUDGET = 64;    // substitutions per token per layer: at most the top-k
 constexpr long long MAX_PREFETCH   = 1 << 16;  // experts prefetched per layer per step: at most the expert count
 
@@ -242,6 +243,13 @@ const flag_row ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_ahead = parse_switch(w, v, false); },
       KNOB, V_SWITCH, SHOW(show_switch(s.stream_ahead)) },
+    { "--moe-overlap", "VIS_MOE_OVERLAP", "on|off|N",
+      "vis-moe: decode reads a layer's misses in the background while its resident experts compute, each miss\n"
+      "computed in a pass of its own as soon as its read lands (exact). on = up to k such passes (one miss each),\n"
+      "N = at most N, off = the misses are read before the layer computes (default: on)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.overlap = v == "on" ? -1 : v == "off" ? 0 : (int32_t) parse_int(w, v, 1, MAX_OVERLAP, " (or on, off)"); },
+      KNOB, V_INT_OR_WORD, SHOW(s.overlap < 0 ? "on" : s.overlap == 0 ? "off" : show_int(s.overlap)) },
     { "--moe-stream-lend", "VIS_MOE_STREAM_LEND", "auto|on|off",
       "vis-moe: a ubatch that streams a layer first gives the slabs' memory to the page cache (their slots are\n"
       "emptied and refill on demand). auto = when the --moe-mem plan leaves the page cache less than the\n"
@@ -600,6 +608,7 @@ void vis_moe_settings_validate(const vis_moe_settings & s) {
     range("--moe-mlock",         t.mlock,       0, 1, "");
     range("--moe-stream-ahead",  s.stream_ahead, 0, 1, "");
     range("--moe-stream-lend",   s.stream_lend, -1, 1, " (-1 = auto, 0 = off, 1 = on)");
+    range("--moe-overlap",       s.overlap,    -1, MAX_OVERLAP, " (-1 = on, 0 = off)");
     range("--moe-stream-stage",  s.stream_stage, 0, 1, "");
     range("--moe-pin-mib",       s.pin_mib,    -1, MAX_MIB, " (-1 = auto, 0 = off)");
     range("--moe-policy",        s.policy,      VIS_POLICY_LRU, VIS_POLICY_LFU_ADAPT, " (0 = lru, 1 = lfu, 2 = lfu-adapt)");

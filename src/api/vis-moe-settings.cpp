@@ -39,7 +39,7 @@ enum group : unsigned { G_PARAMS = 1, G_TIER = 2, G_STREAM = 4, G_SUB = 8, G_PIN
 unsigned group_of(const flag_row & r) {
     const std::string n = r.name;
     if (n == "--moe-stream-passes" || n == "--moe-stream-ahead" || n == "--moe-stream-lend" ||
-        n == "--moe-stream-stage") return G_STREAM;
+        n == "--moe-stream-stage" || n == "--moe-overlap") return G_STREAM;
     if (n == "--moe-pin-mib") return G_PIN;
     if (n == "--moe-topk") return G_TOPK;
     if (n == "--moe-policy") return G_POLICY;
@@ -123,6 +123,7 @@ void overlay(vis_moe_settings & s, const vis_moe_settings & o, unsigned groups) 
         s.stream_ahead  = o.stream_ahead;
         s.stream_lend   = o.stream_lend;
         s.stream_stage  = o.stream_stage;
+        s.overlap       = o.overlap;
     }
     if (groups & G_SUB) {
         s.sub = o.sub;

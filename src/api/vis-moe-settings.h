@@ -117,6 +117,7 @@ struct vis_moe_settings {
     int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead
     int32_t     stream_lend   = -1;         // a streamed ubatch lends the slabs to the page cache (-1 auto, 0, 1)
     int32_t     stream_stage  = 1;          // streamed layers are read into staging buffers in the slabs when they fit
+    int32_t     overlap       = -1;         // decode misses read while the layer computes: -1 on (up to k miss passes), 0 off, N
     int64_t     pin_mib = -1;               // discrete GPU: cap on pinned host memory, MiB (-1 = 25 % of MemTotal, 0 = none)
     int32_t     policy  = 2;                // eviction policy of the full slots (vis_policy_kind: 0 lru, 1 lfu, 2 lfu-adapt; default lfu-adapt: docs/policies.md)
     vis_moe_sub_settings sub;               // --moe-substitute and --moe-sub-*

@@ -5,6 +5,7 @@
 // limit (vis-moe-online.h).
 #include "vis-moe-context.h"
 #include "vis-moe-fetch-slots.h"
+#include "vis-moe-overlap.h"
 #include "vis-moe-passes.h"
 #include "vis-pages.h"
 
@@ -60,6 +61,7 @@ void vis_moe_context::apply(int il, vis_ubatch_plan & plan, const int32_t * rout
                                  "(plan bug): the ubatch is not computed");
     }
     vis_moe_run_pass(*this, L, il, 0, p.run_ids(routed), p.n_pairs, out);
+    vis_moe_overlap_issue(*this, L, il);  // the misses' reads start before the hits compute (vis-moe-overlap.h)
     apply_reads(il, L.ubatch_plan.reads);
 }
 

@@ -427,6 +427,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     bool locked = create_slabs(model, s, ap, *vm);
     if (vm->n_managed > 0 && ap.any_deferred) {
         vm->io = std::make_unique<vis_io_pool>(s.tier.io_threads, s.tier.direct_io);
+        vm->overlap = s.overlap < 0 ? n_used : s.overlap;  // VIS_MOE_OVERLAP: on = up to k miss passes
         if (s.tier.mlock && !hp.no_alloc) {
             lock_resident_weights(model, ap, *vm);
         }

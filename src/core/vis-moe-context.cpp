@@ -24,6 +24,7 @@ void vis_deleter::operator()(vis_moe_context * p) const {
 vis_moe_context::~vis_moe_context() {
     fetch.reset();     // first: background reads in flight write into the slabs and staging blocks freed below
     features.clear();  // then the features (a staged read in flight writes into the slabs too)
+    io.reset();        // then overlapped reads still under way (an aborted compute): they write into the slabs
     uploads.clear();   // then their copies on the upload streams (discrete GPU): each waits for its stream
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);

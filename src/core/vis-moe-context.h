@@ -14,6 +14,7 @@
 
 #include "llama-vis.h"
 #include "vis-moe-feature.h"
+#include "vis-moe-overlap-state.h"
 #include "vis-moe-slot-pool.h"
 #include "vis-moe-store.h"
 #include "vis-moe-telemetry-types.h"
@@ -113,6 +114,9 @@ struct vis_moe_layer {
     // the shadow slots (--moe-precision; the second slot pool, vis-moe-slot-pool.h)
     vis_shadow_slots shadow;
 
+    // decode misses read while the layer computes (VIS_MOE_OVERLAP, vis-moe-overlap.h)
+    vis_overlap_layer overlap;
+
     // the ids the passes of the running ubatch use: exec with stand-ins, else the routed ids
     const int32_t * run_ids(const int32_t * routed) const { return ubatch_plan.run_ids(routed); }
 
@@ -177,6 +181,7 @@ struct vis_moe_context {
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
     bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
+    int     overlap       = 0;      // VIS_MOE_OVERLAP: most miss passes of a one-pass ubatch (0: off; vis-moe-overlap.h)
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
     bool    ub_image      = false;  // the current ubatch is image embeddings (the modality feature says so)
     // time to first token of the last prompt: the compute time of its ubatches (the prompt ubatches since the last

@@ -3,6 +3,7 @@
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-fetch-slots.h"
+#include "vis-moe-overlap.h"
 #include "vis-moe-passes.h"
 #include "vis-moe-precision.h"
 #include "vis-moe-shadow-slots.h"
@@ -55,6 +56,7 @@ static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor
     for (auto & f : vm.features) {
         f->observe_routing(cvm, il, ids_t, dep);  // pass 0 depends on the router weights
     }
+    vis_moe_overlap_finish(vm, a.L);  // an earlier ubatch's overlapped reads whose passes did not run
     int64_t waited = 0;  // the layer's background reads (substitution, reads ahead): cancelled, waited for, resident
     const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, a.L, il, waited);
     for (auto & f : vm.features) {
@@ -76,10 +78,12 @@ static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor
     for (auto & f : vm.features) {
         f->plan_reads(cvm, L, il, plan);  // stand-ins' experts, precision's refetch
     }
+    vis_moe_plan_overlap(cvm, L, plan, vm.ub_image);  // a one-pass ubatch: the hits, then the miss passes
     vm.apply(il, plan, a.ids, a.out);
     for (auto & f : vm.features) {
         f->plan_applied(cvm, L, il, L.ubatch_plan);
     }
+    a.L.overlap.pass0_end_us = vis_moe_now_us();  // the hits' mul_mat_id run next
 }
 
 // pass p of a managed layer; pass 0 also plans the ubatch
@@ -89,6 +93,10 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
     guarded(a.vm, a.out, a.n_pairs, [&]() {
         if (a.ud.pass == 0) {
             plan_ubatch(a, ids_t, dep, scores);
+            return;
+        }
+        if (a.L.ubatch_plan.overlap_first > 0 && a.ud.pass >= a.L.ubatch_plan.overlap_first) {
+            vis_moe_overlap_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
             return;
         }
         vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);

@@ -12,8 +12,16 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots) {
     return std::max(1, (int) ((std::min<int64_t>(n_expert, n_pairs) + n_slots - 1) / n_slots));
 }
 
+int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    if (vm.overlap <= 0 || image || n_pairs <= 0 || !L.cpu_passes || !L.deferred || !L.direct_write || !vm.io ||
+        vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) != 1) {
+        return 0;
+    }
+    return (int) std::min<int64_t>(vm.overlap, std::min<int64_t>(n_pairs, L.n_expert));
+}
+
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active());
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) + vis_moe_overlap_passes(vm, L, n_pairs, image);
     const int cap = image ? vm.image_pass_bound(L) : 0;
     return cap > 0 ? std::min(n, cap) : n;
 }
@@ -65,6 +73,14 @@ void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const 
         for (size_t x = i; x < end; ++x) {
             pass_of[order[x]] = (int32_t) plan.passes.size() - 1;
         }
+    }
+}
+
+void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out) {
+    const std::vector<int32_t> & pass_of = L.ubatch_plan.pass_of;
+    for (int64_t j = 0; j < n_pairs; ++j) {
+        const int e = ids[j];
+        out[j] = pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
     }
 }
 
@@ -127,9 +143,6 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
         throw;
     }
 
-    for (int64_t j = 0; j < n_pairs; ++j) {
-        const int e = ids[j];
-        out[j] = plan.pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
-    }
+    vis_moe_pass_ids(L, p, ids, n_pairs, out);
     add_stall();
 }

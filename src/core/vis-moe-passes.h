@@ -25,6 +25,11 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 // passes a ubatch of n_pairs pairs needs at most in layer L's full-precision slabs, and in its shadow slots after
 // them (0 without shadow slots).  image: the ubatch is image embeddings (a feature may bound its passes:
 // --moe-capacity, vis_moe_feature::image_pass_bound).  The graph builds that many; pass 0 plans within them.
+// miss passes a ubatch of n_pairs pairs of layer L gets on top of its pass 0 when its misses are read while the
+// layer computes (VIS_MOE_OVERLAP, vis-moe-overlap.h): a one-pass ubatch of a CPU layer whose experts come from the
+// file, not an image ubatch; 0 otherwise
+int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
+// (counted in:)
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 // does such a ubatch stream layer L (more than --moe-stream-passes passes needed, or more than one when a feature
@@ -34,6 +39,9 @@ bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_
 // L.slots.n_active() (every slot unless the online controller limits them; hits first: plan.passes, plan.pass_of); experts the plan serves from shadows (plan.shadow_serve, on a
 // layer with shadow slots: vis-moe-shadow-slots.h) are left out, with pass_of -1
 void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs);
+
+// the ids of pass p of the layer's ubatch plan: each pair's slot if its expert runs in pass p, else L.foreign_id()
+void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out);
 
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);

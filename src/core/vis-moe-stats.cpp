@@ -3,6 +3,7 @@
 // Each feature prints and resets its own section (vis_moe_feature::stats_print, stats_reset); the C getters of
 // a feature's struct ask that feature (its totals function), zeros when it is off.
 #include "vis-moe-context.h"
+#include "vis-moe-passes.h"
 #include "vis-moe-capacity.h"
 #include "vis-moe-precision.h"
 #include "vis-moe-prefetch.h"
@@ -91,6 +92,27 @@ int64_t vis_moe_stall_saved_us(const vis_moe_context & vm, int64_t bytes_saved) 
     return (int64_t) ((double) bytes_saved * (double) c.wait_us / (double) c.bytes_read);
 }
 
+// the overlap stats of layer il, or their totals (il = -1)
+static llama_vis_moe_overlap_stats overlap_stats(const vis_moe_context & vm, int il) {
+    llama_vis_moe_overlap_stats t = {};
+    const int64_t one_token = vm.n_expert_used;
+    for (int i = 0; i < (int) vm.layers.size(); ++i) {
+        if (il >= 0 && i != il) {
+            continue;
+        }
+        const vis_moe_layer & L = vm.layers[i];
+        const llama_vis_moe_overlap_stats & s = L.overlap.stats;
+        t.max_passes = std::max(t.max_passes, L.managed ? vis_moe_overlap_passes(vm, L, one_token, false) : 0);
+        t.n_ubatches += s.n_ubatches;
+        t.n_reads    += s.n_reads;
+        t.n_passes   += s.n_passes;
+        t.wait_us    += s.wait_us;
+        t.hidden_us  += s.hidden_us;
+        t.n_late     += s.n_late;
+    }
+    return t;
+}
+
 static void print_row(const std::string & label, const std::string & slots, const llama_vis_moe_stats & s) {
     std::fprintf(stderr, "vis-moe: %5s %6s %10" PRId64 " %10" PRId64 " %10" PRId64 " %7.1f%% %12.2f %10.2f %8" PRId64 "\n",
                  label.c_str(), slots.c_str(), s.n_routed, s.n_hits, s.n_misses, s.n_routed ? 100.0 * s.n_hits / s.n_routed : 0.0,
@@ -115,6 +137,13 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
     if (vm.ttft_us >= 0) {
         std::fprintf(stderr, "vis-moe: time to first token: %.1f ms (the last prompt: %" PRId64 " ubatch%s computed)\n",
                      vm.ttft_us / 1e3, vm.n_prompt_ubatches, vm.n_prompt_ubatches == 1 ? "" : "es");
+    }
+    const llama_vis_moe_overlap_stats ov = overlap_stats(vm, -1);
+    if (ov.n_ubatches > 0) {
+        std::fprintf(stderr, "vis-moe: overlap: %" PRId64 " misses read while their layer computed, in %" PRId64
+                             " ubatch-layers (up to %d miss passes each); %.2f ms of reads hidden behind compute, "
+                             "%.2f ms waited by the miss passes; %" PRId64 " issued late\n",
+                     ov.n_reads, ov.n_ubatches, ov.max_passes, ov.hidden_us / 1e3, ov.wait_us / 1e3, ov.n_late);
     }
     const llama_vis_moe_io_stats io = io_stats(vm);
     if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {
@@ -253,6 +282,19 @@ int32_t llama_vis_moe_get_io_stats(const llama_context * ctx, llama_vis_moe_io_s
     return 0;
 }
 
+int32_t llama_vis_moe_get_overlap_stats(const llama_context * ctx, int32_t il, llama_vis_moe_overlap_stats * out) {
+    vis_clear_last_error();
+    const vis_moe_context * vm = vis_moe_of(ctx);
+    if (!vm || !out || il < -1 || il >= (int32_t) vm->layers.size()) {
+        vis_set_last_error(!out ? "llama_vis_moe_get_overlap_stats: NULL output"
+                           : !vm ? "llama_vis_moe_get_overlap_stats: the context has no expert cache"
+                                 : "llama_vis_moe_get_overlap_stats: layer " + std::to_string(il) + " is out of range");
+        return -1;
+    }
+    *out = overlap_stats(*vm, il);
+    return 0;
+}
+
 void llama_vis_moe_reset_stats(llama_context * ctx) {
     vis_moe_context * vm = vis_moe_of(ctx);
     if (!vm) {
@@ -266,6 +308,9 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     vm->in_prompt = false;
     for (auto & f : vm->features) {
         f->stats_reset();
+    }
+    for (auto & L : vm->layers) {
+        L.overlap.stats = {};
     }
     if (vm->io) {
         vm->io->reset_counters();

@@ -87,6 +87,38 @@ static void model_copy(vis_moe_context & vm, vis_moe_layer & L, int e, int s) {
     }
 }
 
+bool vis_moe_serve_from_memory(vis_moe_context & vm, vis_moe_layer & L, int il, int e, int s,
+                               std::vector<vis_upload_copy> * copies) {
+    if (vm.host) {
+        if (const uint8_t * h = vm.host->find(il, e)) {
+            if (copies) {
+                slab_copies(L, s, h, *copies);  // tier 2 is inclusive there: h stays until the caller waited
+            } else {
+                slab_write(L, s, h);
+            }
+            if (vm.host_exclusive) {
+                vm.host->erase(il, e);  // unified memory only, never with an uploader: h was copied above
+            }
+            vm.n_host_hits++;
+            return true;
+        }
+    }
+    if (!L.deferred) {
+        model_copy(vm, L, e, s);
+        vm.n_model_copies++;
+        return true;
+    }
+    return false;
+}
+
+void vis_moe_slot_reqs(const vis_moe_layer & L, int il, int e, int s, std::vector<vis_read_req> & reqs) {
+    for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+        if (L.file[ti]) {
+            reqs.push_back({ L.file[ti], il, e, (char *) L.slab[ti]->data + (size_t) s * L.slab[ti]->nb[2] });
+        }
+    }
+}
+
 // Demand misses on a discrete GPU with an upload stream: every copy of the pass is issued asynchronously and
 // the pass waits once, at the end.  The pass's kernels need all of its experts, so waiting per copy (the
 // synchronous ggml_backend_tensor_set does a stream synchronisation per tensor, three per expert) buys nothing;
@@ -103,32 +135,12 @@ void vis_moe_fill_slots(vis_moe_context & vm, vis_moe_layer & L, int il, const s
     std::vector<vis_upload_copy> copies;   // asynchronous uploads of this pass (discrete GPU)
     vis_moe_uploader * up = L.upload && L.upload->async() ? L.upload : nullptr;
     for (const auto & [e, s] : misses) {
-        if (vm.host) {
-            if (const uint8_t * h = vm.host->find(il, e)) {
-                if (up) {
-                    slab_copies(L, s, h, copies);  // tier 2 is inclusive there: h stays until we waited
-                } else {
-                    slab_write(L, s, h);
-                }
-                if (vm.host_exclusive) {
-                    vm.host->erase(il, e);  // unified memory only, never with an uploader: h was copied above
-                }
-                vm.n_host_hits++;
-                continue;
-            }
-        }
-        if (!L.deferred) {
-            model_copy(vm, L, e, s);
-            vm.n_model_copies++;
+        if (vis_moe_serve_from_memory(vm, L, il, e, s, up ? &copies : nullptr)) {
             continue;
         }
         vm.n_file_reads++;
         if (L.direct_write) {
-            for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
-                if (L.file[ti]) {
-                    reqs.push_back({ L.file[ti], il, e, (char *) L.slab[ti]->data + (size_t) s * L.slab[ti]->nb[2] });
-                }
-            }
+            vis_moe_slot_reqs(L, il, e, s, reqs);
         } else {
             staged.push_back({ s, e, vm.staging->acquire() });
             uint8_t * buf = staged.back().buf.data();

@@ -59,6 +59,8 @@ struct vis_ubatch_plan {
     std::vector<std::vector<int32_t>> passes;
     std::vector<std::vector<int32_t>> shadow_passes;
     int                               shadow_first_pass = 0;  // graph index of shadow pass 0
+    // overlap (vis-moe-overlap.h): the first miss pass, whose misses are read while pass 0's hits compute (0: none)
+    int                               overlap_first = 0;
 
     // the reads to start in the background once pass 0 is loaded
     std::vector<vis_plan_read> reads;
@@ -67,6 +69,7 @@ struct vis_ubatch_plan {
     void begin(int64_t n) {
         n_pairs    = n;
         sub_active = false;
+        overlap_first = 0;
         reads.clear();
     }
     // the ids the passes use: exec with stand-ins, else the routed ids

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -185,91 +186,103 @@ static void check_sum(const vis_read_req & r) {
     }
 }
 
-void vis_io_pool::run_jobs(int idx) {
-    for (;;) {
-        size_t i;
-        {
-            std::lock_guard<std::mutex> lock(mtx);
-            if (jobs == nullptr || next >= jobs->size()) {
-                return;
-            }
-            i = next++;
+void vis_io_pool::run_slice(std::unique_lock<std::mutex> & lock, int idx) {
+    const slice sl = queue.front();
+    queue.pop_front();
+    lock.unlock();
+    int64_t dev = 0;
+    bool direct = false;
+    std::string err;
+    try {
+        read_one(sl.req, bounces[idx], dev, direct);
+        check_sum(sl.req);
+    } catch (const std::exception & e) {
+        err = e.what();
+    }
+    lock.lock();
+    ticket_state & t = tickets[sl.ticket];
+    t.dev_bytes += dev;
+    t.n_direct += direct ? 1 : 0;
+    if (!err.empty() && t.error.empty()) {
+        t.error = err;
+    }
+    if (--t.left == 0) {
+        t.done = clock::now();
+        if (--outstanding == 0) {
+            busy_us += std::chrono::duration_cast<std::chrono::microseconds>(t.done - busy_since).count();
         }
-        const vis_read_req & r = (*jobs)[i];
-        int64_t dev = 0;
-        bool direct = false;
-        std::string err;
-        try {
-            read_one(r, bounces[idx], dev, direct);
-            check_sum(r);
-        } catch (const std::exception & e) {
-            err = e.what();
-        }
-        std::lock_guard<std::mutex> lock(mtx);
-        dev_bytes_acc += dev;
-        n_direct_acc += direct ? 1 : 0;
-        if (!err.empty() && first_error.empty()) {
-            first_error = err;
-        }
-        if (++n_done == jobs->size()) {
-            cv_done.notify_all();
-        }
+        cv_done.notify_all();
     }
 }
 
 void vis_io_pool::worker_main(int idx) {
-    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mtx);
     for (;;) {
-        {
-            std::unique_lock<std::mutex> lock(mtx);
-            cv_work.wait(lock, [&] { return stop || generation != seen; });
-            if (stop) {
-                return;
-            }
-            seen = generation;
+        cv_work.wait(lock, [&] { return stop || !queue.empty(); });
+        if (stop) {
+            return;
         }
-        run_jobs(idx);
+        run_slice(lock, idx);
     }
 }
 
-void vis_io_pool::read(const std::vector<vis_read_req> & reqs) {
+uint64_t vis_io_pool::submit(const std::vector<vis_read_req> & reqs) {
+    std::lock_guard<std::mutex> lock(mtx);
+    const uint64_t id = next_ticket++;
     if (reqs.empty()) {
-        return;
+        return id;  // waited for at once
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    {
-        std::lock_guard<std::mutex> lock(mtx);
-        jobs   = &reqs;
-        next   = 0;
-        n_done = 0;
-        first_error.clear();
-        dev_bytes_acc = 0;
-        n_direct_acc  = 0;
-        generation++;
+    ticket_state & t = tickets[id];
+    t.reqs = reqs;
+    t.left = reqs.size();
+    if (outstanding++ == 0) {
+        busy_since = clock::now();
     }
-    if (reqs.size() > 1) {
-        cv_work.notify_all();
+    for (const auto & r : reqs) {
+        queue.push_back({ id, r });
     }
-    run_jobs(0);
-    std::string err;
+    cv_work.notify_all();
+    return id;
+}
+
+vis_io_pool::clock::time_point vis_io_pool::wait(uint64_t id) {
+    ticket_state t;
     {
         std::unique_lock<std::mutex> lock(mtx);
-        cv_done.wait(lock, [&] { return n_done == reqs.size(); });
-        jobs = nullptr;
-        err  = first_error;
-        cnt.bytes_device += dev_bytes_acc;
-        cnt.n_direct     += n_direct_acc;
+        auto it = tickets.find(id);
+        if (it == tickets.end()) {
+            return clock::now();  // nothing to read
+        }
+        while (it->second.left > 0) {
+            if (!queue.empty() && queue.front().ticket <= id) {
+                run_slice(lock, 0);  // a slice this ticket waits behind, or its own: read it here
+            } else {
+                cv_done.wait(lock);
+            }
+        }
+        t = std::move(it->second);
+        tickets.erase(it);
+        cnt.wait_us += busy_us;
+        busy_us = 0;
     }
-    cnt.n_reads += (int64_t) reqs.size();
-    for (const auto & r : reqs) {
+    cnt.bytes_device += t.dev_bytes;
+    cnt.n_direct     += t.n_direct;
+    cnt.n_reads      += (int64_t) t.reqs.size();
+    for (const auto & r : t.reqs) {
         cnt.bytes_read += (int64_t) r.src->nb2;
     }
-    cnt.wait_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-    if (!err.empty()) {
+    if (!t.error.empty()) {
         // a read error is often the file changing under us: say so when it did
-        for (const auto & r : reqs) {
+        for (const auto & r : t.reqs) {
             r.src->file->check_unchanged();
         }
-        throw vis_io_error(err);
+        throw vis_io_error(t.error);
+    }
+    return t.done;
+}
+
+void vis_io_pool::read(const std::vector<vis_read_req> & reqs) {
+    if (!reqs.empty()) {
+        wait(submit(reqs));
     }
 }

@@ -6,8 +6,11 @@
 #include "vis-moe-deferred.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -25,26 +28,50 @@ struct vis_io_counters {
     int64_t n_reads      = 0;  // expert slices read
     int64_t bytes_read   = 0;  // payload bytes
     int64_t bytes_device = 0;  // bytes requested from storage (with O_DIRECT alignment)
-    int64_t wait_us      = 0;  // wall time the compute waited for reads
+    int64_t wait_us      = 0;  // wall time reads were under way (some submission not finished)
     int64_t n_direct     = 0;  // slices read with O_DIRECT
 };
 
-// A small pool of I/O threads: the misses of one layer are read in parallel.
+// A small pool of I/O threads: the misses of one layer are read in parallel.  Reads go through one FIFO of expert
+// slices, each slice tagged with the ticket of the submission it belongs to: read() submits and waits, reading too;
+// submit() queues and returns at once (decode's misses read while the layer computes, docs/paging.md#reads-overlapped-
+// with-compute-in-decode), and wait() later waits for that ticket, helping with the queued slices up to it.  One
+// thread at a time calls read() and wait() (the compute thread): it reads with bounce region 0.
 class vis_io_pool {
 public:
+    using clock = std::chrono::steady_clock;
+
     vis_io_pool(int n_threads, int direct_io /* -1 auto, 0 off, 1 on */);
-    ~vis_io_pool();
+    ~vis_io_pool();  // finishes the slices being read; queued ones are dropped (their memory may be freed next)
     // read all, in parallel; throws vis_io_error naming the file, tensor and expert of the first failure
     void read(const std::vector<vis_read_req> & reqs);
+    // queue the reads behind those submitted before (the pool's threads read them) and return their ticket
+    uint64_t submit(const std::vector<vis_read_req> & reqs);
+    // wait until ticket t's reads are done, reading queued slices of tickets up to t meanwhile; throws as read();
+    // returns when its last slice finished.  The counters count a ticket once it was waited for.
+    clock::time_point wait(uint64_t t);
     const vis_io_counters & counters() const { return cnt; }
     void reset_counters() { cnt = {}; }
     int  n_threads() const { return (int) workers.size() + 1; }
     bool direct() const { return direct_io != 0; }
 
 private:
+    struct ticket_state {
+        std::vector<vis_read_req> reqs;
+        size_t            left = 0;      // slices not finished
+        std::string       error;         // the first failure
+        int64_t           dev_bytes = 0, n_direct = 0;
+        clock::time_point done;
+    };
+    struct slice {
+        uint64_t     ticket;
+        vis_read_req req;
+    };
+
     void worker_main(int idx);
     void read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct);
-    void run_jobs(int idx);
+    // read one queued slice (taken under `lock`, read without it) with bounce region idx
+    void run_slice(std::unique_lock<std::mutex> & lock, int idx);
 
     std::atomic<int> direct_io;
     std::vector<std::thread> workers;
@@ -52,12 +79,13 @@ private:
 
     std::mutex mtx;
     std::condition_variable cv_work, cv_done;
-    const std::vector<vis_read_req> * jobs = nullptr;
-    size_t next = 0, n_done = 0;
-    uint64_t generation = 0;
+    std::deque<slice> queue;
+    std::map<uint64_t, ticket_state> tickets;  // submitted, not waited for
+    uint64_t next_ticket = 1;
+    int      outstanding = 0;                  // tickets with slices not finished
+    clock::time_point busy_since;              // since when some ticket is outstanding
+    int64_t  busy_us = 0;                      // busy time not yet in the counters
     bool stop = false;
-    std::string first_error;
-    int64_t dev_bytes_acc = 0, n_direct_acc = 0;
 
     vis_io_counters cnt;
 };
