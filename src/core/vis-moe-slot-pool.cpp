@@ -46,13 +46,17 @@ void vis_slot_pool::release(int s) {
     policy_->forget(s);
 }
 
+void vis_slot_pool::empty_(int s) {
+    if (expert_of_[s] >= 0) {
+        slot_of_[expert_of_[s]] = -1;
+        expert_of_[s] = -1;
+    }
+    policy_->forget(s);
+}
+
 void vis_slot_pool::forget_all() {
     for (int s = 0; s < n_slots(); ++s) {
-        if (expert_of_[s] >= 0) {
-            slot_of_[expert_of_[s]] = -1;
-            expert_of_[s] = -1;
-        }
-        policy_->forget(s);
+        empty_(s);
     }
 }
 
@@ -60,11 +64,7 @@ std::vector<int> vis_slot_pool::limit(int n) {
     const int was = n_active();
     std::vector<int> emptied;
     for (int s = n; s < was; ++s) {
-        if (expert_of_[s] >= 0) {
-            slot_of_[expert_of_[s]] = -1;
-            expert_of_[s] = -1;
-        }
-        policy_->forget(s);
+        empty_(s);
         policy_->hold(s, true);
         emptied.push_back(s);
     }

@@ -56,6 +56,9 @@ public:
     std::vector<int> limit(int n);
 
 private:
+    // s emptied, whatever it held or was being filled with, and forgotten by the policy
+    void empty_(int s);
+
     std::vector<int32_t> slot_of_;    // expert -> slot, -1 if not resident
     std::vector<int32_t> expert_of_;  // slot -> expert, -1 if empty
     std::unique_ptr<vis_moe_policy> policy_;

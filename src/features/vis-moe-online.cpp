@@ -10,14 +10,10 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 
 #include <unistd.h>
-
-#define VIS_STR2(x) #x
-#define VIS_STR(x) VIS_STR2(x)
-#define GROW_AFTER_N 4
-static_assert(vis_moe_online::GROW_AFTER == GROW_AFTER_N, "the log line names GROW_AFTER");
 
 static double mib(int64_t b) {
     return b / 1048576.0;
@@ -81,8 +77,12 @@ void vis_moe_online::ubatch_end(vis_moe_context & vm) {
         // resize at every ubatch
         const int to = want < active ? std::max(p.min_slots, std::min(want, active - std::max(1, active / 10))) : want;
         char why[200];
-        std::snprintf(why, sizeof(why), "KV %.0f -> %.0f MiB: %" PRId64 " cells used%s", mib(kv_last), mib(kv_now),
-                      vis_kv_pages::used_cells(*kv), want < active ? "" : ", held for " VIS_STR(GROW_AFTER_N) " ubatches");
+        std::snprintf(why, sizeof(why), "KV %.0f -> %.0f MiB: %" PRId64 " cells used", mib(kv_last), mib(kv_now),
+                      vis_kv_pages::used_cells(*kv));
+        if (want >= active) {
+            const size_t n = std::strlen(why);
+            std::snprintf(why + n, sizeof(why) - n, ", held for %d ubatches", GROW_AFTER);
+        }
         resize(vm, to, why);
         kv_last   = kv_now;
         grow_wait = 0;
