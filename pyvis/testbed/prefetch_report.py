@@ -24,8 +24,10 @@ class ReportError(ValueError):
 
 def parse_log(text: str) -> dict:
     """The last stats block of a log: {'layers': [...], 'stall_ms': [...], 'misses': [...], 'prefetch': {...}}."""
-    lines = text.splitlines()
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("vis-moe: expert cache stats")]
+    mark = "vis-moe: expert cache stats"
+    # the stats go to stderr: in a log of stdout and stderr together the generated text may end on their first line
+    lines = [ln[ln.index(mark):] if mark in ln else ln for ln in text.splitlines()]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(mark)]
     if not starts:
         raise ReportError("no '--moe-stats' table in the log (run with --moe-stats)")
     block = lines[starts[-1]:]
