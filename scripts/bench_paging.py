@@ -274,40 +274,47 @@ REPLAY_CLI_ARGS = ["--no-warmup", "--chat-template", "chatml", "--ignore-eos"]
 
 def replay_prompt(bindir: Path, n_tokens: int, out: Path) -> str:
     """A prompt that llama-cli -st turns into exactly n_tokens tokens (chat template included), found on the small
-    qwen3moe fixture, whose tokenizer and template the --large models share (pyvis.fixtures): its --moe-trace says
-    how many tokens the prompt ubatch held.  The replayed runs check it again (a shorter prompt fails on the trace's
-    missing last-layer rows, a longer one runs past the trace's end)."""
-    import numpy as np
+    qwen3moe fixture, whose tokenizer and template the --large models share (pyvis.fixtures).  The replayed runs
+    check it again (a shorter prompt fails on the trace's missing last-layer rows, a longer one runs past the trace's
+    end)."""
     from pyvis import fixtures as fx
+    return calibrate_prompt(bindir, fx.ensure("qwen3moe"), n_tokens, out, [*REPLAY_CLI_ARGS, "-c", "512"],
+                            exact=True, what="--replay")[0]
+
+
+def calibrate_prompt(bindir: Path, model: Path, n_tokens: int, out: Path, cli_args: list, exact: bool,
+                     what: str) -> tuple[str, int]:
+    """(prompt, its tokens): a prompt of whole words (PROMPT_WORDS repeated) that llama-cli -st with cli_args turns into n_tokens tokens
+    on `model` (its chat template included), or (exact False) the longest one not above n_tokens.  Counted by the
+    model's own --moe-trace: the prompt's ubatch is the largest (llama-cli first decodes 2 tokens to check the
+    context; cli_args must hold the prompt in one ubatch)."""
+    import numpy as np
     from pyvis.runtime import trace as vtrace
-    small = fx.ensure("qwen3moe")
-    words = (PROMPT_WORDS * 4).split()
+    words = (PROMPT_WORDS * (n_tokens // 20 + 4)).split()
 
     def count(n_words: int) -> int:
         t = out / "prompt-calibration.trace"
         t.unlink(missing_ok=True)
-        p = subprocess.run([bindir / "llama-cli", "-m", small, "-p", " ".join(words[:n_words]), "-n", "1", "-st",
-                            *REPLAY_CLI_ARGS, "-c", "512", "-t", "2", "--moe-trace", t], capture_output=True, text=True,
-                           errors="replace", stdin=subprocess.DEVNULL, timeout=120)
+        p = subprocess.run([bindir / "llama-cli", "-m", model, "-p", " ".join(words[:n_words]), "-n", "1", "-st",
+                            *cli_args, "-t", "2", "--moe-trace", t], capture_output=True, text=True,
+                           errors="replace", stdin=subprocess.DEVNULL, timeout=300)
         if p.returncode != 0 or not t.exists():
-            raise SystemExit(f"--replay: calibrating the prompt with llama-cli failed:\n{(p.stdout + p.stderr)[-1500:]}")
+            raise SystemExit(f"{what}: calibrating the prompt with llama-cli failed:\n{(p.stdout + p.stderr)[-1500:]}")
         tr = vtrace.read(t)
-        # the prompt's ubatch: the largest (llama-cli first decodes 2 tokens to check the context)
         return int(np.bincount(tr.ubatch[tr.layer == tr.layers()[0]]).max())
     lo = 1
     c = count(lo)
     if c > n_tokens:
-        raise SystemExit(f"--replay: llama-cli's chat template alone makes {c} prompt tokens, more than the trace's "
-                         f"{n_tokens}")
+        raise SystemExit(f"{what}: llama-cli's chat template alone makes {c} prompt tokens, more than {n_tokens}")
     while c < n_tokens and lo < len(words):
         lo += max(1, (n_tokens - c) // 2)
         c = count(lo)
     while c > n_tokens and lo > 1:
         lo -= 1
         c = count(lo)
-    if c != n_tokens:
-        raise SystemExit(f"--replay: no prompt of whole words makes exactly {n_tokens} tokens (closest: {c})")
-    return " ".join(words[:lo])
+    if exact and c != n_tokens:
+        raise SystemExit(f"{what}: no prompt of whole words makes exactly {n_tokens} tokens (closest: {c})")
+    return " ".join(words[:lo]), c
 
 
 def flags_env(flags: list[str]) -> dict:

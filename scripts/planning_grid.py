@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """Predicted vs measured tok/s on a planning grid (docs/planning.md#across-budgets-and-two-contexts): for every arm
-that finished in scripts/bench_planning.py's results (one results.json per context), the cost model's decode and
-prefill at that arm's budget, context and ubatch (pyvis.runtime.plan.configure_plan, the runtime's cost model:
-llama_vis_moe_cost_probe with its knobs), and per grid cell the configurator's choice against the best arm (the
-oracle) by the configurator's own objective, the measured seconds of one request of VIS_MOE_PLAN_PROMPT prompt +
-VIS_MOE_PLAN_GEN generated tokens.
+that finished in scripts/bench_planning.py's results (one results.json per context, or per cell: cN=DIR may repeat),
+the medians of its runs (bench_planning --repeat) against the cost model's decode and prefill at that arm's budget,
+context and ubatch (pyvis.runtime.plan.configure_plan, the runtime's cost model: llama_vis_moe_cost_probe with its
+knobs), and per grid cell the configured arm against the best arm (the oracle) by the configurator's own objective:
+the median over an arm's runs of the measured seconds of one request of VIS_MOE_PLAN_PROMPT prompt + VIS_MOE_PLAN_GEN
+generated tokens.
 
-    .venv/bin/python scripts/planning_grid.py MODEL c1024=DIR c4096=DIR [--prompt-tokens 110] [--plot PNG]
+    .venv/bin/python scripts/planning_grid.py MODEL c1024=DIR c4096=DIR [--prompt-tokens 130] [--plot PNG]
 
-The prediction of an arm is priced for the bench's own prompt (--prompt-tokens: llama-cli's prompt in tokens, so
-that the ubatch count matches); the choice is priced for the configurator's request (VIS_MOE_PLAN_PROMPT/GEN)."""
+The prediction of an arm is priced for the bench's own prompt and generated tokens (recorded in results.json by
+bench_planning; older results: --prompt-tokens, llama-cli's prompt in tokens, and --gen-tokens), so that the ubatch
+count matches; the choice is priced for the configurator's request (VIS_MOE_PLAN_PROMPT/GEN)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,8 +43,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("grids", nargs="+", metavar="cN=DIR", help="bench_planning --out DIR of context N")
-    ap.add_argument("--prompt-tokens", type=int, default=110, help="the bench's prompt in tokens (default: 110)")
-    ap.add_argument("--gen-tokens", type=int, default=16, help="the bench's generated tokens (default: 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=130, help="the bench's prompt in tokens where results.json does not say (default: 130, the former fixed "
+                         "prompt on the testbed, chat template included)")
+    ap.add_argument("--gen-tokens", type=int, default=16, help="the bench's generated tokens where results.json does not say (default: 16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -58,25 +62,48 @@ def main() -> int:
           f"{cost['pass_token_s'] * 1e6:.2f} us/token (probed: {cost['probed']}); request {req_p} + {req_g} tokens\n")
     before = json.loads(Path(a.before).read_text()) if a.before else {}
     rows, cells = [], []
+    med = lambda v: statistics.median(v) if v else None  # noqa: E731
     for g in a.grids:
         ctx, d = g.split("=", 1)
         n_ctx = int(ctx.lstrip("c"))
         res = json.loads((Path(d) / "results.json").read_text())
         for b in sorted({r["limit_mib"] for r in res}):
-            arms = [r for r in res if r["limit_mib"] == b and r.get("finished")]
-            for r in arms:
-                pd, pp, _, _ = predict(shape, cost, b, n_ctx, r["ub_run"], a.prompt_tokens, a.gen_tokens)
-                bd, bp = before.get(f"{n_ctx}/{b}/{r['arm']}", (None, None))
-                rows.append(dict(c=n_ctx, b=b, arm=r["arm"], ub=r["ub_run"], slots=r.get("slots"),
-                                 decode=r["decode_tps"], prefill=r["prefill_tps"], pred_decode=pd, pred_prefill=pp,
-                                 before_decode=bd, before_prefill=bp))
-            # the configurator's choice at -ub 512 for its request, and the measured request time of each arm
+            # every arm's runs (bench_planning --repeat: rounds), its medians; a run's prompt and generated tokens
+            # are its own (recorded by the bench; older results: --prompt-tokens, --gen-tokens)
+            arms = {}
+            for r in res:
+                if r["limit_mib"] == b and r.get("finished"):
+                    arms.setdefault(r["arm"], []).append(r)
+            t_arm = {}
+            for arm, rs in arms.items():
+                ub = rs[0]["ub_run"]
+                n_p = rs[0].get("prompt_tokens") or a.prompt_tokens
+                n_g = rs[0].get("n_predict") or a.gen_tokens
+                pd, pp, _, _ = predict(shape, cost, b, n_ctx, ub, n_p, n_g)
+                bd, bp = before.get(f"{n_ctx}/{b}/{arm}", (None, None))
+                rows.append(dict(c=n_ctx, b=b, arm=arm, ub=ub, slots=rs[0].get("slots"), runs=len(rs),
+                                 decode=med([r["decode_tps"] for r in rs]), prefill=med([r["prefill_tps"] for r in rs]),
+                                 pred_decode=pd, pred_prefill=pp, before_decode=bd, before_prefill=bp))
+                # the configurator's objective, measured: the median over the runs of each run's request seconds
+                t_arm[arm] = med([req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in rs])
+            # the configurator's choice at -ub 512 for its request (as priced now), and the measured request time of
+            # each arm; the oracle is the arm with the shortest median.  An -ub is measured by its sweep arm (ub=N),
+            # else by an arm that ran it (today: 512)
             _, _, chosen, advised = predict(shape, cost, b, n_ctx, 512, req_p, req_g)
-            t = {r["ub_run"]: req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in arms}
-            best = min(t, key=t.get) if t else None
-            cells.append(dict(c=n_ctx, b=b, chosen=chosen, best=best, t_best=t.get(best),
-                              t_chosen=t.get(chosen), ratio=(t[best] / t[chosen]) if chosen in t else None,
-                              advised=advised, ratio_advised=(t[best] / t[advised]) if advised in t else None))
+            t_ub = {}
+            for arm, t in t_arm.items():
+                ub = arms[arm][0]["ub_run"]
+                if arm.startswith("ub=") or ub not in t_ub:
+                    t_ub[ub] = t
+            best = min(t_arm, key=t_arm.get) if t_arm else None
+            tb = t_arm.get(best)
+            conf = t_arm.get("configured")
+            cells.append(dict(c=n_ctx, b=b, best=best, best_ub=arms[best][0]["ub_run"] if best else None, t_best=tb,
+                              configured_ub=arms["configured"][0]["ub_run"] if conf else None, t_configured=conf,
+                              ratio_configured=tb / conf if conf else None,
+                              t_today=t_arm.get("today"), chosen=chosen, t_chosen=t_ub.get(chosen),
+                              ratio=(tb / t_ub[chosen]) if chosen in t_ub else None, advised=advised,
+                              ratio_advised=(tb / t_ub[advised]) if advised in t_ub else None))
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     print("| -c | cgroup MiB | arm | -ub | slots | decode: measured / predicted (ratio) | prefill: measured / predicted (ratio) "
           "| before: predicted decode / prefill |")
@@ -85,7 +112,7 @@ def main() -> int:
         rd = r["decode"] / r["pred_decode"] if r["pred_decode"] else None
         rp = r["prefill"] / r["pred_prefill"] if r["pred_prefill"] else None
         r.update(ratio_decode=rd, ratio_prefill=rp)
-        print(f"| {r['c']} | {r['b']} | {r['arm']} | {r['ub']} | {r['slots'] or 'all'} | {f(r['decode'])} / "
+        print(f"| {r['c']} | {r['b']} | {r['arm']} ({r['runs']}) | {r['ub']} | {r['slots'] or 'all'} | {f(r['decode'])} / "
               f"{f(r['pred_decode'])} ({f(rd, 2)}) | {f(r['prefill'])} / {f(r['pred_prefill'])} ({f(rp, 2)}) | "
               f"{f(r['before_decode'], 2)} / {f(r['before_prefill'])} |")
     rs = [x for r in rows for x in (r["ratio_decode"], r["ratio_prefill"]) if x]
@@ -97,12 +124,14 @@ def main() -> int:
     if bs:
         print(f"before: measured / predicted {min(bs):.2f}..{max(bs):.2f}; "
               f"{sum(1 for x in bs if 1 / 1.5 <= x <= 1.5)} of {len(bs)} within 1.5x")
-    print(f"\n| -c | cgroup MiB | configurator's -ub (auto) | best arm's -ub | request s: chosen / best | best / chosen "
-          f"| cheapest priced -ub (`on`) | best / it |")
+    print(f"\n| -c | cgroup MiB | configured arm: -ub, request s | best arm (-ub): request s | best / configured "
+          f"| configured / today | priced choice now: auto's -ub, best / it | cheapest priced -ub (`on`), best / it |")
     print("|---|---|---|---|---|---|---|---|")
     for c in cells:
-        print(f"| {c['c']} | {c['b']} | {c['chosen']} | {c['best']} | {f(c['t_chosen'], 2)} / {f(c['t_best'], 2)} | "
-              f"{f(c['ratio'], 3)} | {c['advised']} | {f(c['ratio_advised'], 3)} |")
+        print(f"| {c['c']} | {c['b']} | {c['configured_ub'] or '-'}, {f(c['t_configured'], 2)} | {c['best']} "
+              f"({c['best_ub']}): {f(c['t_best'], 2)} | {f(c['ratio_configured'], 3)} | "
+              f"{f(c['t_today'] / c['t_configured'] if c['t_today'] and c['t_configured'] else None, 2)} | "
+              f"{c['chosen']}, {f(c['ratio'], 3)} | {c['advised']}, {f(c['ratio_advised'], 3)} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(cost=cost, rows=rows, cells=cells), indent=1))
     if a.plot:
