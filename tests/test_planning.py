@@ -153,7 +153,7 @@ def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatc
 
 
 CONFIGURATOR_LINE = re.compile(r"--moe-mem: -ub (\d+) (could be lowered|lowered) to (\d+): .*? per layer .*?\)"
-                               r"(: not applied: (?:this model's weights are (not all F32)|\d+ slots stay (below top-)))?")
+                               r"(: not applied: this model's weights are (not all F32))?")
 
 
 @pytest.mark.parametrize("model,budget,mode,verdict", [("f32_model", 130, "auto", "applied"),
@@ -173,7 +173,7 @@ def test_pyvis_plan_says_what_llama_cli_does(request, bindir, monkeypatch, model
     assert r.returncode == 0, out[-2500:]
     m = CONFIGURATOR_LINE.search(out)
     assert m and int(m.group(1)) == 512 and int(m.group(3)) == conf["advised_n_ubatch"], out[-2500:]
-    cli = "applied" if m.group(2) == "lowered" else "not_f32" if m.group(5) else "below_k" if m.group(6) else "?"
+    cli = "applied" if m.group(2) == "lowered" else "not_f32" if m.group(5) else "?"
     assert cli == conf["verdict"], m.group(0)
 
 
@@ -254,17 +254,28 @@ TESTBED = dict(path="shared+16.gguf", arch="deepseek", n_layer=30, n_expert=16, 
                all_f32=True)
 
 
-@pytest.mark.parametrize("budget,applied", [(450, False), (520, True)])
-def test_auto_lowers_the_ubatch_only_where_it_buys_top_k_slots(monkeypatch, budget, applied):
-    """Where the asked -ub fits, auto lowers it only when the slots it buys reach top-k: on the testbed in 450 MiB a
-    lower -ub buys 3 slots (< top-8) and measured slower (decode 7.8 vs 8.9 tok/s, prefill 88 vs 240), in 520 MiB
-    it buys 8 and decoded 2.7x faster (docs/planning.md); `on` applies it in both."""
+# the measured cost model on the 2-core VM, as docs/planning.md's grid gives it (VIS_MOE_READ_MBPS=762 ...)
+GRID_COST = dict(read_bps=762 * MIB, mem_bps=15656 * MIB, pass_s=32e-6, pass_token_s=25e-6, token_s=0.0,
+                 token_byte_s=12573e-9 / MIB, stream_passes=8, prompt_tokens=512, gen_tokens=128)
+
+
+def test_auto_runs_the_priced_choice_below_top_k_slots(monkeypatch):
+    """auto runs the cheapest priced plan on all-F32 weights, also where the slots it buys stay below top-k (the
+    former rule kept -ub there).  On the testbed in 450 MiB at -c 4096 -ub 512 leaves 1 slot per layer and most
+    resident weights pageable; -ub 64 keeps 1 slot but fewer pageable bytes, and the repeated grid measured it the
+    oracle (docs/planning.md#repeated-runs).  auto and `on` agree in every cell of the grid."""
     from pyvis.runtime import plan as P
     shape = P.ModelShape(**TESTBED, expert_bytes={il: 442368 for il in range(1, 30)})
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "auto")
-    c = P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]
-    assert c["ok"] and c["advised_n_ubatch"] < 512
-    assert c["applied"] == applied and (c["verdict"] == "below_k") == (not applied)
-    assert (c["plan"]["n_slots"] >= 8) == applied
-    monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
-    assert P.configure_plan(shape, budget_mib=budget, n_ctx=1024, n_ubatch=512, cost=COST)["configuration"]["applied"]
+    conf = P.configure_plan(shape, budget_mib=450, n_ctx=4096, n_ubatch=512, cost=GRID_COST)
+    c = conf["configuration"]
+    assert c["ok"] and c["verdict"] == "applied" and c["applied"]
+    assert c["n_ubatch"] == c["advised_n_ubatch"] < 512 and c["plan"]["n_slots"] < shape.n_expert_used
+    assert conf["plan"]["pageable_bytes"] < conf["asked"]["pageable_bytes"]
+    for n_ctx in (1024, 4096):
+        for budget in (450, 520, 600, 700, 800):
+            monkeypatch.setenv("VIS_MOE_CONFIGURE", "auto")
+            auto = P.configure_plan(shape, budget_mib=budget, n_ctx=n_ctx, n_ubatch=512, cost=GRID_COST)["configuration"]
+            monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
+            on = P.configure_plan(shape, budget_mib=budget, n_ctx=n_ctx, n_ubatch=512, cost=GRID_COST)["configuration"]
+            assert (auto["n_ubatch"], auto["applied"]) == (on["n_ubatch"], on["applied"]), (n_ctx, budget)

@@ -354,7 +354,6 @@ def llama_vis_moe_configure(req, out) -> int:
 LLAMA_VIS_MOE_CONFIGURE_APPLIED = 0  # the runtime runs at conf->n_ubatch
 LLAMA_VIS_MOE_CONFIGURE_OFF = 1      # mode 0: the asked ubatch
 LLAMA_VIS_MOE_CONFIGURE_NOT_F32 = 2  # auto, weights not all F32: outputs differ in the last bits at another ubatch
-LLAMA_VIS_MOE_CONFIGURE_BELOW_K = 3  # auto, the asked ubatch fits and the chosen one's slots stay below top-k
 
 
 # LLAMA_API int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_configure_request * req,

@@ -300,7 +300,7 @@ def cost_probe(path, *, type_: int, n_embd: int, n_ff_exp: int, n_expert_used: i
 
 CONFIGURE_MODES = {"auto": -1, "on": 1, "off": 0}   # VIS_MOE_CONFIGURE's values as llama_vis_moe_configure_applies takes them
 CONFIGURE_VERDICTS = {capi.LLAMA_VIS_MOE_CONFIGURE_APPLIED: "applied", capi.LLAMA_VIS_MOE_CONFIGURE_OFF: "off",
-                      capi.LLAMA_VIS_MOE_CONFIGURE_NOT_F32: "not_f32", capi.LLAMA_VIS_MOE_CONFIGURE_BELOW_K: "below_k"}
+                      capi.LLAMA_VIS_MOE_CONFIGURE_NOT_F32: "not_f32"}
 
 
 def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch: int, cost: dict,
@@ -311,7 +311,7 @@ def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch:
     split per layer) is returned too.  The configuration as a dict; 'plan' holds llama_vis_moe_plan's at the chosen
     ubatch, 'error' the reason when it does not fit, 'verdict' llama_vis_moe_configure_applies' answer for
     VIS_MOE_CONFIGURE=``mode`` on weights that are (``all_f32``) or not all F32: 'applied' (the runtime runs at
-    'n_ubatch'), 'off', 'not_f32' or 'below_k'."""
+    'n_ubatch'), 'off' or 'not_f32'."""
     import numpy as np
     rq = capi.llama_vis_moe_configure_request()
     fill_struct(rq.plan, dict(host_mib=-1, unified=1, reserve_bytes=0) | plan)

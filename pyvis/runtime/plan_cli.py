@@ -161,10 +161,8 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
               f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
               if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
     if ub < asked_ub and not c["applied"]:
-        change += (f"; not applied: {c['plan']['n_slots']} slots stay below top-{a['request']['n_expert_used']}, where "
-                   f"a smaller -ub measured slower" if c["verdict"] == "below_k" else
-                   "; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
-                   "another -ub") + "; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)"
+        change += ("; not applied: the weights are not all F32, and on them outputs differ in the last bits at "
+                   "another -ub; VIS_MOE_CONFIGURE=on applies it (the tiers above are the asked -ub's)")
 
     print(f"configurator: {change} (VIS_MOE_CONFIGURE=off keeps -ub; docs/planning.md)")
     print(f"  predicted for a request of {cost['prompt_tokens']} prompt + {cost['gen_tokens']} generated tokens: "

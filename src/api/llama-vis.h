@@ -520,14 +520,13 @@ LLAMA_API int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_r
                                           struct llama_vis_moe_configuration * out);
 // Whether the runtime runs a configuration (the one rule --moe-mem and `pyvis plan` share, docs/planning.md#outputs):
 // mode is VIS_MOE_CONFIGURE's (-1 auto, 1 on, 0 off), all_f32 whether every weight is F32 (the CPU backend's outputs
-// are then bit-identical at any ubatch).  `on` applies it; auto applies it only on all-F32 weights and, where the
-// asked ubatch fits, only when the slots the chosen one buys reach top-k (below, a smaller ubatch measured slower).
+// are then bit-identical at any ubatch).  `on` applies it; auto applies it only on all-F32 weights (req and conf
+// are not read: the cheapest priced plan is run wherever outputs stay the same).
 // Where nothing fits (conf->ok 0) "applied" means: run at conf->n_ubatch, the smallest, whose refusal names the budget.
 enum llama_vis_moe_configure_verdict {
     LLAMA_VIS_MOE_CONFIGURE_APPLIED = 0, // the runtime runs at conf->n_ubatch
     LLAMA_VIS_MOE_CONFIGURE_OFF     = 1, // mode 0: the asked ubatch
     LLAMA_VIS_MOE_CONFIGURE_NOT_F32 = 2, // auto, weights not all F32: outputs differ in the last bits at another ubatch
-    LLAMA_VIS_MOE_CONFIGURE_BELOW_K = 3, // auto, the asked ubatch fits and the chosen one's slots stay below top-k
 };
 LLAMA_API int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_configure_request * req,
                                                   const struct llama_vis_moe_configuration * conf, int32_t mode,

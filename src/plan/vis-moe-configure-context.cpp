@@ -106,12 +106,8 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     if (verdict != LLAMA_VIS_MOE_CONFIGURE_APPLIED) {
         std::string m(msg);
         m.replace(m.find("lowered to"), 10, "could be lowered to");
-        vis_tell_user(m + (verdict == LLAMA_VIS_MOE_CONFIGURE_BELOW_K
-                      ? ": not applied: " + std::to_string(c.plan.n_slots) + " slots stay below top-" +
-                        std::to_string(rq.plan.n_expert_used) + ", where a smaller -ub measured slower; "
-                        "VIS_MOE_CONFIGURE=on applies it (docs/planning.md)"
-                      : std::string(": not applied: this model's weights are not all F32, and on them outputs "
-                        "differ in the last bits at another -ub; VIS_MOE_CONFIGURE=on applies it (docs/planning.md)")));
+        vis_tell_user(m + ": not applied: this model's weights are not all F32, and on them outputs differ in the last "
+                      "bits at another -ub; VIS_MOE_CONFIGURE=on applies it (docs/planning.md)");
         return false;
     }
     vis_tell_user(std::string(msg) + (!all_f32

@@ -297,15 +297,11 @@ int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_configure_req
     if (mode > 0) {
         return LLAMA_VIS_MOE_CONFIGURE_APPLIED;
     }
-    if (!all_f32) {
-        return LLAMA_VIS_MOE_CONFIGURE_NOT_F32;  // auto: only where outputs stay the same
-    }
-    // auto, where the asked ubatch fits: lower it only when the slots it buys reach top-k (one pass per decode step).
-    // Below top-k a smaller ubatch measured slower on a quiet machine (shared+16 in 450 MiB: 3 slots at -ub 32
-    // decoded 7.8 tok/s against 8.9 at 1 slot and -ub 512, prefill 88 against 240), above it faster (520 MiB:
-    // 8 slots, 2.7x decode, the same prefill); docs/planning.md
-    if (conf->ok && conf->asked_n_slots > 0 && conf->plan.n_slots < req->plan.n_expert_used) {
-        return LLAMA_VIS_MOE_CONFIGURE_BELOW_K;
-    }
-    return LLAMA_VIS_MOE_CONFIGURE_APPLIED;
+    (void) req;
+    (void) conf;
+    // auto runs the priced choice (the cheapest plan by the measured cost model) wherever outputs stay the same.
+    // The former top-k rule (keep -ub where the slots a smaller one buys stay below top-k) was fitted to the prior
+    // cost model; with the measured one the priced choice was within noise of or better than the rule's in every
+    // cell of the testbed grid, and 1.4x the rule's at 450 MiB, -c 4096 (docs/planning.md#repeated-runs)
+    return all_f32 ? LLAMA_VIS_MOE_CONFIGURE_APPLIED : LLAMA_VIS_MOE_CONFIGURE_NOT_F32;
 }
