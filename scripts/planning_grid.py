@@ -51,6 +51,11 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--before", default=None, metavar="JSON",
                     help='another cost model\'s predictions, {"C/MIB/ARM": [decode, prefill]}: a column and grey points')
+    ap.add_argument("--configured-arm", default="configured",
+                    help="the arm that ran the configurator (default: configured; `forced` is VIS_MOE_CONFIGURE=on, "
+                         "what auto runs on all-F32 weights)")
+    ap.add_argument("--best", action="store_true",
+                    help="each arm's fastest run instead of its median (the request time: its shortest)")
     a = ap.parse_args()
     shape = P.read_shape(a.model)
     from pyvis.runtime import native
@@ -62,7 +67,9 @@ def main() -> int:
           f"{cost['pass_token_s'] * 1e6:.2f} us/token (probed: {cost['probed']}); request {req_p} + {req_g} tokens\n")
     before = json.loads(Path(a.before).read_text()) if a.before else {}
     rows, cells = [], []
-    med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    stat_tps = (lambda v: max(v) if v else None) if a.best else (lambda v: statistics.median(v) if v else None)
+    # --best: the fastest run of each arm (a shared machine's interference only slows a run), else the median
+    med = (lambda v: (min(v) if v else None)) if a.best else (lambda v: statistics.median(v) if v else None)
     for g in a.grids:
         ctx, d = g.split("=", 1)
         n_ctx = int(ctx.lstrip("c"))
@@ -82,7 +89,7 @@ def main() -> int:
                 pd, pp, _, _ = predict(shape, cost, b, n_ctx, ub, n_p, n_g)
                 bd, bp = before.get(f"{n_ctx}/{b}/{arm}", (None, None))
                 rows.append(dict(c=n_ctx, b=b, arm=arm, ub=ub, slots=rs[0].get("slots"), runs=len(rs),
-                                 decode=med([r["decode_tps"] for r in rs]), prefill=med([r["prefill_tps"] for r in rs]),
+                                 decode=stat_tps([r["decode_tps"] for r in rs]), prefill=stat_tps([r["prefill_tps"] for r in rs]),
                                  pred_decode=pd, pred_prefill=pp, before_decode=bd, before_prefill=bp))
                 # the configurator's objective, measured: the median over the runs of each run's request seconds
                 t_arm[arm] = med([req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in rs])
@@ -97,9 +104,9 @@ def main() -> int:
                     t_ub[ub] = t
             best = min(t_arm, key=t_arm.get) if t_arm else None
             tb = t_arm.get(best)
-            conf = t_arm.get("configured")
+            conf = t_arm.get(a.configured_arm)
             cells.append(dict(c=n_ctx, b=b, best=best, best_ub=arms[best][0]["ub_run"] if best else None, t_best=tb,
-                              configured_ub=arms["configured"][0]["ub_run"] if conf else None, t_configured=conf,
+                              configured_ub=arms[a.configured_arm][0]["ub_run"] if conf else None, t_configured=conf,
                               ratio_configured=tb / conf if conf else None,
                               t_today=t_arm.get("today"), chosen=chosen, t_chosen=t_ub.get(chosen),
                               ratio=(tb / t_ub[chosen]) if chosen in t_ub else None, advised=advised,
