@@ -7,6 +7,8 @@
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
 
+#include "ggml.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -65,7 +67,10 @@ void vis_moe_online::ubatch_end(vis_moe_context & vm) {
     if (!kv) {
         return;
     }
+    const int64_t t0     = ggml_time_us();
     const int64_t kv_now = vis_kv_pages::resident(*kv);
+    recount_us += ggml_time_us() - t0;
+    n_recount++;
     const int     want   = target(kv_now + kv_growth(*kv, p.n_ubatch));
     if (want >= active + std::max(1, active / 10)) {
         grow_wait++;
@@ -92,8 +97,9 @@ void vis_moe_online::ubatch_end(vis_moe_context & vm) {
 void vis_moe_online::stats_print(const vis_moe_context & vm) const {
     (void) vm;
     std::fprintf(stderr, "vis-moe: online controller: %" PRId64 " shrinks, %" PRId64 " growths, %d..%d slots per layer "
-                         "(plan: %d at the whole KV cache, %d at its floor), %d now\n",
-                 n_shrink, n_grow, lo, hi, p.min_slots, p.max_slots, active);
+                         "(plan: %d at the whole KV cache, %d at its floor), %d now; the KV recount %.2f ms over %"
+                         PRId64 " ubatch ends\n",
+                 n_shrink, n_grow, lo, hi, p.min_slots, p.max_slots, active, recount_us / 1000.0, n_recount);
 }
 
 void vis_moe_online_attach(vis_moe_context & vm, const llama_context * lctx, const vis_moe_online::plan & p) {

@@ -43,7 +43,7 @@ public:
     const char * feature_name() const override { return "online"; }
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
-    void stats_reset() override { n_shrink = n_grow = 0; }
+    void stats_reset() override { n_shrink = n_grow = n_recount = recount_us = 0; }
 
     // the limit of every managed layer set to `slots` (per-layer splits scaled), the emptied slots' pages dropped
     void resize(vis_moe_context & vm, int slots, const std::string & why);
@@ -59,6 +59,7 @@ private:
     plan    p;
     int     grow_wait = 0;    // ubatches the target has stayed above `active`
     int64_t n_shrink = 0, n_grow = 0;
+    int64_t n_recount = 0, recount_us = 0;  // ubatch ends, and the microseconds their KV recount took (--moe-stats)
 };
 
 // at attach, after the slabs: the controller of a context whose plan priced the KV cache at its floor (throws where
