@@ -20,8 +20,19 @@ int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, 
     return (int) std::min<int64_t>(vm.overlap, std::min<int64_t>(n_pairs, L.n_expert));
 }
 
+int vis_moe_pipeline_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
+    // the layers decode's overlap serves (vis_moe_overlap_passes), at more than one pass, not streamed
+    if (vm.overlap <= 0 || image || n_pairs <= 0 || !L.cpu_passes || !L.deferred || !L.direct_write || !vm.io ||
+        L.shadow.on() || vis_moe_streams(vm, L, n_pairs, image)) {
+        return 0;
+    }
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active());
+    return n > 1 ? 2 * n : 0;
+}
+
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) + vis_moe_overlap_passes(vm, L, n_pairs, image);
+    const int pipe = vis_moe_pipeline_passes(vm, L, n_pairs, image);
+    const int n = pipe > 0 ? pipe : vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) + vis_moe_overlap_passes(vm, L, n_pairs, image);
     const int cap = image ? vm.image_pass_bound(L) : 0;
     return cap > 0 ? std::min(n, cap) : n;
 }
@@ -85,7 +96,10 @@ void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64
 }
 
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
-    const int old = L.slots.evict(s);
+    vis_moe_keep_evicted(vm, L, il, s, L.slots.evict(s));
+}
+
+void vis_moe_keep_evicted(vis_moe_context & vm, vis_moe_layer & L, int il, int s, int old) {
     if (old < 0) {
         return;
     }
