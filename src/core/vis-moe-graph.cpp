@@ -33,9 +33,7 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
         // the most passes any graph may build: at the online controller's lowest limit (vis-moe-online.h), plus the
         // miss passes a one-pass ubatch may get (VIS_MOE_OVERLAP)
-        // (twice as many when the passes may be pipelined, vis-moe-pipeline.h)
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.min_active > 0 ? L.min_active : L.n_slots) *
-                               (vm->overlap > 0 ? 2 : 1) +
+        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.min_active > 0 ? L.min_active : L.n_slots) +
                            vis_moe_shadow_passes(*vm, L, pairs, false) + vm->overlap;
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }

@@ -27,7 +27,7 @@ int vis_moe_pipeline_passes(const vis_moe_context & vm, const vis_moe_layer & L,
         return 0;
     }
     const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active());
-    return n > 1 ? 2 * n : 0;
+    return n > 1 ? n : 0;
 }
 
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {

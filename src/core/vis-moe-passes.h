@@ -29,9 +29,9 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 // layer computes (VIS_MOE_OVERLAP, vis-moe-overlap.h): a one-pass ubatch of a CPU layer whose experts come from the
 // file, not an image ubatch; 0 otherwise
 int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
-// prefill passes pipelined (vis-moe-pipeline.h): the graph passes a ubatch of n_pairs pairs of layer L gets when
-// its passes may be pipelined, two per pass of the plain split; 0 when it is not (one pass at most, streamed, an
-// image ubatch, shadows, not a CPU layer reading the file, or VIS_MOE_OVERLAP off)
+// prefill passes pipelined (vis-moe-pipeline.h): the graph passes a ubatch of n_pairs pairs of layer L may run in
+// halves when its passes may be pipelined (the plain split's: as many as without); 0 when they may not (one pass at
+// most, streamed, an image ubatch, shadows, not a CPU layer reading the file, or VIS_MOE_OVERLAP off)
 int vis_moe_pipeline_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 
 // (counted in:)

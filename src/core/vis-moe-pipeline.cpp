@@ -10,8 +10,9 @@
 #include <chrono>
 
 void vis_moe_plan_pipeline(const vis_moe_context & vm, const vis_moe_layer & L, vis_ubatch_plan & plan, bool image) {
-    if (vis_moe_pipeline_passes(vm, L, plan.n_pairs, image) == 0 || plan.sub_active || !plan.reads.empty() ||
-        !plan.shadow_passes.empty() || plan.overlap_first > 0 || plan.passes.empty()) {
+    // the graph's passes left over by the plain split let that many passes run in halves; none left: nothing to gain
+    if ((int) plan.passes.size() >= vis_moe_pipeline_passes(vm, L, plan.n_pairs, image) || plan.sub_active ||
+        !plan.reads.empty() || !plan.shadow_passes.empty() || plan.overlap_first > 0 || plan.passes.empty()) {
         return;
     }
     for (const auto & pass : plan.passes) {
@@ -149,7 +150,9 @@ void vis_moe_pipeline_apply(vis_moe_context & vm, vis_moe_layer & L, int il, con
         }
         L.stats.n_routed += (int64_t) pass.size();
     }
-    // 2. each pass in two halves: hits first, then the misses whose slot's last half ran earliest
+    // 2. the first passes in two halves, as many as the graph's passes left over by the plain split allow (the
+    //    others whole): hits first, then the misses whose slot's last user ran earliest
+    const int n_split = vis_moe_pipeline_passes(vm, L, n_pairs, vm.ub_image) - (int) plan.passes.size();
     std::vector<int> last(L.slots.n_slots(), -1);  // the last half that ran from each slot
     std::vector<std::vector<int32_t>> halves;
     for (const auto & pass : plan.passes) {
@@ -167,7 +170,7 @@ void vis_moe_pipeline_apply(vis_moe_context & vm, vis_moe_layer & L, int il, con
         }
         std::stable_sort(order.begin() + (std::ptrdiff_t) n_hits, order.end(),
                          [&](int a, int b) { return last[pl.slot_of[a]] < last[pl.slot_of[b]]; });
-        const size_t half = (order.size() + 1) / 2;
+        const size_t half = (int) halves.size() < 2 * n_split ? (order.size() + 1) / 2 : order.size();
         for (int h = 0; h < 2; ++h) {
             const auto from = order.begin() + (std::ptrdiff_t) (h == 0 ? 0 : half);
             const auto to   = h == 0 ? order.begin() + (std::ptrdiff_t) half : order.end();
