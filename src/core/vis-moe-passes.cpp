@@ -110,6 +110,32 @@ void vis_moe_keep_evicted(vis_moe_context & vm, vis_moe_layer & L, int il, int s
     }
 }
 
+void vis_moe_decide_pass(vis_moe_layer & L, const std::vector<int32_t> & experts, std::vector<vis_pass_miss> & misses) {
+    L.slots.policy().begin_pass();
+    // hits first: touched (Required) before any miss looks for a victim
+    for (int e : experts) {
+        const int s = L.slots.slot_of(e);
+        if (s >= 0) {
+            L.slots.policy().touch(s, e);
+            L.stats.n_hits++;
+        }
+    }
+    for (int e : experts) {
+        if (L.slots.resident(e)) {
+            continue;
+        }
+        const int s = L.slots.policy().victim();
+        GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
+        const int old = L.slots.evict(s);
+        L.slots.place(e, s);
+        L.slots.policy().touch(s, e);
+        misses.push_back({ e, s, old });
+        L.stats.n_misses++;
+        L.stats.bytes_loaded += L.expert_bytes;
+    }
+    L.stats.n_routed += (int64_t) experts.size();
+}
+
 void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs,
                       int32_t * out) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -120,31 +146,13 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
     const vis_ubatch_plan & plan = L.ubatch_plan;
     const std::vector<int32_t> & experts = p < (int) plan.passes.size() ? plan.passes[p] : none;
     L.stats.n_passes++;
-    L.slots.policy().begin_pass();
-
-    // hits first: touched (Required) before any miss looks for a victim
-    for (int e : experts) {
-        const int s = L.slots.slot_of(e);
-        if (s >= 0) {
-            L.slots.policy().touch(s, e);
-            L.stats.n_hits++;
-        }
-    }
+    std::vector<vis_pass_miss> decided;
+    vis_moe_decide_pass(L, experts, decided);
     std::vector<std::pair<int, int>> misses;  // (expert, slot)
-    for (int e : experts) {
-        if (L.slots.resident(e)) {
-            continue;
-        }
-        const int s = L.slots.policy().victim();
-        GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
-        vis_moe_evict_slot(vm, L, il, s);
-        L.slots.place(e, s);
-        L.slots.policy().touch(s, e);
-        misses.emplace_back(e, s);
-        L.stats.n_misses++;
-        L.stats.bytes_loaded += L.expert_bytes;
+    for (const vis_pass_miss & m : decided) {
+        vis_moe_keep_evicted(vm, L, il, m.slot, m.evicted);  // before the fill overwrites its bytes
+        misses.emplace_back(m.expert, m.slot);
     }
-    L.stats.n_routed += (int64_t) experts.size();
 
     try {
         vis_moe_fill_slots(vm, L, il, misses);

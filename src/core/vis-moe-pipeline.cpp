@@ -122,33 +122,19 @@ void vis_moe_pipeline_apply(vis_moe_context & vm, vis_moe_layer & L, int il, con
     // 1. the passes' decisions, pass after pass, exactly as vis_moe_run_pass takes them
     std::vector<uint8_t> miss(L.n_expert, 0);
     std::vector<int32_t> evicted(L.n_expert, -1);
+    std::vector<vis_pass_miss> decided;
     for (const auto & pass : plan.passes) {
-        L.slots.policy().begin_pass();
+        decided.clear();
+        vis_moe_decide_pass(L, pass, decided);
         for (int e : pass) {
-            const int s = L.slots.slot_of(e);
-            if (s >= 0) {
-                L.slots.policy().touch(s, e);
-                L.stats.n_hits++;
-                pl.slot_of[e] = s;
-            }
+            pl.slot_of[e] = L.slots.slot_of(e);  // a later pass may evict it: it still runs from here
         }
-        for (int e : pass) {
-            if (pl.slot_of[e] >= 0) {
-                continue;
-            }
-            const int s = L.slots.policy().victim();
-            GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
-            // the expert evicted may still run from s in an earlier half, or not be read yet: its bytes are whole
-            // only when the read into s starts, after that half; tier 2 (unified memory) takes them then
-            evicted[e] = L.slots.evict(s);
-            L.slots.place(e, s);
-            L.slots.policy().touch(s, e);
-            L.stats.n_misses++;
-            L.stats.bytes_loaded += L.expert_bytes;
-            pl.slot_of[e] = s;
-            miss[e] = 1;
+        // the expert evicted may still run from the slot in an earlier half, or not be read yet: its bytes are
+        // whole only when the read into the slot starts, after that half; tier 2 (unified memory) takes them then
+        for (const vis_pass_miss & m : decided) {
+            evicted[m.expert] = m.evicted;
+            miss[m.expert]    = 1;
         }
-        L.stats.n_routed += (int64_t) pass.size();
     }
     // 2. the first passes in two halves, as many as the graph's passes left over by the plain split allow (the
     //    others whole): hits first, then the misses whose slot's last user ran earliest
