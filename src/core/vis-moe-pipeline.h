@@ -6,7 +6,9 @@
 // compute take turns.  With it, pass 0's op takes every decision the passes would take one after the other (per
 // pass: the policy's pass clock, the hits touched, each miss given the policy's victim, evicted, placed, touched:
 // the same calls in the same order, so the same victims, misses and bytes as without it), records the slot each
-// expert runs from, and splits every pass in two halves (hits first, then the misses whose slot is free soonest).
+// expert runs from, and splits its first passes in two halves (hits first, then the misses whose slot is free
+// soonest): as many as the graph has passes beyond the plain split (it is built for the most experts a ubatch of its
+// size could route), so no graph node is added.
 // A miss's read may start once every half that ran from its slot before has computed: from the op of the half after
 // that one.  So a half's misses are read while the halves before it compute; each half's op waits only for its
 // own.  Every half runs the whole ubatch with the other halves' pairs skipped (id -1) and the outputs merged per
