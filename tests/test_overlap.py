@@ -105,3 +105,52 @@ def test_overlap_knob_is_parsed_strictly(bindir, fixture_dir):
                  "-st", "-c", "64"], timeout=60, extra_env={"VIS_MOE_OVERLAP": bad})
         out = r.stdout + r.stderr
         assert r.returncode != 0 and "VIS_MOE_OVERLAP" in out and f"got '{bad}'" in out, (bad, out[-1500:])
+
+
+# per fixture: a prompt and slots whose prompt ubatch needs fewer passes than its graph has (the plain split's bound,
+# ceil(min(n_expert, pairs) / slots)), so some of them run in halves; gptoss routes all 8 of its experts in every
+# layer, so its passes use every graph pass and none is pipelined (checked too)
+PIPE_CASES = {"qwen3moe": ("Pipelined prefill passes.", 2), "deepseek2": ("Pipelined prefill passes.", 2),
+              "mixtral": ("Pipelined prefill passes read the misses of a later half.", 0),
+              "qwen3vlmoe": ("Pipelined prefill passes.", 2),
+              "gptoss": ("Pipelined prefill passes.", 0)}
+
+
+def test_prefill_passes_pipelined_are_exact_read_the_same_and_read_ahead(fixture_dir, tmp_path):
+    """A prompt ubatch routing more experts than the layer's slots runs in passes (docs/paging.md#prefill-passes-
+    pipelined).  With overlap on, the passes the graph has beyond the plain split let the first passes run in two
+    halves, a half's misses read while the halves before it compute.  Logits byte-identical to upstream's; the same
+    hits, misses, passes, tier counts and bytes read as with overlap off, and misses per layer equal to the default
+    policy's simulation of the plain passes; and reads really start ahead: misses issued by an earlier half's op,
+    and some landed before their half waited."""
+    from pyvis.runtime.cachesim import layer_requests
+    from test_paging import _default_misses
+    ready = 0
+    for name, (prompt, extra) in PIPE_CASES.items():
+        path = fixture_dir / f"{name}.gguf"
+        spec = fx.FIXTURES[name]()
+        slots = spec.n_expert_used + extra
+        ref = greedy_logits(path, prompt, 2)[0]
+        seen, stats = {}, {}
+        for ov in ("off", "on"):
+            tr = tmp_path / f"{name}-{ov}.trace"
+            logits, llm = greedy_logits(path, prompt, 2, slots=slots, overlap=ov, trace=str(tr))
+            assert np.array_equal(logits.view(np.uint32), ref.view(np.uint32)), (name, ov)
+            st, io, o = moe.stats(llm), moe.io_stats(llm), moe.overlap_stats(llm)
+            seen[ov] = (st.n_hits, st.n_misses, st.n_passes, io["file_reads"], io["host_hits"], io["bytes_read"])
+            stats[ov] = o
+            per_layer = {il: moe.layer_stats(llm, il).n_misses for il in range(spec.n_dense_lead, spec.n_layer)}
+            del llm
+            t = vtrace.read(tr)
+            for il, m in per_layer.items():
+                assert _default_misses(layer_requests(t, il), slots, None) == m, (name, ov, il)
+        assert seen["on"] == seen["off"], (name, seen)
+        off, on = stats["off"], stats["on"]
+        assert off["n_prefill_ubatches"] == off["n_prefill_reads"] == off["n_prefill_ahead"] == 0, (name, off)
+        if name == "gptoss":
+            assert on["n_prefill_ubatches"] == 0, on                            # no graph pass left over
+            continue
+        assert on["n_prefill_ubatches"] > 0 and on["n_prefill_reads"] > 0, (name, on)   # the prompt ran pipelined
+        assert 0 < on["n_prefill_ahead"] <= on["n_prefill_reads"], (name, on)          # started by an earlier half
+        ready += on["n_prefill_ready"]
+    assert ready > 0                                                            # and landed while it computed
