@@ -124,11 +124,6 @@ def llama_vis_moe_get_io_stats(ctx, out) -> int:
 #     int64_t wait_us;      // time the miss passes waited for their reads (the stall left)
 #     int64_t hidden_us;    // wall time the layer computed while its reads were under way
 #     int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
-#     int64_t n_prefill_ubatches;  // ubatch x layer evaluations pipelined so
-#     int64_t n_prefill_reads;     // their misses read from the file
-#     int64_t n_prefill_ahead;     // of those, issued by the op of an earlier pass than the one that runs them
-#     int64_t n_prefill_ready;     // of those, already read when their pass came (nothing waited)
-#     int64_t prefill_wait_us;     // time their passes waited for reads (the stall left)
 # };
 class llama_vis_moe_overlap_stats(ctypes.Structure):
     _fields_ = [
@@ -139,11 +134,6 @@ class llama_vis_moe_overlap_stats(ctypes.Structure):
         ("wait_us", ctypes.c_int64),
         ("hidden_us", ctypes.c_int64),
         ("n_late", ctypes.c_int64),
-        ("n_prefill_ubatches", ctypes.c_int64),
-        ("n_prefill_reads", ctypes.c_int64),
-        ("n_prefill_ahead", ctypes.c_int64),
-        ("n_prefill_ready", ctypes.c_int64),
-        ("prefill_wait_us", ctypes.c_int64),
     ]
 
 

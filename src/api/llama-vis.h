@@ -405,13 +405,6 @@ struct llama_vis_moe_overlap_stats {
     int64_t hidden_us;    // wall time the layer computed while its reads were under way (from the first issue
                           // to the last read's end, less the miss passes' waits inside it)
     int64_t n_late;       // reads issued after the layer's resident experts began computing (0 unless broken)
-    // prefill (a ubatch needing more than one pass): its passes pipelined, a pass's misses read while the passes
-    // before it compute (docs/paging.md#prefill-passes-pipelined); the same misses, bytes and outputs as without
-    int64_t n_prefill_ubatches;  // ubatch x layer evaluations pipelined so
-    int64_t n_prefill_reads;     // their misses read from the file
-    int64_t n_prefill_ahead;     // of those, issued by the op of an earlier pass than the one that runs them
-    int64_t n_prefill_ready;     // of those, already read when their pass came (nothing waited)
-    int64_t prefill_wait_us;     // time their passes waited for reads (the stall left)
 };
 // Overlap stats of layer il, or totals over all layers with il = -1.  0, or -1 if ctx has no expert cache or il is
 // out of range.

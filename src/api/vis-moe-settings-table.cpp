@@ -246,8 +246,7 @@ const flag_row ROWS[] = {
     { "--moe-overlap", "VIS_MOE_OVERLAP", "on|off|N",
       "vis-moe: decode reads a layer's misses in the background while its resident experts compute, each miss\n"
       "computed in a pass of its own as soon as its read lands (exact). on = up to k such passes (one miss each),\n"
-      "N = at most N, off = the misses are read before the layer computes (default: on). Unless off, a prefill\n"
-      "ubatch of several passes also runs them pipelined: a pass's misses read while the passes before compute",
+      "N = at most N, off = the misses are read before the layer computes (default: on)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.overlap = v == "on" ? -1 : v == "off" ? 0 : (int32_t) parse_int(w, v, 1, MAX_OVERLAP, " (or on, off)"); },
       KNOB, V_INT_OR_WORD, SHOW(s.overlap < 0 ? "on" : s.overlap == 0 ? "off" : show_int(s.overlap)) },

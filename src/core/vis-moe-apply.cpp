@@ -7,7 +7,6 @@
 #include "vis-moe-fetch-slots.h"
 #include "vis-moe-overlap.h"
 #include "vis-moe-passes.h"
-#include "vis-moe-pipeline.h"
 #include "vis-pages.h"
 
 #include <stdexcept>
@@ -60,10 +59,6 @@ void vis_moe_context::apply(int il, vis_ubatch_plan & plan, const int32_t * rout
         throw std::runtime_error("vis-moe: layer " + std::to_string(il) + " planned " + std::to_string(p.passes.size()) +
                                  " + " + std::to_string(p.shadow_passes.size()) + " passes, more than its graph has "
                                  "(plan bug): the ubatch is not computed");
-    }
-    if (p.pipelined) {
-        vis_moe_pipeline_apply(*this, L, il, routed, p.n_pairs, out);  // every pass's decisions, its reads started
-        return;
     }
     vis_moe_run_pass(*this, L, il, 0, p.run_ids(routed), p.n_pairs, out);
     vis_moe_overlap_issue(*this, L, il);  // the misses' reads start before the hits compute (vis-moe-overlap.h)

@@ -5,7 +5,6 @@
 #include "vis-moe-fetch-slots.h"
 #include "vis-moe-overlap.h"
 #include "vis-moe-passes.h"
-#include "vis-moe-pipeline.h"
 #include "vis-moe-precision.h"
 #include "vis-moe-shadow-slots.h"
 
@@ -58,7 +57,6 @@ static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor
         f->observe_routing(cvm, il, ids_t, dep);  // pass 0 depends on the router weights
     }
     vis_moe_overlap_finish(vm, a.L);  // an earlier ubatch's overlapped reads whose passes did not run
-    vis_moe_pipeline_finish(vm, a.L);  // the same for a pipelined prefill ubatch
     int64_t waited = 0;  // the layer's background reads (substitution, reads ahead): cancelled, waited for, resident
     const std::vector<vis_fetch_done> done = vis_moe_fetch_collect(vm, a.L, il, waited);
     for (auto & f : vm.features) {
@@ -81,7 +79,6 @@ static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor
         f->plan_reads(cvm, L, il, plan);  // stand-ins' experts, precision's refetch
     }
     vis_moe_plan_overlap(cvm, L, plan, vm.ub_image);  // a one-pass ubatch: the hits, then the miss passes
-    vis_moe_plan_pipeline(cvm, L, plan, vm.ub_image);  // more passes: in halves, reads ahead of their half
     vm.apply(il, plan, a.ids, a.out);
     for (auto & f : vm.features) {
         f->plan_applied(cvm, L, il, L.ubatch_plan);
@@ -96,10 +93,6 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
     guarded(a.vm, a.out, a.n_pairs, [&]() {
         if (a.ud.pass == 0) {
             plan_ubatch(a, ids_t, dep, scores);
-            return;
-        }
-        if (a.L.ubatch_plan.pipelined) {
-            vis_moe_pipeline_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.ids, a.n_pairs, a.out);
             return;
         }
         if (a.L.ubatch_plan.overlap_first > 0 && a.ud.pass >= a.L.ubatch_plan.overlap_first) {

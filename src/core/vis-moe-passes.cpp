@@ -20,19 +20,8 @@ int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, 
     return (int) std::min<int64_t>(vm.overlap, std::min<int64_t>(n_pairs, L.n_expert));
 }
 
-int vis_moe_pipeline_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    // the layers decode's overlap serves (vis_moe_overlap_passes), at more than one pass, not streamed
-    if (vm.overlap <= 0 || image || n_pairs <= 0 || !L.cpu_passes || !L.deferred || !L.direct_write || !vm.io ||
-        L.shadow.on() || vis_moe_streams(vm, L, n_pairs, image)) {
-        return 0;
-    }
-    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active());
-    return n > 1 ? n : 0;
-}
-
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image) {
-    const int pipe = vis_moe_pipeline_passes(vm, L, n_pairs, image);
-    const int n = pipe > 0 ? pipe : vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) + vis_moe_overlap_passes(vm, L, n_pairs, image);
+    const int n = vis_moe_max_passes(L.n_expert, n_pairs, L.slots.n_active()) + vis_moe_overlap_passes(vm, L, n_pairs, image);
     const int cap = image ? vm.image_pass_bound(L) : 0;
     return cap > 0 ? std::min(n, cap) : n;
 }
@@ -96,10 +85,7 @@ void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64
 }
 
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {
-    vis_moe_keep_evicted(vm, L, il, s, L.slots.evict(s));
-}
-
-void vis_moe_keep_evicted(vis_moe_context & vm, vis_moe_layer & L, int il, int s, int old) {
+    const int old = L.slots.evict(s);
     if (old < 0) {
         return;
     }
@@ -108,32 +94,6 @@ void vis_moe_keep_evicted(vis_moe_context & vm, vis_moe_layer & L, int il, int s
             vis_moe_slab_read(L, s, h);
         }
     }
-}
-
-void vis_moe_decide_pass(vis_moe_layer & L, const std::vector<int32_t> & experts, std::vector<vis_pass_miss> & misses) {
-    L.slots.policy().begin_pass();
-    // hits first: touched (Required) before any miss looks for a victim
-    for (int e : experts) {
-        const int s = L.slots.slot_of(e);
-        if (s >= 0) {
-            L.slots.policy().touch(s, e);
-            L.stats.n_hits++;
-        }
-    }
-    for (int e : experts) {
-        if (L.slots.resident(e)) {
-            continue;
-        }
-        const int s = L.slots.policy().victim();
-        GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
-        const int old = L.slots.evict(s);
-        L.slots.place(e, s);
-        L.slots.policy().touch(s, e);
-        misses.push_back({ e, s, old });
-        L.stats.n_misses++;
-        L.stats.bytes_loaded += L.expert_bytes;
-    }
-    L.stats.n_routed += (int64_t) experts.size();
 }
 
 void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, const int32_t * ids, int64_t n_pairs,
@@ -146,13 +106,31 @@ void vis_moe_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int p, co
     const vis_ubatch_plan & plan = L.ubatch_plan;
     const std::vector<int32_t> & experts = p < (int) plan.passes.size() ? plan.passes[p] : none;
     L.stats.n_passes++;
-    std::vector<vis_pass_miss> decided;
-    vis_moe_decide_pass(L, experts, decided);
-    std::vector<std::pair<int, int>> misses;  // (expert, slot)
-    for (const vis_pass_miss & m : decided) {
-        vis_moe_keep_evicted(vm, L, il, m.slot, m.evicted);  // before the fill overwrites its bytes
-        misses.emplace_back(m.expert, m.slot);
+    L.slots.policy().begin_pass();
+
+    // hits first: touched (Required) before any miss looks for a victim
+    for (int e : experts) {
+        const int s = L.slots.slot_of(e);
+        if (s >= 0) {
+            L.slots.policy().touch(s, e);
+            L.stats.n_hits++;
+        }
     }
+    std::vector<std::pair<int, int>> misses;  // (expert, slot)
+    for (int e : experts) {
+        if (L.slots.resident(e)) {
+            continue;
+        }
+        const int s = L.slots.policy().victim();
+        GGML_ASSERT(s >= 0 && "vis-moe: a pass needs more experts than slots (plan bug)");
+        vis_moe_evict_slot(vm, L, il, s);
+        L.slots.place(e, s);
+        L.slots.policy().touch(s, e);
+        misses.emplace_back(e, s);
+        L.stats.n_misses++;
+        L.stats.bytes_loaded += L.expert_bytes;
+    }
+    L.stats.n_routed += (int64_t) experts.size();
 
     try {
         vis_moe_fill_slots(vm, L, il, misses);

@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 struct vis_moe_context;
 struct vis_moe_layer;
@@ -30,11 +29,6 @@ int vis_moe_max_passes(int n_expert, int64_t n_pairs, int n_slots);
 // layer computes (VIS_MOE_OVERLAP, vis-moe-overlap.h): a one-pass ubatch of a CPU layer whose experts come from the
 // file, not an image ubatch; 0 otherwise
 int vis_moe_overlap_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
-// prefill passes pipelined (vis-moe-pipeline.h): the graph passes a ubatch of n_pairs pairs of layer L may run in
-// halves when its passes may be pipelined (the plain split's: as many as without); 0 when they may not (one pass at
-// most, streamed, an image ubatch, shadows, not a CPU layer reading the file, or VIS_MOE_OVERLAP off)
-int vis_moe_pipeline_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
-
 // (counted in:)
 int vis_moe_full_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
 int vis_moe_shadow_passes(const vis_moe_context & vm, const vis_moe_layer & L, int64_t n_pairs, bool image);
@@ -51,18 +45,6 @@ void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64
 
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);
-// its second half: expert `old`, just evicted from slot s whose bytes still hold it, moves down to tier 2 on unified
-// memory (nothing otherwise, or when old < 0)
-void vis_moe_keep_evicted(vis_moe_context & vm, vis_moe_layer & L, int il, int s, int old);
-
-// one pass's decisions over `experts` (hits first), as every pass takes them: the policy's pass clock, the hits
-// touched (Required) before any miss looks for a victim, each miss given the policy's victim, evicted, placed and
-// touched; the stats counted.  Appends each miss with its slot and the expert that slot held (-1: none), whose
-// bytes are still there (vis_moe_keep_evicted moves them down to tier 2); nothing is read.
-struct vis_pass_miss {
-    int32_t expert, slot, evicted;
-};
-void vis_moe_decide_pass(vis_moe_layer & L, const std::vector<int32_t> & experts, std::vector<vis_pass_miss> & misses);
 
 // make the experts of pass p of the layer's ubatch plan resident (evicting through the layer's policy, filling
 // through the tiers) and write the slot id of every pair (foreign pairs: L.foreign_id()).  Throws on a load failure, with

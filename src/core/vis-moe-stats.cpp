@@ -109,11 +109,6 @@ static llama_vis_moe_overlap_stats overlap_stats(const vis_moe_context & vm, int
         t.wait_us    += s.wait_us;
         t.hidden_us  += s.hidden_us;
         t.n_late     += s.n_late;
-        t.n_prefill_ubatches += s.n_prefill_ubatches;
-        t.n_prefill_reads    += s.n_prefill_reads;
-        t.n_prefill_ahead    += s.n_prefill_ahead;
-        t.n_prefill_ready    += s.n_prefill_ready;
-        t.prefill_wait_us    += s.prefill_wait_us;
     }
     return t;
 }
@@ -149,13 +144,6 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                              " ubatch-layers (up to %d miss passes each); %.2f ms of reads hidden behind compute, "
                              "%.2f ms waited by the miss passes; %" PRId64 " issued late\n",
                      ov.n_reads, ov.n_ubatches, ov.max_passes, ov.hidden_us / 1e3, ov.wait_us / 1e3, ov.n_late);
-    }
-    if (ov.n_prefill_ubatches > 0) {
-        std::fprintf(stderr, "vis-moe: prefill pipeline: %" PRId64 " ubatch-layers ran their passes pipelined; of their %"
-                             PRId64 " misses read from the file, %" PRId64 " were issued while earlier passes computed and %"
-                             PRId64 " had landed when their pass came; %.2f ms waited\n",
-                     ov.n_prefill_ubatches, ov.n_prefill_reads, ov.n_prefill_ahead, ov.n_prefill_ready,
-                     ov.prefill_wait_us / 1e3);
     }
     const llama_vis_moe_io_stats io = io_stats(vm);
     if (io.file_reads == 0 && io.host_hits == 0 && !vm.io) {

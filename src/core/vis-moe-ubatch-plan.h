@@ -61,9 +61,6 @@ struct vis_ubatch_plan {
     int                               shadow_first_pass = 0;  // graph index of shadow pass 0
     // overlap (vis-moe-overlap.h): the first miss pass, whose misses are read while pass 0's hits compute (0: none)
     int                               overlap_first = 0;
-    // pipelined (vis-moe-pipeline.h): the passes are halves of the plain split, their misses read while the halves
-    // before them compute
-    bool                              pipelined = false;
 
     // the reads to start in the background once pass 0 is loaded
     std::vector<vis_plan_read> reads;
@@ -73,7 +70,6 @@ struct vis_ubatch_plan {
         n_pairs    = n;
         sub_active = false;
         overlap_first = 0;
-        pipelined  = false;
         reads.clear();
     }
     // the ids the passes use: exec with stand-ins, else the routed ids
