@@ -128,10 +128,11 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     } else {
         vm.plan_source = "--moe-mem";
     }
-    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + slabs %.0f "
-                   "(%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
+    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + I/O "
+                   "buffers %.1f + slabs %.0f (%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
-                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), plan.slab_bytes / 1048576.0, plan.n_slots,
+                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0, plan.slab_bytes / 1048576.0,
+                   plan.n_slots,
                    ap.managed.size(), plan.host_bytes / 1048576.0, online.c_str());
 }
 

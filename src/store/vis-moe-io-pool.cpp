@@ -3,6 +3,7 @@
 // fault injection the tests use.
 #include "vis-moe-io-pool.h"
 #include "vis-moe-settings.h"
+#include "llama-vis.h"
 
 #include "llama-impl.h"
 
@@ -17,6 +18,7 @@
 #include <utility>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static constexpr size_t VIS_DIO_ALIGN = 4096;
@@ -88,12 +90,40 @@ vis_io_pool::~vis_io_pool() {
     }
 }
 
-static uint8_t * aligned_region(std::vector<uint8_t> & v, size_t n) {
-    if (v.size() < n + VIS_DIO_ALIGN) {
-        v.resize(n + VIS_DIO_ALIGN);
+vis_bounce::~vis_bounce() {
+    if (p) {
+        munmap(p, n);
     }
-    const uintptr_t p = (uintptr_t) v.data();
-    return (uint8_t *) ((p + VIS_DIO_ALIGN - 1) & ~(uintptr_t) (VIS_DIO_ALIGN - 1));
+}
+
+uint8_t * vis_bounce::get(size_t len) {
+    if (len > n) {
+        if (p) {
+            munmap(p, n);
+            p = nullptr;
+            n = 0;
+        }
+        const size_t want = (len + VIS_DIO_ALIGN - 1) & ~(size_t) (VIS_DIO_ALIGN - 1);
+        void * m = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) {
+            throw std::bad_alloc();
+        }
+        p = (uint8_t *) m;
+        n = want;
+    }
+    return p;
+}
+
+int64_t vis_bounce::bytes(int64_t slice_bytes) {
+    // the aligned superset of slice_bytes at an unaligned offset spans one page more than the slice rounded up
+    const int64_t a = (int64_t) VIS_DIO_ALIGN;
+    return slice_bytes <= 0 ? 0 : (slice_bytes + a - 1) / a * a + a;
+}
+
+int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes) {
+    // the demand reads' pool (io_threads regions) and the fetch workers of background reads and staged streaming
+    // (at most io_threads, one region each: vis_moe_fetcher)
+    return 2 * (int64_t) std::max(1, io_threads) * vis_bounce::bytes(slice_bytes);
 }
 
 static std::string read_error(const vis_read_req & r, const std::string & what) {
@@ -123,7 +153,7 @@ static size_t pread_full(int fd, void * dst, size_t n, uint64_t off, int & err) 
     return done;
 }
 
-void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct) {
+void vis_io_pool::read_one(const vis_read_req & r, vis_bounce & bounce, int64_t & dev_bytes, bool & used_direct) {
     const vis_gguf_file & f = *r.src->file;
     const uint64_t off = r.src->offs + (uint64_t) r.expert * r.src->nb2;
     const size_t   n   = r.src->nb2;
@@ -138,7 +168,7 @@ void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce
     if (direct_io != 0 && f.fd_direct >= 0) {
         const uint64_t a0 = off & ~(uint64_t) (VIS_DIO_ALIGN - 1);
         const uint64_t a1 = (off + n + VIS_DIO_ALIGN - 1) & ~(uint64_t) (VIS_DIO_ALIGN - 1);
-        uint8_t * buf = aligned_region(bounce, a1 - a0);
+        uint8_t * buf = bounce.get(a1 - a0);
         const size_t got = pread_full(f.fd_direct, buf, a1 - a0, a0, err);
         if (err == 0 || err != EINVAL) {
             if (err != 0) {

@@ -32,6 +32,24 @@ struct vis_io_counters {
     int64_t n_direct     = 0;  // slices read with O_DIRECT
 };
 
+// One thread's O_DIRECT bounce region: page-aligned anonymous memory of exactly bytes(slice) for the largest slice
+// read so far (mmap, so no allocator slack: llama_vis_moe_io_buffer_bytes counts it exactly).
+class vis_bounce {
+public:
+    vis_bounce() = default;
+    ~vis_bounce();
+    vis_bounce(const vis_bounce &) = delete;
+    vis_bounce & operator=(const vis_bounce &) = delete;
+    vis_bounce(vis_bounce && o) noexcept : p(o.p), n(o.n) { o.p = nullptr; o.n = 0; }
+    // at least `len` bytes (an aligned span of len bytes), 4 KiB-aligned; throws std::bad_alloc
+    uint8_t * get(size_t len);
+    // the region a slice of slice_bytes needs at most: its 4 KiB-aligned superset at any offset
+    static int64_t bytes(int64_t slice_bytes);
+private:
+    uint8_t * p = nullptr;
+    size_t    n = 0;
+};
+
 // A small pool of I/O threads: the misses of one layer are read in parallel.  Reads go through one FIFO of expert
 // slices, each slice tagged with the ticket of the submission it belongs to: read() submits and waits, reading too;
 // submit() queues and returns at once (decode's misses read while the layer computes, docs/paging.md#reads-overlapped-
@@ -69,13 +87,13 @@ private:
     };
 
     void worker_main(int idx);
-    void read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct);
+    void read_one(const vis_read_req & r, vis_bounce & bounce, int64_t & dev_bytes, bool & used_direct);
     // read one queued slice (taken under `lock`, read without it) with bounce region idx
     void run_slice(std::unique_lock<std::mutex> & lock, int idx);
 
     std::atomic<int> direct_io;
     std::vector<std::thread> workers;
-    std::vector<std::vector<uint8_t>> bounces;  // one aligned bounce region per thread
+    std::vector<vis_bounce> bounces;  // one aligned bounce region per thread
 
     std::mutex mtx;
     std::condition_variable cv_work, cv_done;
