@@ -95,6 +95,7 @@ class ModelShape:
     expert_type: int = 0                  # ggml type of the routed experts' weights (what the compute probe times)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
     slice_bytes: dict[int, int] = field(default_factory=dict)    # MoE layer -> its largest expert slice (one tensor)
+    expert_tensors: dict[int, int] = field(default_factory=dict) # MoE layer -> its expert tensors (one slab each)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -165,6 +166,7 @@ def read_shape(path: str | Path) -> ModelShape:
             n_exp = int(t.shape[-1]) if len(t.shape) else 1
             shape.expert_bytes[il] = shape.expert_bytes.get(il, 0) + nb // max(n_exp, 1)
             shape.slice_bytes[il] = max(shape.slice_bytes.get(il, 0), nb // max(n_exp, 1))
+            shape.expert_tensors[il] = shape.expert_tensors.get(il, 0) + 1
             shape.expert_type = int(t.tensor_type)
     return shape
 
@@ -176,14 +178,16 @@ def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
 
 
 def io_bytes(shape: ModelShape, managed: list[int], io_threads: int | None = None) -> int:
-    """The expert reads' O_DIRECT bounce buffers the runtime plans with (llama_vis_moe_io_buffer_bytes) for the
-    largest slice of the managed layers, at io_threads (None: VIS_MOE_IO_THREADS in force); 0 with nothing managed."""
+    """The expert reads' memory the runtime plans with (llama_vis_moe_io_buffer_bytes): the O_DIRECT bounce buffers
+    for the largest slice of the managed layers at io_threads (None: VIS_MOE_IO_THREADS in force) and the in-page
+    placement of their slabs; 0 with nothing managed."""
     from . import native
     from .settings import get_tier_params
     if not managed:
         return 0
     n = get_tier_params().io_threads if io_threads is None else io_threads
-    return native.io_buffer_bytes(n, max(shape.slice_bytes.get(il, 0) for il in managed))
+    return native.io_buffer_bytes(n, max(shape.slice_bytes.get(il, 0) for il in managed),
+                                  sum(shape.expert_tensors.get(il, 0) for il in managed))
 
 
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,

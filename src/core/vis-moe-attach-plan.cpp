@@ -79,6 +79,7 @@ void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & 
         ap.exp_max   = std::max(ap.exp_max, b);
         for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
             ap.slice_max = std::max(ap.slice_max, t ? (int64_t) t->nb[2] : 0);
+            ap.n_slab_tensors += t ? 1 : 0;
         }
         ggml_backend_dev_t dev = model.dev_layer(il);
         if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
@@ -207,7 +208,8 @@ llama_vis_moe_plan_request vis_moe_plan_request(const llama_model & model, const
     rq.no_staging       = ap.cpu_only ? 1 : 0;
     rq.encoder_bytes    = vis_moe_encoder_bytes();  // a VLM tool's --mmproj, handed over before the model
     if (!none_pages && ap.any_deferred) {
-        rq.io_bytes = llama_vis_moe_io_buffer_bytes(s.tier.io_threads, ap.slice_max);  // experts read from the file
+        // experts read from the file: bounce buffers, and the slabs placed for reads in place
+        rq.io_bytes = llama_vis_moe_io_buffer_bytes(s.tier.io_threads, ap.slice_max, ap.n_slab_tensors);
     }
     if (!ap.all_host_devices && !none_pages) {
         size_t free = 0, total = 0;

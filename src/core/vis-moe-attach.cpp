@@ -245,9 +245,21 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
         }
         create_layer(model, il, ap, c, vm);
     }
+    // a slab of a layer read from the file starts where its file tensor starts within a page: reads land in place
+    std::map<const ggml_tensor *, int64_t> page_pos;
+    for (const auto & L : vm.layers) {
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (L.managed && L.file[ti] && L.slab[ti]) {
+                page_pos[L.slab[ti]] = (int64_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_PLACE_SLACK);
+            }
+        }
+    }
     bool locked = true;
     for (auto & [buft, c] : ctx_of) {
-        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+        ggml_backend_buffer_t buf = vis_dio_alloc_tensors(c, buft, [&](const ggml_tensor * t) {
+            const auto it = page_pos.find(t);
+            return it == page_pos.end() ? (int64_t) -1 : it->second;
+        });
         if (!buf) {
             throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
                                      "; lower --moe-slots / --moe-cache-mib / --moe-mem");
