@@ -84,6 +84,7 @@ def llama_vis_moe_thread_params_active() -> int:
 #     int64_t rss_peak;       // peak resident set of the process (VmHWM), bytes
 #     int64_t streamed;       // experts a large ubatch read through the mapping instead of the slabs
 #     int64_t bytes_streamed; // their bytes
+#     int64_t bytes_copied;   // payload bytes of file reads copied out of an O_DIRECT bounce buffer
 # };
 class llama_vis_moe_io_stats(ctypes.Structure):
     _fields_ = [
@@ -106,6 +107,7 @@ class llama_vis_moe_io_stats(ctypes.Structure):
         ("rss_peak", ctypes.c_int64),
         ("streamed", ctypes.c_int64),
         ("bytes_streamed", ctypes.c_int64),
+        ("bytes_copied", ctypes.c_int64),
     ]
 
 
@@ -199,6 +201,7 @@ def llama_vis_mem_probe(out) -> int:
 #     int32_t n_slots;           // explicit slots per layer; 0: plan them
 #     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
 #     int64_t encoder_bytes;     // the vision encoder next to the text model (0: none), planned like reserve_bytes
+#     int64_t io_bytes;          // the expert reads' O_DIRECT bounce buffers and the slabs' in-page placement
 # };
 class llama_vis_moe_plan_request(ctypes.Structure):
     _fields_ = [
@@ -216,6 +219,7 @@ class llama_vis_moe_plan_request(ctypes.Structure):
         ("n_slots", ctypes.c_int32),
         ("no_staging", ctypes.c_int32),
         ("encoder_bytes", ctypes.c_int64),
+        ("io_bytes", ctypes.c_int64),
     ]
 
 
@@ -225,7 +229,7 @@ class llama_vis_moe_plan_request(ctypes.Structure):
 #     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
 #     int64_t host_bytes;        // tier 2
 #     int64_t budget;            // the budget planned for
-#     int64_t fixed_bytes;       // resident weights + KV + reserve + encoder
+#     int64_t fixed_bytes;       // resident weights + KV + reserve + encoder + I/O buffers
 #     int64_t min_budget;        // the smallest budget that runs (KV, compute, one slot (+ staging) per layer)
 #     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
 #     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
@@ -400,6 +404,12 @@ def llama_vis_moe_cost_probe(path, type_, n_embd, n_ff_exp, n_expert_used, n_thr
 def llama_vis_moe_estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int,
                                    n_ff_exp: int) -> int:
     """The one estimate of compute buffers + runtime that --moe-mem plans with (reserve_bytes): bytes."""
+
+
+# LLAMA_API int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes, int32_t n_slab_tensors);
+@ctypes_function("llama_vis_moe_io_buffer_bytes", [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32], ctypes.c_int64)
+def llama_vis_moe_io_buffer_bytes(io_threads: int, slice_bytes: int, n_slab_tensors: int) -> int:
+    """The expert reads' memory that --moe-mem plans with (io_bytes): bounce buffers and slab placement, bytes."""
 
 
 # LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);

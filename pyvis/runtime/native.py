@@ -367,6 +367,14 @@ def estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: in
     return int(capi.llama_vis_moe_estimate_reserve(*(c_int(k, v, ctypes.c_int64) for k, v in args.items())))
 
 
+def io_buffer_bytes(io_threads: int, slice_bytes: int, n_slab_tensors: int) -> int:
+    """Bytes of the expert reads' memory the runtime plans --moe-mem with (io_bytes): the O_DIRECT bounce buffers of
+    io_threads I/O threads for slices of up to slice_bytes, and the in-page placement of n_slab_tensors slabs."""
+    return int(capi.llama_vis_moe_io_buffer_bytes(c_int("io_threads", io_threads, ctypes.c_int32),
+                                                  c_int("slice_bytes", slice_bytes, ctypes.c_int64),
+                                                  c_int("n_slab_tensors", n_slab_tensors, ctypes.c_int32)))
+
+
 def whole_model_fits(model_bytes: int, budget_bytes: int = 0) -> bool:
     """Does a model of model_bytes fit the budget whole (0: the machine's)?  Then --moe-mem alone runs upstream's path."""
     return capi.llama_vis_moe_whole_model_fits(c_int("model_bytes", model_bytes, ctypes.c_int64),

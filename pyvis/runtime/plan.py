@@ -94,6 +94,8 @@ class ModelShape:
     all_f32: bool = False                 # every tensor F32: outputs are bit-identical at any ubatch (docs/planning.md)
     expert_type: int = 0                  # ggml type of the routed experts' weights (what the compute probe times)
     expert_bytes: dict[int, int] = field(default_factory=dict)   # MoE layer -> bytes of one expert
+    slice_bytes: dict[int, int] = field(default_factory=dict)    # MoE layer -> its largest expert slice (one tensor)
+    expert_tensors: dict[int, int] = field(default_factory=dict) # MoE layer -> its expert tensors (one slab each)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -163,6 +165,8 @@ def read_shape(path: str | Path) -> ModelShape:
             il = int(m.group(1))
             n_exp = int(t.shape[-1]) if len(t.shape) else 1
             shape.expert_bytes[il] = shape.expert_bytes.get(il, 0) + nb // max(n_exp, 1)
+            shape.slice_bytes[il] = max(shape.slice_bytes.get(il, 0), nb // max(n_exp, 1))
+            shape.expert_tensors[il] = shape.expert_tensors.get(il, 0) + 1
             shape.expert_type = int(t.tensor_type)
     return shape
 
@@ -173,17 +177,31 @@ def reserve_bytes(s: ModelShape, n_ubatch: int = 512) -> int:
     return native.estimate_reserve(n_ubatch, s.n_vocab, s.n_embd, s.n_expert_used, s.n_ff_exp)
 
 
+def io_bytes(shape: ModelShape, managed: list[int], io_threads: int | None = None) -> int:
+    """The expert reads' memory the runtime plans with (llama_vis_moe_io_buffer_bytes): the O_DIRECT bounce buffers
+    for the largest slice of the managed layers at io_threads (None: VIS_MOE_IO_THREADS in force) and the in-page
+    placement of their slabs; 0 with nothing managed."""
+    from . import native
+    from .settings import get_tier_params
+    if not managed:
+        return 0
+    n = get_tier_params().io_threads if io_threads is None else io_threads
+    return native.io_buffer_bytes(n, max(shape.slice_bytes.get(il, 0) for il in managed),
+                                  sum(shape.expert_tensors.get(il, 0) for il in managed))
+
+
 def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
               pinned: int = 0, slots: int = 0, host_mib: int = -1, device_mib: int | None = None,
               gpu: bool | None = None, shadow_expert: int = 0, shadow_slots: int = -1, search: bool = True,
-              encoder_bytes: int = 0) -> dict:
+              encoder_bytes: int = 0, io_threads: int | None = None) -> dict:
     """The runtime's plan for `shape`.  gpu: a GPU backend is present (then each layer keeps a staging slot);
     None = whether this build has one.  shadow_expert: bytes of one shadow expert (--moe-shadow with
     --moe-precision on, :func:`shadow_expert_bytes`); its slots share the budget as the runtime shares it: one per
     full slot (shadow_slots -1, auto), or shadow_slots per layer taken off the top.  search: when it does not fit,
     also find what the runtime's refusal names: largest_ctx (tokens, 0: none) and, with none,
     min_budget_smallest_ctx (the budget a 256-token context needs).  encoder_bytes: a VLM's vision encoder
-    (:func:`pyvis.runtime.native.encoder_estimate`'s total_bytes), planned next to the model as --mmproj is."""
+    (:func:`pyvis.runtime.native.encoder_estimate`'s total_bytes), planned next to the model as --mmproj is.
+    io_threads: the I/O threads whose bounce buffers the plan holds (:func:`io_bytes`; None: VIS_MOE_IO_THREADS)."""
     from . import native as _native
     check_args(budget_mib=budget_mib, n_ctx=n_ctx, n_ubatch=n_ubatch, pinned=pinned, slots=slots, host_mib=host_mib,
                device_mib=device_mib)
@@ -211,7 +229,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
                expert_bytes=expert, n_managed_layers=len(managed), n_expert=shape.n_expert,
                n_expert_used=shape.n_expert_used, unified=int(unified),
                device_bytes=(device_mib or 0) * MIB, host_mib=host_mib, n_slots=slots, no_staging=int(not gpu),
-               encoder_bytes=encoder_bytes)
+               encoder_bytes=encoder_bytes, io_bytes=io_bytes(shape, managed, io_threads))
     p = _native.plan(**req)
     p["request"] = req
     p["managed_layers"] = len(managed)
@@ -229,7 +247,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
     if p["whole_model_fits"]:
         # loaded whole, every expert resident: the runtime's plan has nothing to page, and all of it must fit
         whole = _native.plan(**(req | dict(resident_bytes=shape.total_bytes - shape.row_gathered_bytes,
-                                           expert_bytes=0, n_managed_layers=0)))
+                                           expert_bytes=0, n_managed_layers=0, io_bytes=0)))
         if not whole["ok"]:
             p.update(ok=0, min_budget=whole["min_budget"],
                      error=whole["error"] + " (the whole model fits the budget alone, so it was loaded whole)")
@@ -237,7 +255,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         # the largest context this budget holds, in upstream's steps of 256 cells (what the runtime's refusal names)
         kw = dict(budget_mib=budget_mib, n_ubatch=n_ubatch, pinned=-1 if all_pinned else pinned, slots=slots,
                   host_mib=host_mib, device_mib=device_mib, gpu=gpu, shadow_expert=shadow_expert,
-                  shadow_slots=shadow_slots, search=False, encoder_bytes=encoder_bytes)
+                  shadow_slots=shadow_slots, search=False, encoder_bytes=encoder_bytes, io_threads=io_threads)
         lo, hi = 0, _ctx_cells(n_ctx) // CTX_PAD               # lo fits (0: none known), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2

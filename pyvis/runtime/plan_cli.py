@@ -82,6 +82,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = [("resident weights (backbone, shared experts, pinned layers)", rq["resident_bytes"]),
             ("KV cache", rq["kv_bytes"]),
             ("compute buffers + runtime (estimate)", rq["reserve_bytes"]),
+            *([(f"expert reads' bounce buffers (VIS_MOE_IO_THREADS)", rq["io_bytes"])] if rq.get("io_bytes") else []),
             *([(f"vision encoder (--mmproj, {enc['projector']}): weights", enc["weight_bytes"]),
                (f"  + compute at {max(enc['image_tokens'], enc['warmup_tokens'])} image tokens"
                 f"{' (warmup)' if enc['warmup_tokens'] > enc['image_tokens'] else ''} + runtime (estimate)",

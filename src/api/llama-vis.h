@@ -388,6 +388,8 @@ struct llama_vis_moe_io_stats {
     int64_t streamed;       // experts a large ubatch read through the mapping instead of the slabs (prefill
                             // streaming: more passes than VIS_MOE_STREAM_PASSES), pages dropped after the layer
     int64_t bytes_streamed; // their bytes
+    int64_t bytes_copied;   // payload bytes of file reads copied out of an O_DIRECT bounce buffer (the rest of each
+                            // read landed in place: the slice's whole 4 KiB pages, docs/paging.md#tier-3-the-gguf-file)
 };
 // Stats of the paging tiers of ctx. 0, or -1 if ctx has no expert cache.
 LLAMA_API int32_t llama_vis_moe_get_io_stats(const struct llama_context * ctx, struct llama_vis_moe_io_stats * out);
@@ -448,6 +450,8 @@ struct llama_vis_moe_plan_request {
     int32_t no_staging;        // 1: CPU-only run, the slabs need no staging slot (0: one per layer)
     int64_t encoder_bytes;     // the vision encoder next to the text model (llama_vis_moe_encoder_estimate's
                                // total_bytes; 0: none): anonymous memory that must fit, planned like reserve_bytes
+    int64_t io_bytes;          // the expert reads' O_DIRECT bounce buffers and the slabs' in-page placement
+                               // (llama_vis_moe_io_buffer_bytes; 0: none): planned like reserve_bytes
 };
 struct llama_vis_moe_plan {
     int32_t ok;                // 1 fits; 0 does not (reason in llama_vis_last_error())
@@ -456,7 +460,7 @@ struct llama_vis_moe_plan {
     int64_t slab_bytes;        // tier 1 (including the staging slot per layer, unless no_staging)
     int64_t host_bytes;        // tier 2
     int64_t budget;            // the budget planned for (the request's, clamped; or the machine's)
-    int64_t fixed_bytes;       // resident weights + KV + reserve + encoder
+    int64_t fixed_bytes;       // resident weights + KV + reserve + encoder + I/O buffers
     int64_t min_budget;        // the smallest budget that runs (KV, compute, encoder, one slot (+ staging) per layer)
     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
@@ -565,6 +569,12 @@ LLAMA_API int32_t llama_vis_moe_cost_probe(const char * path, int32_t type, int6
 // from the model's shape: bytes.  pyvis plan calls it too, so plan and runtime agree.
 LLAMA_API int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_t n_embd,
                                                  int64_t n_expert_used, int64_t n_ff_exp);
+// The memory of the expert reads (src/store/vis-moe-io-pool.cpp) that --moe-mem plans with (io_bytes): the
+// O_DIRECT bounce buffers, one 4 KiB-aligned region per reading thread, each as large as the aligned superset of the
+// largest expert slice (one expert of one tensor) read, for io_threads demand readers and as many fetch workers
+// (background reads, staged streaming); and up to one page per slab tensor (n_slab_tensors), which is placed at its
+// file tensor's offset within a page so that reads land in place.  Bytes; pyvis plan calls it too.
+LLAMA_API int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes, int32_t n_slab_tensors);
 // The reserve the context's memory plan used; -1 if ctx has no --moe-mem plan.
 LLAMA_API int64_t llama_vis_moe_context_reserve(const struct llama_context * ctx);
 

@@ -77,6 +77,10 @@ void vis_moe_choose_managed(const llama_model & model, const vis_moe_settings & 
         const int64_t b = vis_moe_layer_expert_bytes(model.layers[il]);
         ap.per_slot += b;
         ap.exp_max   = std::max(ap.exp_max, b);
+        for (const ggml_tensor * t : vis_moe_expert_tensors(model.layers[il])) {
+            ap.slice_max = std::max(ap.slice_max, t ? (int64_t) t->nb[2] : 0);
+            ap.n_slab_tensors += t ? 1 : 0;
+        }
         ggml_backend_dev_t dev = model.dev_layer(il);
         if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
             ap.all_host_devices = ap.all_host_devices && vis_igpu_unified(dev);
@@ -203,6 +207,10 @@ llama_vis_moe_plan_request vis_moe_plan_request(const llama_model & model, const
     rq.n_slots          = s.params.n_slots;
     rq.no_staging       = ap.cpu_only ? 1 : 0;
     rq.encoder_bytes    = vis_moe_encoder_bytes();  // a VLM tool's --mmproj, handed over before the model
+    if (!none_pages && ap.any_deferred) {
+        // experts read from the file: bounce buffers, and the slabs placed for reads in place
+        rq.io_bytes = llama_vis_moe_io_buffer_bytes(s.tier.io_threads, ap.slice_max, ap.n_slab_tensors);
+    }
     if (!ap.all_host_devices && !none_pages) {
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(model.dev_layer(ap.managed.front()), &free, &total);

@@ -28,6 +28,8 @@ struct vis_moe_attach_plan {
     int  pinned = 0;
     int64_t per_slot = 0;           // bytes of one slot in every managed layer
     int64_t exp_max  = 0;           // largest expert of a managed layer
+    int64_t slice_max = 0;          // largest expert slice (one tensor of one expert) of a managed layer: a read
+    int     n_slab_tensors = 0;     // expert tensors of the managed layers: one slab each
     bool all_host_devices = true;   // every managed layer's device is CPU-writable memory
     bool cpu_only = false;          // no GPU at all: no staging slot
     int  staging  = 0;

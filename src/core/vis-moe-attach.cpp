@@ -128,10 +128,11 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     } else {
         vm.plan_source = "--moe-mem";
     }
-    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + slabs %.0f "
-                   "(%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
+    LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + I/O "
+                   "buffers %.1f + slabs %.0f (%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
-                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), plan.slab_bytes / 1048576.0, plan.n_slots,
+                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0, plan.slab_bytes / 1048576.0,
+                   plan.n_slots,
                    ap.managed.size(), plan.host_bytes / 1048576.0, online.c_str());
 }
 
@@ -244,9 +245,21 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
         }
         create_layer(model, il, ap, c, vm);
     }
+    // a slab of a layer read from the file starts where its file tensor starts within a page: reads land in place
+    std::map<const ggml_tensor *, int64_t> page_pos;
+    for (const auto & L : vm.layers) {
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            if (L.managed && L.file[ti] && L.slab[ti]) {
+                page_pos[L.slab[ti]] = (int64_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_PLACE_SLACK);
+            }
+        }
+    }
     bool locked = true;
     for (auto & [buft, c] : ctx_of) {
-        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+        ggml_backend_buffer_t buf = vis_dio_alloc_tensors(c, buft, [&](const ggml_tensor * t) {
+            const auto it = page_pos.find(t);
+            return it == page_pos.end() ? (int64_t) -1 : it->second;
+        });
         if (!buf) {
             throw std::runtime_error(std::string("vis-moe: failed to allocate the expert slabs in ") + ggml_backend_buft_name(buft) +
                                      "; lower --moe-slots / --moe-cache-mib / --moe-mem");

@@ -62,6 +62,7 @@ static llama_vis_moe_io_stats io_stats(const vis_moe_context & vm) {
         const auto & c = vm.io->counters();
         st.bytes_read    = c.bytes_read;
         st.bytes_storage = c.bytes_device;
+        st.bytes_copied  = c.bytes_copied;
         st.read_us       = c.wait_us;
         st.direct_io     = c.n_direct > 0 ? 1 : 0;
         st.io_threads    = vm.io->n_threads();
@@ -150,11 +151,17 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
         return;
     }
     const double secs = io.read_us / 1e6;
+    char copied[80] = "";
+    if (io.direct_io) {
+        std::snprintf(copied, sizeof(copied), " | %.2f MiB of the reads copied out of bounce buffers",
+                      io.bytes_copied / 1048576.0);
+    }
     std::fprintf(stderr, "vis-moe: tiers: slab hits %" PRId64 " | host-cache hits %" PRId64 " | file reads %" PRId64
-                         " (%.2f MiB payload, %.2f MiB from storage%s, %.2f s waiting, %.0f MiB/s) | model copies %" PRId64 "\n",
+                         " (%.2f MiB payload, %.2f MiB from storage%s, %.2f s waiting, %.0f MiB/s) | model copies %" PRId64
+                         "%s\n",
                  io.slab_hits, io.host_hits, io.file_reads, io.bytes_read / 1048576.0, io.bytes_storage / 1048576.0,
                  io.direct_io ? " with O_DIRECT" : " buffered", secs, secs > 0 ? io.bytes_read / 1048576.0 / secs : 0.0,
-                 io.model_copies);
+                 io.model_copies, copied);
     if (io.streamed > 0) {
         std::fprintf(stderr, "vis-moe: prefill streaming: %" PRId64 " experts (%.2f MiB) streamed by ubatches needing "
                              "more than %d passes (staged below, else through the mapping: pages dropped after each "

@@ -247,10 +247,11 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
         return -1;
     }
     const auto & r = *req;
-    if (r.reserve_bytes < 0 || r.encoder_bytes < 0) {
-        vis_set_last_error("llama_vis_moe_plan: reserve_bytes and encoder_bytes must be >= 0 (llama_vis_moe_estimate_reserve "
-                           "and llama_vis_moe_encoder_estimate give the runtime's estimates), got " +
-                           std::to_string(r.reserve_bytes) + " and " + std::to_string(r.encoder_bytes));
+    if (r.reserve_bytes < 0 || r.encoder_bytes < 0 || r.io_bytes < 0) {
+        vis_set_last_error("llama_vis_moe_plan: reserve_bytes, encoder_bytes and io_bytes must be >= 0 "
+                           "(llama_vis_moe_estimate_reserve, llama_vis_moe_encoder_estimate and "
+                           "llama_vis_moe_io_buffer_bytes give the runtime's), got " + std::to_string(r.reserve_bytes) +
+                           ", " + std::to_string(r.encoder_bytes) + " and " + std::to_string(r.io_bytes));
         return -1;
     }
     // the vision encoder (its weights, compute buffer and image copies) is anonymous memory, as compute is
@@ -260,21 +261,22 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     if (r.n_managed_layers <= 0 || r.expert_bytes <= 0 || r.n_expert <= 0) {
         // nothing to page: everything is resident, and all of it must fit
         p.n_slots = r.n_expert;
-        p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes + r.encoder_bytes;
+        p.fixed_bytes = r.resident_bytes + r.kv_bytes + r.reserve_bytes + r.encoder_bytes + r.io_bytes;
         p.budget = budget;
         p.min_budget = p.fixed_bytes;
         p.tight_budget = p.fixed_bytes;
         p.ok = p.fixed_bytes <= budget ? 1 : 0;
         if (!p.ok) {
             vis_set_last_error("the memory budget of " + mib(budget) + " is too small: every expert stays resident, so " +
-                               mib(r.resident_bytes) + " of weights + " + mib(r.kv_bytes + r.reserve_bytes + r.encoder_bytes) +
+                               mib(r.resident_bytes) + " of weights + " + mib(r.kv_bytes + r.reserve_bytes + r.encoder_bytes + r.io_bytes) +
                                " for " + kv_and + " = " + mib(p.fixed_bytes) + " must fit; raise the budget to " +
                                "at least that, or let experts page (fewer --moe-pinned-layers, fewer --moe-slots)");
         }
         *out = p;
         return 0;
     }
-    const int64_t reserve = r.reserve_bytes + r.encoder_bytes;
+    // the I/O threads' bounce buffers are anonymous memory too
+    const int64_t reserve = r.reserve_bytes + r.encoder_bytes + r.io_bytes;
     const int64_t row     = (int64_t) r.n_managed_layers * r.expert_bytes;  // one slot in every managed layer
     const int     k       = std::max(1, (int) r.n_expert_used);
     const int     staging = r.no_staging ? 0 : 1;

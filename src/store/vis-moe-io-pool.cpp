@@ -3,6 +3,7 @@
 // fault injection the tests use.
 #include "vis-moe-io-pool.h"
 #include "vis-moe-settings.h"
+#include "llama-vis.h"
 
 #include "llama-impl.h"
 
@@ -17,6 +18,8 @@
 #include <utility>
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 static constexpr size_t VIS_DIO_ALIGN = 4096;
@@ -88,12 +91,74 @@ vis_io_pool::~vis_io_pool() {
     }
 }
 
-static uint8_t * aligned_region(std::vector<uint8_t> & v, size_t n) {
-    if (v.size() < n + VIS_DIO_ALIGN) {
-        v.resize(n + VIS_DIO_ALIGN);
+vis_bounce::~vis_bounce() {
+    if (p) {
+        munmap(p, n);
     }
-    const uintptr_t p = (uintptr_t) v.data();
-    return (uint8_t *) ((p + VIS_DIO_ALIGN - 1) & ~(uintptr_t) (VIS_DIO_ALIGN - 1));
+}
+
+uint8_t * vis_bounce::get(size_t len) {
+    if (len > n) {
+        if (p) {
+            munmap(p, n);
+            p = nullptr;
+            n = 0;
+        }
+        const size_t want = (len + VIS_DIO_ALIGN - 1) & ~(size_t) (VIS_DIO_ALIGN - 1);
+        void * m = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) {
+            throw std::bad_alloc();
+        }
+        p = (uint8_t *) m;
+        n = want;
+    }
+    return p;
+}
+
+int64_t vis_bounce::bytes(int64_t slice_bytes) {
+    // the aligned superset of slice_bytes at an unaligned offset spans one page more than the slice rounded up
+    const int64_t a = (int64_t) VIS_DIO_ALIGN;
+    return slice_bytes <= 0 ? 0 : (slice_bytes + a - 1) / a * a + a;
+}
+
+int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes, int32_t n_slab_tensors) {
+    // the demand reads' pool (io_threads regions) and the fetch workers of background reads and staged streaming
+    // (at most io_threads, one region each: vis_moe_fetcher); each slab tensor placed in its page
+    return 2 * (int64_t) std::max(1, io_threads) * vis_bounce::bytes(slice_bytes) +
+           (int64_t) std::max(0, n_slab_tensors) * VIS_DIO_PLACE_SLACK;
+}
+
+ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
+                                            const std::function<int64_t(const ggml_tensor *)> & page_pos) {
+    if (!ggml_backend_buft_is_host(buft)) {
+        return ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+    }
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    const size_t A     = (size_t) VIS_DIO_PLACE_SLACK;
+    size_t size = 0;
+    for (ggml_tensor * t = ggml_get_first_tensor(c); t; t = ggml_get_next_tensor(c, t)) {
+        size += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align) + (page_pos(t) >= 0 ? A : 0);
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(size, 1));
+    if (!buf) {
+        return nullptr;
+    }
+    uint8_t * const base = (uint8_t *) ggml_backend_buffer_get_base(buf);
+    uint8_t * p = base;
+    for (ggml_tensor * t = ggml_get_first_tensor(c); t; t = ggml_get_next_tensor(c, t)) {
+        const int64_t pos = page_pos(t);
+        if (pos >= 0 && pos % (int64_t) align == 0) {
+            p += ((size_t) pos + A - ((uintptr_t) p % A)) % A;  // the next address at that offset in its page
+        } else {
+            p = base + GGML_PAD((size_t) (p - base), align);
+        }
+        if (ggml_backend_tensor_alloc(buf, t, p) != GGML_STATUS_SUCCESS) {
+            ggml_backend_buffer_free(buf);
+            return nullptr;
+        }
+        p += ggml_backend_buft_get_alloc_size(buft, t);
+    }
+    return buf;
 }
 
 static std::string read_error(const vis_read_req & r, const std::string & what) {
@@ -102,12 +167,13 @@ static std::string read_error(const vis_read_req & r, const std::string & what) 
            std::to_string(r.src->nb2) + " bytes): " + what;
 }
 
-// read exactly n bytes at off; returns bytes read (< n only at end of file)
-static size_t pread_full(int fd, void * dst, size_t n, uint64_t off, int & err) {
+// read the file from off into the buffers of iov, in order, until they are full; returns bytes read (fewer only at
+// end of file or on an error, then err is set)
+static size_t preadv_full(int fd, struct iovec * iov, int cnt, uint64_t off, int & err) {
     size_t done = 0;
     err = 0;
-    while (done < n) {
-        const ssize_t r = pread(fd, (uint8_t *) dst + done, n - done, (off_t) (off + done));
+    while (cnt > 0) {
+        const ssize_t r = preadv(fd, iov, cnt, (off_t) (off + done));
         if (r < 0) {
             if (errno == EINTR) {
                 continue;
@@ -119,15 +185,30 @@ static size_t pread_full(int fd, void * dst, size_t n, uint64_t off, int & err) 
             break;
         }
         done += (size_t) r;
+        size_t k = (size_t) r;
+        while (cnt > 0 && k >= iov->iov_len) {
+            k -= iov->iov_len;
+            ++iov;
+            --cnt;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *) iov->iov_base + k;
+            iov->iov_len -= k;
+        }
     }
     return done;
 }
 
-void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct) {
+// read exactly n bytes at off; returns bytes read (< n only at end of file)
+static size_t pread_full(int fd, void * dst, size_t n, uint64_t off, int & err) {
+    struct iovec v = { dst, n };
+    return preadv_full(fd, &v, 1, off, err);
+}
+
+void vis_io_pool::read_one(const vis_read_req & r, vis_bounce & bounce, read_result & res) {
     const vis_gguf_file & f = *r.src->file;
     const uint64_t off = r.src->offs + (uint64_t) r.expert * r.src->nb2;
     const size_t   n   = r.src->nb2;
-    used_direct = false;
     if (vis_fault_injected(r.il, r.expert)) {
         throw vis_io_error(read_error(r, std::string(std::strerror(EIO)) + " (injected by VIS_MOE_FAULT_READ)"));
     }
@@ -136,10 +217,37 @@ void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce
     }
     int err = 0;
     if (direct_io != 0 && f.fd_direct >= 0) {
-        const uint64_t a0 = off & ~(uint64_t) (VIS_DIO_ALIGN - 1);
-        const uint64_t a1 = (off + n + VIS_DIO_ALIGN - 1) & ~(uint64_t) (VIS_DIO_ALIGN - 1);
-        uint8_t * buf = aligned_region(bounce, a1 - a0);
-        const size_t got = pread_full(f.fd_direct, buf, a1 - a0, a0, err);
+        const uint64_t A  = VIS_DIO_ALIGN;
+        const uint64_t a0 = off & ~(A - 1);                // the slice's 4 KiB-aligned superset [a0, a1) ...
+        const uint64_t a1 = (off + n + A - 1) & ~(A - 1);
+        const uint64_t b0 = (off + A - 1) & ~(A - 1);      // ... and its whole pages [b0, b1)
+        const uint64_t b1 = (off + n) & ~(A - 1);
+        uint8_t * dst = (uint8_t *) r.dst;
+        // In place: where the whole pages are 4 KiB-aligned at the destination too (the slabs are placed so:
+        // vis_dio_alloc_tensors), one read puts them there and only the partial pages at both ends pass through
+        // the bounce region; else the whole superset is read into the bounce region and copied out.
+        const bool in_place = b1 > b0 && ((uintptr_t) (dst + (b0 - off)) & (uintptr_t) (A - 1)) == 0;
+        struct iovec iov[3];
+        int niov = 0;
+        uint8_t * head = nullptr;
+        uint8_t * tail = nullptr;
+        uint8_t * whole = nullptr;
+        if (in_place) {
+            uint8_t * buf = bounce.get(2 * A);
+            if (b0 > a0) {
+                head = buf;
+                iov[niov++] = { head, (size_t) A };
+            }
+            iov[niov++] = { dst + (b0 - off), (size_t) (b1 - b0) };
+            if (a1 > b1) {
+                tail = buf + A;
+                iov[niov++] = { tail, (size_t) A };
+            }
+        } else {
+            whole = bounce.get(a1 - a0);
+            iov[niov++] = { whole, (size_t) (a1 - a0) };
+        }
+        const size_t got = preadv_full(f.fd_direct, iov, niov, a0, err);
         if (err == 0 || err != EINVAL) {
             if (err != 0) {
                 throw vis_io_error(read_error(r, std::strerror(err)));
@@ -148,9 +256,20 @@ void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce
                 throw vis_io_error(read_error(r, "short read (" + std::to_string(got) + " of " +
                                                  std::to_string(a1 - a0) + " bytes): the file is shorter than when it was loaded"));
             }
-            std::memcpy(r.dst, buf + (off - a0), n);
-            dev_bytes += (int64_t) (a1 - a0);
-            used_direct = true;
+            if (in_place) {
+                if (head) {
+                    std::memcpy(dst, head + (off - a0), b0 - off);
+                }
+                if (tail) {
+                    std::memcpy(dst + (b1 - off), tail, off + n - b1);
+                }
+                res.copied += (int64_t) ((b0 - off) + (off + n - b1));
+            } else {
+                std::memcpy(dst, whole + (off - a0), n);
+                res.copied += (int64_t) n;
+            }
+            res.dev_bytes += (int64_t) (a1 - a0);
+            res.direct = true;
             return;
         }
         // EINVAL: this filesystem refuses O_DIRECT after all; buffered from now on
@@ -167,7 +286,7 @@ void vis_io_pool::read_one(const vis_read_req & r, std::vector<uint8_t> & bounce
     }
     // do not let the page cache keep a second copy of what the cache now holds
     posix_fadvise(f.fd, (off_t) off, (off_t) n, POSIX_FADV_DONTNEED);
-    dev_bytes += (int64_t) n;
+    res.dev_bytes += (int64_t) n;
 }
 
 // a shadow expert's bytes against the checksum its sidecar stores (vis_deferred_tensor::sums)
@@ -190,19 +309,19 @@ void vis_io_pool::run_slice(std::unique_lock<std::mutex> & lock, int idx) {
     const slice sl = queue.front();
     queue.pop_front();
     lock.unlock();
-    int64_t dev = 0;
-    bool direct = false;
+    read_result res;
     std::string err;
     try {
-        read_one(sl.req, bounces[idx], dev, direct);
+        read_one(sl.req, bounces[idx], res);
         check_sum(sl.req);
     } catch (const std::exception & e) {
         err = e.what();
     }
     lock.lock();
     ticket_state & t = tickets[sl.ticket];
-    t.dev_bytes += dev;
-    t.n_direct += direct ? 1 : 0;
+    t.dev_bytes += res.dev_bytes;
+    t.copied    += res.copied;
+    t.n_direct  += res.direct ? 1 : 0;
     if (!err.empty() && t.error.empty()) {
         t.error = err;
     }
@@ -266,6 +385,7 @@ vis_io_pool::clock::time_point vis_io_pool::wait(uint64_t id) {
         busy_us = 0;
     }
     cnt.bytes_device += t.dev_bytes;
+    cnt.bytes_copied += t.copied;
     cnt.n_direct     += t.n_direct;
     cnt.n_reads      += (int64_t) t.reqs.size();
     for (const auto & r : t.reqs) {

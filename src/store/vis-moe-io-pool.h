@@ -5,11 +5,14 @@
 
 #include "vis-moe-deferred.h"
 
+#include "ggml-backend.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -30,7 +33,36 @@ struct vis_io_counters {
     int64_t bytes_device = 0;  // bytes requested from storage (with O_DIRECT alignment)
     int64_t wait_us      = 0;  // wall time reads were under way (some submission not finished)
     int64_t n_direct     = 0;  // slices read with O_DIRECT
+    int64_t bytes_copied = 0;  // payload bytes copied out of a bounce region (the rest of an O_DIRECT read landed in place)
 };
+
+// One thread's O_DIRECT bounce region: page-aligned anonymous memory of exactly bytes(slice) for the largest slice
+// read so far (mmap, so no allocator slack: llama_vis_moe_io_buffer_bytes counts it exactly).
+class vis_bounce {
+public:
+    vis_bounce() = default;
+    ~vis_bounce();
+    vis_bounce(const vis_bounce &) = delete;
+    vis_bounce & operator=(const vis_bounce &) = delete;
+    vis_bounce(vis_bounce && o) noexcept : p(o.p), n(o.n) { o.p = nullptr; o.n = 0; }
+    // at least `len` bytes (an aligned span of len bytes), 4 KiB-aligned; throws std::bad_alloc
+    uint8_t * get(size_t len);
+    // the region a slice of slice_bytes needs at most: its 4 KiB-aligned superset at any offset
+    static int64_t bytes(int64_t slice_bytes);
+private:
+    uint8_t * p = nullptr;
+    size_t    n = 0;
+};
+
+// The placement that lets O_DIRECT reads land in place: the tensors of c in one buffer of buft; on a host buffer
+// type each tensor t with page_pos(t) >= 0 starts at an address whose offset within its 4 KiB page is page_pos(t)
+// (an expert slab at its file tensor's offset in the page: every slot's whole pages of an expert read are then
+// 4 KiB-aligned in memory as in the file, vis_io_pool reads them straight into the slot), at most
+// VIS_DIO_PLACE_SLACK bytes after the tensor before it; the others as ggml places them.  Other buffer types:
+// ggml_backend_alloc_ctx_tensors_from_buft.  nullptr when the allocation fails.
+constexpr int64_t VIS_DIO_PLACE_SLACK = 4096;
+ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
+                                            const std::function<int64_t(const ggml_tensor *)> & page_pos);
 
 // A small pool of I/O threads: the misses of one layer are read in parallel.  Reads go through one FIFO of expert
 // slices, each slice tagged with the ticket of the submission it belongs to: read() submits and waits, reading too;
@@ -60,7 +92,7 @@ private:
         std::vector<vis_read_req> reqs;
         size_t            left = 0;      // slices not finished
         std::string       error;         // the first failure
-        int64_t           dev_bytes = 0, n_direct = 0;
+        int64_t           dev_bytes = 0, n_direct = 0, copied = 0;
         clock::time_point done;
     };
     struct slice {
@@ -69,13 +101,18 @@ private:
     };
 
     void worker_main(int idx);
-    void read_one(const vis_read_req & r, std::vector<uint8_t> & bounce, int64_t & dev_bytes, bool & used_direct);
+    struct read_result {
+        int64_t dev_bytes = 0;  // bytes requested from storage
+        int64_t copied    = 0;  // payload bytes copied out of the bounce region
+        bool    direct    = false;
+    };
+    void read_one(const vis_read_req & r, vis_bounce & bounce, read_result & res);
     // read one queued slice (taken under `lock`, read without it) with bounce region idx
     void run_slice(std::unique_lock<std::mutex> & lock, int idx);
 
     std::atomic<int> direct_io;
     std::vector<std::thread> workers;
-    std::vector<std::vector<uint8_t>> bounces;  // one aligned bounce region per thread
+    std::vector<vis_bounce> bounces;  // one aligned bounce region per thread
 
     std::mutex mtx;
     std::condition_variable cv_work, cv_done;
