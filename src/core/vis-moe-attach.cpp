@@ -250,7 +250,7 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
     for (const auto & L : vm.layers) {
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             if (L.managed && L.file[ti] && L.slab[ti]) {
-                page_pos[L.slab[ti]] = (int64_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_PLACE_SLACK);
+                page_pos[L.slab[ti]] = (int64_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_ALIGN);
             }
         }
     }

@@ -22,8 +22,6 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-static constexpr size_t VIS_DIO_ALIGN = 4096;
-
 // ---------------------------------------------------------------------------
 // fault injection (tests)
 // ---------------------------------------------------------------------------
@@ -125,7 +123,7 @@ int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes, i
     // the demand reads' pool (io_threads regions) and the fetch workers of background reads and staged streaming
     // (at most io_threads, one region each: vis_moe_fetcher); each slab tensor placed in its page
     return 2 * (int64_t) std::max(1, io_threads) * vis_bounce::bytes(slice_bytes) +
-           (int64_t) std::max(0, n_slab_tensors) * VIS_DIO_PLACE_SLACK;
+           (int64_t) std::max(0, n_slab_tensors) * (int64_t) VIS_DIO_ALIGN;
 }
 
 ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
@@ -134,7 +132,7 @@ ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffe
         return ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
     }
     const size_t align = ggml_backend_buft_get_alignment(buft);
-    const size_t A     = (size_t) VIS_DIO_PLACE_SLACK;
+    const size_t A     = VIS_DIO_ALIGN;
     size_t size = 0;
     for (ggml_tensor * t = ggml_get_first_tensor(c); t; t = ggml_get_next_tensor(c, t)) {
         size += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align) + (page_pos(t) >= 0 ? A : 0);

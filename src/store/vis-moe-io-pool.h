@@ -58,9 +58,9 @@ private:
 // type each tensor t with page_pos(t) >= 0 starts at an address whose offset within its 4 KiB page is page_pos(t)
 // (an expert slab at its file tensor's offset in the page: every slot's whole pages of an expert read are then
 // 4 KiB-aligned in memory as in the file, vis_io_pool reads them straight into the slot), at most
-// VIS_DIO_PLACE_SLACK bytes after the tensor before it; the others as ggml places them.  Other buffer types:
+// VIS_DIO_ALIGN bytes after the tensor before it; the others as ggml places them.  Other buffer types:
 // ggml_backend_alloc_ctx_tensors_from_buft.  nullptr when the allocation fails.
-constexpr int64_t VIS_DIO_PLACE_SLACK = 4096;
+constexpr size_t VIS_DIO_ALIGN = 4096;  // O_DIRECT's alignment: the page reads and the slabs' placement use
 ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
                                             const std::function<int64_t(const ggml_tensor *)> & page_pos);
 
