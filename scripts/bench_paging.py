@@ -122,7 +122,9 @@ def storage_bandwidth(path: Path, chunk: int, threads: int = 4, seconds: float =
 
 
 def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log: Path | None = None,
-            env: dict | None = None) -> dict:
+            env: dict | None = None, parse=None) -> dict:
+    """One run in a fresh cgroup from a cold page cache.  parse: a function of the run's output giving numbers of
+    a tool that prints its own (the peer's CLI: bench_peer.peer_numbers); the run finished if it gave decode_tps."""
     drop_caches()
     cg = Cgroup(limit)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -154,6 +156,9 @@ def run_one(name: str, cmd: list, limit: int, timeout: int, n_predict: int, log:
         except (ValueError, StopIteration, KeyError):
             m = None
     r["finished"] = rc == 0 and m is not None and "Error:" not in out
+    if parse is not None:
+        r.update(parse(out))
+        r["finished"] = rc == 0 and "decode_tps" in r
     r["read_bytes_per_token"] = r["read_bytes"] / max(n_predict, 1)
     # the stats of the last context (llama-bench makes one per test; the trace file holds the last one)
     for key, pat in (("slab_hits", r"slab hits (\d+)"), ("host_hits", r"host-cache hits (\d+)"),

@@ -98,10 +98,8 @@ def main() -> int:
         print(f"== limit {lim} MiB (peer cache ceiling {ceil} MiB)", flush=True)
         for name, cmd in runs.items():
             log = out / f"{name}-{lim}.log"
-            r = run_one(name, cmd, lim << 20, a.timeout, a.n_predict, log)
-            if name.startswith("peer"):
-                r.update(peer_numbers(log.read_text(errors="replace")))
-                r["finished"] = r["rc"] == 0 and "decode_tps" in r
+            r = run_one(name, cmd, lim << 20, a.timeout, a.n_predict, log,
+                        parse=peer_numbers if name.startswith("peer") else None)
             r["limit_mib"] = lim
             results.append(r)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
