@@ -5,9 +5,9 @@ the medians of its runs (bench_planning --repeat) against the cost model's decod
 context and ubatch (pyvis.runtime.plan.configure_plan, the runtime's cost model: llama_vis_moe_cost_probe with its
 knobs), and per grid cell the configured arm against the best arm (the oracle) by the configurator's own objective:
 the median over an arm's runs of the measured seconds of one request of VIS_MOE_PLAN_PROMPT prompt + VIS_MOE_PLAN_GEN
-generated tokens.
+generated tokens (--pool-plans: of one plan, over every arm that ran it).
 
-    .venv/bin/python scripts/planning_grid.py MODEL c1024=DIR c4096=DIR [--prompt-tokens 130] [--plot PNG]
+    .venv/bin/python scripts/planning_grid.py MODEL c1024=DIR c4096=DIR [--prompt-tokens 130] [--plot PNG] [--pool-plans]
 
 The prediction of an arm is priced for the bench's own prompt and generated tokens (recorded in results.json by
 bench_planning; older results: --prompt-tokens, llama-cli's prompt in tokens, and --gen-tokens), so that the ubatch
@@ -54,6 +54,10 @@ def main() -> int:
     ap.add_argument("--configured-arm", default="configured",
                     help="the arm that ran the configurator (default: configured; `forced` is VIS_MOE_CONFIGURE=on, "
                          "what auto runs on all-F32 weights)")
+    ap.add_argument("--pool-plans", action="store_true",
+                    help="arms that ran the same plan (the same -ub and slots: today and configured where the "
+                         "configurator kept -ub, configured and its sweep arm where it lowered it) count as one plan: "
+                         "the oracle and the configured time are medians over every run of a plan (more runs per median)")
     ap.add_argument("--best", action="store_true",
                     help="each arm's fastest run instead of its median (the request time: its shortest)")
     a = ap.parse_args()
@@ -93,6 +97,12 @@ def main() -> int:
                                  pred_decode=pd, pred_prefill=pp, before_decode=bd, before_prefill=bp))
                 # the configurator's objective, measured: the median over the runs of each run's request seconds
                 t_arm[arm] = med([req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in rs])
+            if a.pool_plans:   # one time per plan (ub, slots) over the runs of every arm that ran it
+                plan_of = {arm: (rs[0]["ub_run"], rs[0].get("slots")) for arm, rs in arms.items()}
+                t_plan = {k: med([req_p / r["prefill_tps"] + req_g / r["decode_tps"]
+                                  for arm, rs in arms.items() if plan_of[arm] == k for r in rs])
+                          for k in set(plan_of.values())}
+                t_arm = {arm: t_plan[plan_of[arm]] for arm in arms}
             # the configurator's choice at -ub 512 for its request (as priced now), and the measured request time of
             # each arm; the oracle is the arm with the shortest median.  An -ub is measured by its sweep arm (ub=N),
             # else by an arm that ran it (today: 512)
@@ -143,6 +153,7 @@ def main() -> int:
         Path(a.json).write_text(json.dumps(dict(cost=cost, rows=rows, cells=cells), indent=1))
     if a.plot:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, axs = plt.subplots(1, 2, figsize=(10, 4.5))
@@ -161,6 +172,8 @@ def main() -> int:
             ax.plot([lo, hi], [lo * 1.5, hi * 1.5], "k:", lw=0.4)
             ax.plot([lo, hi], [lo / 1.5, hi / 1.5], "k:", lw=0.4, label="1.5x")
             ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlim(lo, hi), ax.set_ylim(lo, hi)
+            for axis in (ax.xaxis, ax.yaxis):   # the decades only: minor labels of a log axis overlap
+                axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel(f"predicted {label} tok/s (measured cost model)")
             ax.set_ylabel(f"measured {label} tok/s (llama-cli in the cgroup)")
             ax.legend(fontsize=7)
