@@ -1,7 +1,7 @@
 """`pyvis` command line.
 
     pyvis info      [-m MODEL]             build, libraries and a model's MoE shape
-    pyvis fixtures  [--out DIR] [--only NAME ...] [--large] ...
+    pyvis fixtures  [--out DIR] [--only NAME ...] [--large [--arch qwen3moe|qwen3vlmoe]] ...
     pyvis generate  [-m MODEL] [-p PROMPT] [-n N] ...
     pyvis chat      -m MODEL --mmproj F --image IMG [--image IMG2] -p PROMPT --keep-ratio 0.5 ...
 
@@ -38,17 +38,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_fixtures(args: argparse.Namespace) -> int:
     from . import fixtures as fx
     out = Path(args.out) if args.out else fx.default_dir()
+    large_only = {"--arch": ("arch", "qwen3moe"), "--layers": ("layers", 48), "--expert-type": ("expert_type", "Q4_0"),
+                  "--routing": ("routing", "random")}
+    given = [flag for flag, (attr, _) in large_only.items() if getattr(args, attr) is not None]
+    for attr, default in large_only.values():
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+    if not args.large and given:
+        raise SystemExit(f"error: {', '.join(given)} only applies to --large; add --large or drop it")
     if args.large:
+        from .fixtures import large
+        if args.only:
+            raise SystemExit("error: --only picks small fixtures; --large writes one model (pick it with --arch)")
+        if args.layers < 1:
+            raise SystemExit(f"error: --layers {args.layers}: need at least 1 layer")
         spec = fx.large_preset(n_layer=args.layers, expert_type=args.expert_type, seed=args.seed,
-                               routing=args.routing)
-        suffix = "" if args.routing == "random" else f"-{args.routing}"
-        path = out / f"{spec.name}-{args.layers}L-{args.expert_type.lower()}{suffix}.gguf"
-        plan = fx.tensor_plan(spec)
-        total = sum(fx._byte_size(t) for t in plan)
-        print(f"writing {path} ({total / (1 << 30):.2f} GiB, {spec.n_layer} layers x {spec.n_expert} experts)",
-              file=sys.stderr)
-        fx.write_model(spec, path, fast_quant=True, progress=Progress("gguf", total))
-        print(path)
+                               routing=args.routing, arch=args.arch)
+        if args.arch == "qwen3vlmoe" and args.layers <= spec.extra["n_deepstack"]:
+            raise SystemExit(f"error: --layers {args.layers}: a qwen3vlmoe model needs more layers than its "
+                             f"{spec.extra['n_deepstack']} deepstack layers")
+        for p in large.write_large(out, spec, log=lambda m: print(m, file=sys.stderr),
+                                   progress=lambda total: Progress("gguf", total)):
+            print(p)
         return 0
     names = args.only or list(fx.FIXTURES)
     for n in names:
@@ -114,10 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--only", nargs="+", metavar="NAME", help="only these fixtures")
     s.add_argument("--seed", type=int, default=42, help="RNG seed (default: 42)")
     s.add_argument("--large", action="store_true", help="write a Qwen3-30B-A3B-sized random model instead")
-    s.add_argument("--layers", type=int, default=48, help="layers of the --large model (default: 48)")
-    s.add_argument("--expert-type", default="Q4_0", choices=["Q4_0", "Q8_0"],
+    s.add_argument("--arch", choices=["qwen3moe", "qwen3vlmoe"],
+                   help="architecture of the --large model: qwen3moe (Qwen3-30B-A3B, text only) or qwen3vlmoe "
+                   "(Qwen3-VL-30B-A3B's text model with M-RoPE and 3 deepstack layers, written with its full-size "
+                   "vision encoder, NAME-mmproj-f16.gguf, and a 256x256 test image; pyvis/fixtures/large.py). "
+                   "Default: qwen3moe")
+    s.add_argument("--layers", type=int, help="layers of the --large model (default: 48)")
+    s.add_argument("--expert-type", choices=["Q4_0", "Q8_0"],
                    help="expert tensor type of the --large model (default: Q4_0)")
-    s.add_argument("--routing", default="random", choices=["random", "shaped"],
+    s.add_argument("--routing", choices=["random", "shaped"],
                    help="routing of the --large model: random (plain random weights; sampled text repeats a "
                    "token, so routing is degenerate) or shaped (routers, attention and norms shaped so that "
                    "turnover, LRU hit rate and cross-layer recall look like Qwen3-30B-A3B's; "

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import gguf
 import numpy as np
 import pytest
 
 from pyvis import fixtures as fx
+from pyvis.fixtures import large
+from pyvis.fixtures import mmproj as mm
+from pyvis.runtime import trace as vtrace
+
+from conftest import run
 
 
 def _sha(p) -> str:
@@ -113,3 +119,57 @@ def test_tied_fixtures_repeat_one_token(fixture_dir):
             assert np.allclose(b, a * fx.VARIED_EMBD_STD, rtol=2e-3, atol=1e-7)
         else:
             assert np.array_equal(a, b), t.name
+
+
+# ---- pyvis fixtures --large --arch qwen3vlmoe: Qwen3-VL-30B-A3B's pair (pyvis/fixtures/large.py) ----
+# the same code path at a small size: the preset's head_dim (128, so the real M-RoPE sections 24/20/20) and its 3
+# deepstack layers, a narrower model and a 4-layer encoder with F16 weights
+SMALL_VL = dict(n_layer=4, n_embd=256, n_head=2, n_head_kv=1, n_ff=256, n_ff_exp=64, n_expert=16)
+SMALL_VISION = dict(n_embd_v=64, n_head=4, n_ff=128, n_layer=4, pos_side=4, deepstack_layers=[1, 2, 3])
+
+
+def test_large_vlm_text_model_is_the_qwen3moe_large_with_mrope_and_deepstack():
+    vl, text = fx.large_preset(arch="qwen3vlmoe"), fx.large_preset()
+    assert [(t.name, t.ne, t.qtype) for t in fx.tensor_plan(vl)] == [(t.name, t.ne, t.qtype) for t in fx.tensor_plan(text)]
+    assert vl.extra == fx.QWEN3VL_TEXT_EXTRA and sum(vl.extra["rope_sections"]) == vl.head_dim // 2
+    shaped = fx.large_preset(arch="qwen3vlmoe", routing="shaped")
+    assert shaped.extra == {**fx.large_preset(routing="shaped").extra, **fx.QWEN3VL_TEXT_EXTRA}
+    with pytest.raises(fx.FixtureError, match="qwen3vlmoe"):
+        fx.large_preset(arch="llama")
+
+
+@pytest.mark.parametrize("routing", ["random", "shaped"])
+def test_large_vlm_pair_runs_in_llama_mtmd_cli(bindir, tmp_path, routing):
+    """The written text model + mmproj + image run through llama-mtmd-cli: the encoder's width matches the text
+    model's input (n_embd x (1 + 3 deepstack layers), checked by libmtmd) and the image's 8 x 8 tokens reach every
+    layer; the encoder's matmul weights are F16 and its deepstack layers are the asked ones."""
+    spec = fx.large_preset(arch="qwen3vlmoe", routing=routing, **SMALL_VL)
+    text, proj, image = large.write_large(tmp_path, spec, vision=SMALL_VISION)
+    assert text.name == f"qwen3vl-30b-a3b-4L-q4_0{'-shaped' if routing == 'shaped' else ''}.gguf"
+    r = gguf.GGUFReader(text)
+    assert r.fields["qwen3vlmoe.n_deepstack_layers"].contents() == 3
+    assert r.fields["qwen3vlmoe.rope.dimension_sections"].contents() == [24, 20, 20, 0]
+    t = {x.name: x for x in gguf.GGUFReader(proj).tensors}
+    assert t["v.blk.3.ffn_up.weight"].tensor_type.name == "F16" and t["mm.0.weight"].tensor_type.name == "F16"
+    assert sorted(n for n in t if n.endswith("fc1.weight")) == [f"v.deepstack.{i}.fc1.weight" for i in (1, 2, 3)]
+    tr = tmp_path / "vl.trace"
+    c = run([bindir / "llama-mtmd-cli", "-m", text, "--mmproj", proj, "--image", image, "-p", "Describe the image.",
+             "-n", "4", "--temp", "0", "-c", "512", "-t", "2", "--moe-trace", tr], timeout=180)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert "mtmd batch encoding done" in c.stderr
+    trace = vtrace.read(tr)
+    nx, ny = mm.expected_image_tokens(*large.IMAGE_SIZE)
+    assert (nx, ny) == (8, 8)
+    for il in range(spec.n_layer - 1):   # the last layer only sees output rows
+        assert (trace.for_layer(il).modality == 1).sum() == nx * ny, il
+
+
+def test_large_flags_are_strict(tmp_path):
+    for args, says in ((["--arch", "qwen3vlmoe"], "only applies to --large"),
+                       (["--layers", "48"], "only applies to --large"),
+                       (["--large", "--arch", "qwen3vlmoe", "--layers", "3"], "more layers than its 3 deepstack"),
+                       (["--large", "--only", "qwen3moe"], "--only picks small fixtures"),
+                       (["--large", "--arch", "llama"], "invalid choice")):
+        r = run([sys.executable, "-m", "pyvis", "fixtures", "--out", tmp_path, *args])
+        assert r.returncode != 0 and says in r.stderr, (args, r.stderr)
+    assert not list(tmp_path.iterdir())
