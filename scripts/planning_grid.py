@@ -85,7 +85,6 @@ def main() -> int:
             for r in res:
                 if r["limit_mib"] == b and r.get("finished"):
                     arms.setdefault(r["arm"], []).append(r)
-            t_arm = {}
             for arm, rs in arms.items():
                 ub = rs[0]["ub_run"]
                 n_p = rs[0].get("prompt_tokens") or a.prompt_tokens
@@ -95,14 +94,12 @@ def main() -> int:
                 rows.append(dict(c=n_ctx, b=b, arm=arm, ub=ub, slots=rs[0].get("slots"), runs=len(rs),
                                  decode=stat_tps([r["decode_tps"] for r in rs]), prefill=stat_tps([r["prefill_tps"] for r in rs]),
                                  pred_decode=pd, pred_prefill=pp, before_decode=bd, before_prefill=bp))
-                # the configurator's objective, measured: the median over the runs of each run's request seconds
-                t_arm[arm] = med([req_p / r["prefill_tps"] + req_g / r["decode_tps"] for r in rs])
-            if a.pool_plans:   # one time per plan (ub, slots) over the runs of every arm that ran it
-                plan_of = {arm: (rs[0]["ub_run"], rs[0].get("slots")) for arm, rs in arms.items()}
-                t_plan = {k: med([req_p / r["prefill_tps"] + req_g / r["decode_tps"]
-                                  for arm, rs in arms.items() if plan_of[arm] == k for r in rs])
-                          for k in set(plan_of.values())}
-                t_arm = {arm: t_plan[plan_of[arm]] for arm in arms}
+            # the configurator's objective, measured: the median over the runs of each run's request seconds, of
+            # each arm or (--pool-plans) of each plan (-ub, slots) over the runs of every arm that ran it
+            key = {arm: (rs[0]["ub_run"], rs[0].get("slots")) if a.pool_plans else arm for arm, rs in arms.items()}
+            t_key = {k: med([req_p / r["prefill_tps"] + req_g / r["decode_tps"]
+                             for arm, rs in arms.items() if key[arm] == k for r in rs]) for k in set(key.values())}
+            t_arm = {arm: t_key[key[arm]] for arm in arms}
             # the configurator's choice at -ub 512 for its request (as priced now), and the measured request time of
             # each arm; the oracle is the arm with the shortest median.  An -ub is measured by its sweep arm (ub=N),
             # else by an arm that ran it (today: 512)
