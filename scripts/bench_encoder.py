@@ -50,7 +50,11 @@ SHIM_C = "int llama_vis_moe_plan_encoder(const char *p, int t, int fa, int w) { 
 def build_shim(d: Path) -> Path:
     (d / "shim.c").write_text(SHIM_C)
     so = d / "ignore-encoder.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", so, d / "shim.c"], check=True)
+    try:
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", so, d / "shim.c"], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--ignore-by-preload: compiling the shim with `cc` failed ({getattr(e, 'stderr', '') or e}); "
+                         "install a C compiler, or pass --today-bindir with a build without patch 0015 instead")
     return so
 
 
@@ -112,6 +116,11 @@ def main() -> int:
     for f in (args.model, args.mmproj, args.image):
         if not Path(f).is_file():
             ap.error(f"no such file: {f}")
+    if args.out and args.out.exists() and any(args.out.resolve() == Path(f).resolve()
+                                              for f in (args.model, args.mmproj, args.image)):
+        ap.error(f"--out {args.out} is one of the inputs; name another file")
+    if args.limit_mib and not all(m > 0 for m in args.limit_mib):
+        ap.error("--limit-mib: each limit must be a positive number of MiB")
     if args.limit_pct and not all(0 < p <= 100 for p in args.limit_pct):
         ap.error("--limit-pct: each limit must be in (0, 100]")
     limits = args.limit_mib or [int(Path(args.model).stat().st_size * p / 100 / MIB) for p in args.limit_pct]
