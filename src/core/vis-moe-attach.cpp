@@ -5,6 +5,7 @@
 #include "vis-moe-attach-plan.h"
 #include "vis-moe-attach-upload.h"
 #include "vis-moe-encoder.h"
+#include "vis-moe-encoder-release.h"
 #include "vis-moe-capacity.h"
 #include "vis-moe-context.h"
 #include "vis-moe-lend.h"
@@ -106,6 +107,9 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
                           p2.n_slots, plan.n_slots, p2.n_slots);
             online = line;
         }
+    }
+    if (s.plan.encoder_release > 0 && rq.encoder_bytes > 0) {
+        online += vis_moe_encoder_release_plan(s, ap, rq.encoder_bytes, (int) model.hparams.n_expert);
     }
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
@@ -266,14 +270,14 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
         }
         // the staging slot (if any) and the padding hold finite zeros; with the online controller the slabs are
         // made for its most slots and only the active ones become resident: their pages are dropped, not written
-        if (ap.online_min_slots > 0) {
+        if (ap.online_min_slots > 0 || ap.encoder_held_slots > 0) {
             vis_buffer_clear_lazy(buf);
         } else {
             ggml_backend_buffer_clear(buf, 0);
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         vm.slab_bytes += (int64_t) ggml_backend_buffer_get_size(buf);
-        if (ap.online_min_slots > 0 && ggml_backend_buffer_is_host(buf)) {
+        if ((ap.online_min_slots > 0 || ap.encoder_held_slots > 0) && ggml_backend_buffer_is_host(buf)) {
             locked = false;  // locking would make every slot resident; the controller releases the inactive ones
         } else if (s.tier.mlock && ggml_backend_buffer_is_host(buf)) {
             locked = vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs") && locked;
@@ -507,6 +511,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         op.max_slots = ap.n_slots;
         op.n_ubatch  = lctx ? (int64_t) lctx->n_ubatch() : 512;
         vis_moe_online_attach(*vm, lctx, op);  // throws where it cannot work
+    }
+    if (ap.encoder_held_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
+        vis_moe_encoder_release_attach(*vm, ap.encoder_held_slots, ap.n_slots, vm->plan_encoder);
     }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {

@@ -1,0 +1,102 @@
+// vis-moe-encoder-release.cpp - the vision encoder's bytes handed to the expert slots (vis-moe-encoder-release.h).
+#include "vis-moe-encoder-release.h"
+#include "vis-moe-attach-plan.h"
+#include "vis-moe-context.h"
+#include "vis-moe-settings.h"
+#include "vis-error.h"
+#include "llama-vis.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+
+namespace {
+
+// a layer's share of `slots` when its slabs hold L.n_slots of the average layer's `of` (a per-layer split), >= 1
+int share(const vis_moe_layer & L, int slots, int of) {
+    return std::clamp((int) ((int64_t) L.n_slots * slots / std::max(1, of)), 1, L.n_slots);
+}
+
+} // namespace
+
+std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int64_t encoder_bytes,
+                                         int n_expert) {
+    if (s.plan.online > 0) {
+        throw std::runtime_error("VIS_MOE_ENCODER_RELEASE=on cannot run with VIS_MOE_ONLINE=on (both move the slot "
+                                 "limits); unset one of them");
+    }
+    const char * off = nullptr;
+    if (!ap.cpu_only) {
+        off = "the slabs are on a GPU, whose memory is not released page by page";
+    } else if (s.params.n_slots > 0) {
+        off = "--moe-slots fixes the slots";
+    } else if (ap.online_min_slots > 0 || ap.per_slot <= 0) {
+        off = "no slots to grow";
+    }
+    if (off) {
+        return std::string("; VIS_MOE_ENCODER_RELEASE: off (") + off + ")";
+    }
+    const int freed = (int) std::min<int64_t>(n_expert, ap.n_slots + encoder_bytes / ap.per_slot);
+    if (freed <= ap.n_slots) {
+        return "; VIS_MOE_ENCODER_RELEASE: off (the encoder's bytes buy no slot)";
+    }
+    ap.encoder_held_slots = ap.n_slots;
+    ap.n_slots            = freed;
+    char line[200];
+    std::snprintf(line, sizeof(line), "; VIS_MOE_ENCODER_RELEASE: slabs for %d slots, %d active until the vision "
+                  "encoder is freed", freed, ap.encoder_held_slots);
+    return line;
+}
+
+void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes) {
+    vm.encoder_release = vm.add(std::make_unique<vis_moe_encoder_release>(held, freed, encoder_bytes));
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        vis_moe_layer & L = vm.layers[il];
+        if (L.managed) {
+            L.min_active = share(L, held, freed);  // the graphs reserve passes for the fewest slots
+            vm.limit_slots(il, L.min_active);      // nothing is resident yet: the slabs were cleared lazily
+        }
+    }
+}
+
+void vis_moe_encoder_release::freed(vis_moe_context & vm) {
+    if (done) {
+        return;
+    }
+    done = true;
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        vis_moe_layer & L = vm.layers[il];
+        if (L.managed) {
+            vm.limit_slots(il, L.n_slots);
+        }
+    }
+    // seen without -v, like the online controller's resize lines
+    std::fprintf(stderr, "vis-moe: the vision encoder is freed: slots %d -> %d per layer (its %.0f MiB of the plan)\n",
+                 held, freed_slots, encoder_bytes / 1048576.0);
+    std::fflush(stderr);
+}
+
+void vis_moe_encoder_release::stats_print(const vis_moe_context & vm) const {
+    (void) vm;
+    std::fprintf(stderr, "vis-moe: encoder release: %d slots per layer while the vision encoder was loaded, %d %s\n",
+                 held, freed_slots, done ? "after it was freed" : "planned for after it (it was not freed)");
+}
+
+int32_t llama_vis_moe_encoder_releasable(const struct llama_context * ctx) {
+    const vis_moe_context * vm = ctx ? vis_moe_of(ctx) : nullptr;
+    return vm && vm->encoder_release && !vm->encoder_release->done ? 1 : 0;
+}
+
+int32_t llama_vis_moe_encoder_freed(struct llama_context * ctx) {
+    vis_clear_last_error();
+    vis_moe_context * vm = ctx ? vis_moe_of(ctx) : nullptr;
+    if (!vm || !vm->encoder_release) {
+        vis_set_last_error("llama_vis_moe_encoder_freed: this context's plan does not hand the vision encoder's bytes "
+                           "to the slots (VIS_MOE_ENCODER_RELEASE=on with --moe-mem and an --mmproj on the CPU)");
+        return -1;
+    }
+    vm->encoder_release->freed(*vm);
+    return 0;
+}
