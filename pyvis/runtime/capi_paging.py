@@ -471,3 +471,16 @@ def llama_vis_moe_plan_encoder(mmproj_path, image_max_tokens: int, flash_attn: i
 @ctypes_function("llama_vis_moe_planned_encoder", [ctypes.POINTER(llama_vis_encoder_estimate)], ctypes.c_int64)
 def llama_vis_moe_planned_encoder(out) -> int:
     """The encoder planned now (out may be NULL): its total_bytes, 0 if none."""
+
+
+# LLAMA_API int32_t llama_vis_moe_encoder_releasable(const struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_encoder_releasable", [llama_context_p], ctypes.c_int32)
+def llama_vis_moe_encoder_releasable(ctx) -> int:
+    """1 if ctx's plan gives the encoder's bytes to the slots once the tool frees its encoder
+    (VIS_MOE_ENCODER_RELEASE=on), else 0."""
+
+
+# LLAMA_API int32_t llama_vis_moe_encoder_freed(struct llama_context * ctx);
+@ctypes_function("llama_vis_moe_encoder_freed", [llama_context_p], ctypes.c_int32)
+def llama_vis_moe_encoder_freed(ctx) -> int:
+    """The tool has freed its encoder: ctx's expert slots grow by its bytes. 0, or -1."""
