@@ -488,6 +488,10 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (s.cap.on() && !hp.no_alloc) {
         vis_moe_capacity_attach(*vm, model, s);  // throws on a bad modality profile
     }
+    if (ap.encoder_held_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
+        // before the staging, which fits its buffers to the memory held until the encoder is freed
+        vis_moe_encoder_release_attach(*vm, ap.encoder_held_slots, ap.n_slots, vm->plan_encoder, ap.per_slot);
+    }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads
     }
@@ -511,9 +515,6 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
         op.max_slots = ap.n_slots;
         op.n_ubatch  = lctx ? (int64_t) lctx->n_ubatch() : 512;
         vis_moe_online_attach(*vm, lctx, op);  // throws where it cannot work
-    }
-    if (ap.encoder_held_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
-        vis_moe_encoder_release_attach(*vm, ap.encoder_held_slots, ap.n_slots, vm->plan_encoder);
     }
     if (vm->n_managed > 0 && !hp.no_alloc) {
         for (const auto & [name, t] : model.tensors_by_name) {

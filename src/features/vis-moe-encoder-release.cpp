@@ -6,7 +6,10 @@
 #include "vis-error.h"
 #include "llama-vis.h"
 
+#include "vis-pages.h"
+
 #include "llama-impl.h"
+#include "ggml-backend.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -50,13 +53,60 @@ std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_att
     return line;
 }
 
-void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes) {
-    vm.encoder_release = vm.add(std::make_unique<vis_moe_encoder_release>(held, freed, encoder_bytes));
+// every managed layer limited to its share of `slots` (the graphs reserve passes for the fewest)
+static void limit_all(vis_moe_context & vm, int slots, int of) {
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (L.managed) {
-            L.min_active = share(L, held, freed);  // the graphs reserve passes for the fewest slots
-            vm.limit_slots(il, L.min_active);      // nothing is resident yet: the slabs were cleared lazily
+            L.min_active = share(L, slots, of);
+            vm.limit_slots(il, L.min_active);
+        }
+    }
+}
+
+void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes, int64_t row_bytes) {
+    vm.encoder_release = vm.add(std::make_unique<vis_moe_encoder_release>(held, freed, encoder_bytes, row_bytes));
+    limit_all(vm, held, freed);  // nothing is resident yet: the slabs were cleared lazily
+}
+
+int vis_moe_encoder_release::fit_staging(vis_moe_context & vm, int n_buf, int64_t stride) {
+    const int64_t budget = (int64_t) planned_held * row_bytes;
+    const int64_t layer  = vm.n_managed > 0 ? row_bytes / vm.n_managed : row_bytes;  // one slot of one layer
+    for (int n = n_buf; n >= 1; --n) {
+        // the buffers span whole slabs: beside the h active slots counted in h rows, the inactive share of the
+        // region (one layer's inactive slots more where it ends inside a layer)
+        const int64_t region = (int64_t) n * stride;
+        for (int h = planned_held; h >= 1; --h) {
+            const int64_t over = region * (freed_slots - h) / freed_slots + (int64_t) (freed_slots - h) * layer;
+            if ((int64_t) h * row_bytes + over <= budget) {
+                if (h != held) {
+                    LLAMA_LOG_INFO("vis-moe: VIS_MOE_ENCODER_RELEASE: %d slots per layer instead of %d until the "
+                                   "vision encoder is freed, for %d staging buffer%s of %.0f MiB over the slabs\n", h,
+                                   planned_held, n, n == 1 ? "" : "s", stride / 1048576.0);
+                    held = h;
+                    limit_all(vm, h, freed_slots);
+                }
+                return n;
+            }
+        }
+    }
+    return 0;
+}
+
+void vis_moe_encoder_release::ubatch_end(vis_moe_context & vm) {
+    if (done) {
+        return;
+    }
+    for (auto & L : vm.layers) {
+        if (!L.managed) {
+            continue;
+        }
+        for (int sl = L.slots.n_active(); sl < L.n_slots; ++sl) {
+            for (ggml_tensor * t : L.slab) {
+                if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
+                    vis_release_pages((uint8_t *) t->data + (size_t) sl * t->nb[2], t->nb[2], false, false);
+                }
+            }
         }
     }
 }
@@ -80,8 +130,9 @@ void vis_moe_encoder_release::freed(vis_moe_context & vm) {
 
 void vis_moe_encoder_release::stats_print(const vis_moe_context & vm) const {
     (void) vm;
-    std::fprintf(stderr, "vis-moe: encoder release: %d slots per layer while the vision encoder was loaded, %d %s\n",
-                 held, freed_slots, done ? "after it was freed" : "planned for after it (it was not freed)");
+    std::fprintf(stderr, "vis-moe: encoder release: %d slots per layer while the vision encoder was loaded (the plan: %d), "
+                 "%d %s\n", held, planned_held, freed_slots,
+                 done ? "after it was freed" : "planned for after it (it was not freed)");
 }
 
 int32_t llama_vis_moe_encoder_releasable(const struct llama_context * ctx) {

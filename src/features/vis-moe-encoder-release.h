@@ -22,18 +22,27 @@ struct vis_moe_settings;
 
 class vis_moe_encoder_release : public vis_moe_feature {
 public:
-    vis_moe_encoder_release(int held, int freed, int64_t encoder_bytes)
-        : held(held), freed_slots(freed), encoder_bytes(encoder_bytes) {}
+    vis_moe_encoder_release(int held, int freed, int64_t encoder_bytes, int64_t row_bytes)
+        : held(held), planned_held(held), freed_slots(freed), encoder_bytes(encoder_bytes), row_bytes(row_bytes) {}
 
     const char * feature_name() const override { return "encoder-release"; }
+    // while the encoder is loaded: the pages of the slots above the limit dropped again (staged streaming writes
+    // its buffers over whole slabs, vis-moe-stage.h)
+    void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
 
     // the tool freed the encoder: every managed layer's limit rises to its slabs' size (once; later calls do nothing)
     void freed(vis_moe_context & vm);
+    // Staged streaming (vis-moe-stage.cpp) puts n_buf buffers of `stride` bytes over the first slabs, the slots above
+    // the limit included, so while the encoder is loaded those pages are resident too.  Returns the buffers that fit
+    // the memory held (planned_held slots), lowering `held` to make room; 0: none fits (stream through the page cache).
+    int fit_staging(vis_moe_context & vm, int n_buf, int64_t stride);
 
-    const int     held;           // slots per layer while the encoder is loaded (a layer with the average count)
+    int           held;           // slots per layer while the encoder is loaded (a layer with the average count)
+    const int     planned_held;   // ... as the plan gave them (staging may lower `held`)
     const int     freed_slots;    // ... once it is freed: the slabs' size
     const int64_t encoder_bytes;  // what the plan counted for it
+    const int64_t row_bytes;      // one slot in every managed layer
     bool          done = false;   // freed() ran
 };
 
@@ -42,5 +51,5 @@ public:
 // where the knob cannot work (VIS_MOE_ONLINE=on also moves the limits).
 std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int64_t encoder_bytes,
                                          int n_expert);
-// After the slabs exist: the feature, and every managed layer limited to its share of `held`.
-void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes);
+// After the slabs exist, before the staging: the feature, and every managed layer limited to its share of `held`.
+void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes, int64_t row_bytes);

@@ -1,5 +1,6 @@
 // vis-moe-stage.cpp - staged prefill streaming (vis-moe-stage.h).
 #include "vis-moe-stage.h"
+#include "vis-moe-encoder-release.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-fetch-slots.h"
@@ -139,6 +140,16 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
     int n_buf = 0;
     for (int n = 2; n >= 1 && stride > 0 && n_buf == 0; --n) {
         n_buf = place_blocks(vm.bufs, n, kind_bytes, blocks) ? n : 0;
+    }
+    if (n_buf > 0 && vm.encoder_release) {
+        // the slabs are larger than the memory held until the vision encoder is freed: the buffers must fit that
+        n_buf = vm.encoder_release->fit_staging(vm, n_buf, stride);
+        if (n_buf == 0) {
+            LLAMA_LOG_INFO("vis-moe: prefill streaming through the page cache: staging a layer's experts (%.0f MiB) in "
+                           "the slabs does not fit next to the vision encoder (VIS_MOE_ENCODER_RELEASE)\n",
+                           stride / 1048576.0);
+            return;
+        }
     }
     if (n_buf == 0) {
         if (stride > 0) {
