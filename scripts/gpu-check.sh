@@ -19,6 +19,11 @@
 #   bash scripts/gpu-check.sh            # ~15-25 min on an H100 machine (16 cores)
 #
 # VIS_GPU_CHECK_STEPS="2 4" runs only those of steps 2-5 (default: all; the build always runs on a GPU).
+# VIS_GPU_CHECK_BIN=DIR skips step 1 and runs a cuda build made elsewhere (e.g. `bash scripts/cuda-check.sh cuda 90`
+# on a machine with nvcc, its build-cuda/bin carried to the GPU machine; put DIR and the toolkit's cuBLAS/cudart on
+# LD_LIBRARY_PATH).  VIS_GPU_CHECK_PYTHON=PY runs the Python parts (fixtures, shapes, shadows: numpy and gguf, no
+# llama_cpp) with PY instead of .venv/bin/python, for a machine without scripts/setup.sh's venv; the fixtures'
+# tokenizer then comes from $VIS_SMOLLM2_GGUF (only its tokenizer.* keys are read).
 # Written without a GPU to test it on.  VIS_GPU_CHECK_CPU=1 runs steps 2, 3 and 5 on the CPU build instead (no
 # nvidia-smi, no CUDA build, step 3 on a 2-layer model): that is how its logic was checked.  Each step logs and
 # continues, so one failure still leaves a report.
@@ -34,6 +39,7 @@ printf '# vis-moe GPU check\n\n' > "$REPORT"
 say "- date: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 CPU_MODE="${VIS_GPU_CHECK_CPU:-0}"
 STEPS=" ${VIS_GPU_CHECK_STEPS:-2 3 4 5} "
+PY="${VIS_GPU_CHECK_PYTHON:-.venv/bin/python}"
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 NGL=(-ngl 99)
 LAYERS=16
@@ -45,16 +51,25 @@ else
     say "- GPU: $(nvidia-smi --query-gpu=name,memory.total,compute_cap,driver_version --format=csv,noheader | head -1)"
     ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')"
     say ""; say "## 1. build"
-    t0=$(date +%s)
-    if logrun bash scripts/setup.sh && logrun bash scripts/cuda-check.sh cuda "$ARCH"; then
-        say "- cuda preset for sm_$ARCH built in $(( $(date +%s) - t0 )) s (setup included)"
+    if [ -n "${VIS_GPU_CHECK_BIN:-}" ]; then
+        BIN="$(cd "$VIS_GPU_CHECK_BIN" 2>/dev/null && pwd)" || { say "- VIS_GPU_CHECK_BIN=$VIS_GPU_CHECK_BIN: no such directory"; exit 1; }
+        [ -x "$BIN/llama-cli" ] && ls "$BIN"/libggml-cuda.so* >/dev/null 2>&1 ||
+            { say "- VIS_GPU_CHECK_BIN=$BIN: no llama-cli or libggml-cuda.so there (a cuda build's bin/)"; exit 1; }
+        missing="$(ldd "$BIN"/libggml-cuda.so "$BIN/llama-cli" 2>&1 | grep 'not found' | sort -u | tr -s ' \t' ' ')"
+        [ -z "$missing" ] || { say "- prebuilt binaries miss libraries:$missing (add their folders to LD_LIBRARY_PATH)"; exit 1; }
+        say "- prebuilt cuda build (VIS_GPU_CHECK_BIN): $BIN; GPU architecture sm_$ARCH"
     else
-        say "- build FAILED after $(( $(date +%s) - t0 )) s: see gpu-check.log"; exit 1
+        t0=$(date +%s)
+        if logrun bash scripts/setup.sh && logrun bash scripts/cuda-check.sh cuda "$ARCH"; then
+            say "- cuda preset for sm_$ARCH built in $(( $(date +%s) - t0 )) s (setup included)"
+        else
+            say "- build FAILED after $(( $(date +%s) - t0 )) s: see gpu-check.log"; exit 1
+        fi
+        BIN="$ROOT/build-cuda/bin"
     fi
-    BIN="$ROOT/build-cuda/bin"
 fi
-logrun .venv/bin/python -m pyvis.cli fixtures
-TEXT="$(mktemp)"; .venv/bin/python -c "print(' '.join(f'word{i % 97} experts route tokens to slabs' for i in range(400)))" > "$TEXT"
+logrun "$PY" -c "from pyvis import fixtures as fx; fx.ensure_all()" || { say "- fixtures could not be written: see gpu-check.log"; exit 1; }
+TEXT="$(mktemp)"; "$PY" -c "print(' '.join(f'word{i % 97} experts route tokens to slabs' for i in range(400)))" > "$TEXT"
 
 if want 2; then
 say ""; say "## 2. byte identity on the GPU (KL divergence against the plain -ngl 99 run)"
@@ -63,7 +78,7 @@ for m in qwen3moe deepseek2 gptoss mixtral qwen3vlmoe; do
     M="models/fixtures/$m.gguf"; base="$(mktemp)"
     PPL=("$BIN/llama-perplexity" -m "$M" -f "$TEXT" -c 128 -b 128 --chunks 3 "${NGL[@]}")
     logrun "${PPL[@]}" --kl-divergence-base "$base" || { say "| $m | base run failed | | | |"; continue; }
-    n_exp="$(.venv/bin/python -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
+    n_exp="$("$PY" -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
     read -r E K <<<"$n_exp"
     # "" = the plain run against its own base: the floor set by the base file's 16-bit log-probabilities
     for cfg in "" "--moe-slots $K" "--moe-slots 1" "--moe-slots $((E / 2)) --moe-pinned-layers 1" "--moe-slots $K --moe-store model"; do
@@ -80,7 +95,7 @@ fi
 if want 3; then
 say ""; say "## 3. residency benchmark: upstream --n-cpu-moe vs our slabs (llama-bench -p 512 -n 128 -r 3)"
 LARGE="models/bench/qwen3moe-30b-a3b-${LAYERS}L-q4_0.gguf"
-[ -f "$LARGE" ] || logrun .venv/bin/pyvis fixtures --large --layers "$LAYERS" --out models/bench
+[ -f "$LARGE" ] || logrun "$PY" -c "from pyvis import fixtures as fx; from pyvis.fixtures import large; large.write_large('models/bench', fx.large_preset(n_layer=$LAYERS))"
 say ""; say "| config | pp512 tok/s | tg128 tok/s | VRAM used (MiB) |"; say "|---|---|---|---|"
 bench() {  # label, env, args...
     local label="$1" envs="$2"; shift 2
@@ -112,7 +127,7 @@ PROMPT="Mixture-of-experts layers route every token to a few experts; a cache ke
 gen_text() { awk -v p="> ${PROMPT:0:20}" 'index($0, p) == 1 {on = 1} /^\[ Prompt:/ {on = 0} on' "$1"; }
 for m in qwen3moe deepseek2; do  # fixtures with room for background reads beside a pass
     M="models/fixtures/$m.gguf"
-    read -r E K <<<"$(.venv/bin/python -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
+    read -r E K <<<"$("$PY" -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
     ref=""
     for row in "tier 2 pinned;;" "--moe-pin-mib off;;--moe-pin-mib off" "pinning refused;GGML_CUDA_NO_PINNED=1;"; do
         IFS=';' read -r label envs flags <<<"$row"
@@ -150,11 +165,11 @@ say ""; say "| fixture | config | mean KLD | max KLD | same top-1 |"; say "|---|
 SH_DIR="$(mktemp -d)"
 for m in qwen3moe deepseek2; do
     M="models/fixtures/$m.gguf"; S="$SH_DIR/$m.shadow.gguf"; H="$SH_DIR/$m.hybrid.gguf"; base="$(mktemp)"
-    logrun .venv/bin/python -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_1', '$S', threads=4); sh.write_hybrid('$M', '$S', '$H')" \
+    logrun "$PY" -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_1', '$S', threads=4); sh.write_hybrid('$M', '$S', '$H')" \
         || { say "| $m | shadow/hybrid not written | | | |"; continue; }
     PPL=("$BIN/llama-perplexity" -f "$TEXT" -c 128 -b 128 --chunks 3 "${NGL[@]}")
     logrun "${PPL[@]}" -m "$H" -nr --kl-divergence-base "$base" || { say "| $m | hybrid base run failed | | | |"; continue; }
-    read -r E K <<<"$(.venv/bin/python -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
+    read -r E K <<<"$("$PY" -c "from pyvis.runtime import plan; s = plan.read_shape('$M'); print(s.n_expert, s.n_expert_used)")"
     for cfg in "--moe-slots $K" "--moe-slots 2 --moe-shadow-slots 2"; do
         out="$(VIS_MOE_STREAM_PASSES=0 "${PPL[@]}" -m "$M" --kl-divergence-base "$base" --kl-divergence $cfg \
                --moe-shadow "$S" --moe-precision all --moe-prec-refetch off 2>&1)"; echo "$out" >> "$LOG"
@@ -168,7 +183,7 @@ done
 say ""; say "An image prompt with the vision policy and the capacity (llama-mtmd-cli -ngl 99): it must finish, and the"
 say "capacity forces experts in instead of dropping (drops are CPU-only)."
 M=models/fixtures/qwen3vlmoe.gguf; S="$SH_DIR/vl.shadow.gguf"
-logrun .venv/bin/python -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_0', '$S', threads=4)"
+logrun "$PY" -c "from pyvis.runtime import shadow as sh; sh.write_shadow('$M', 'Q4_0', '$S', threads=4)"
 out="$("$BIN/llama-mtmd-cli" -m "$M" --mmproj models/fixtures/qwen3vlmoe-mmproj.gguf --image models/fixtures/test-image.png \
        -p "Describe the image." -n 8 --temp 0 -c 512 "${NGL[@]}" --moe-slots 4 --moe-stats --moe-shadow "$S" \
        --moe-precision vision --moe-capacity 2 2>&1)"; rc=$?; echo "$out" >> "$LOG"

@@ -85,7 +85,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
     ap.n_slots    = plan.n_slots;
     ap.host_bytes = plan.host_bytes;
     ap.pageable   = plan.pageable_bytes;
-    std::string online;
+    std::string suffix;  // the plan line's: the online controller's slots, the encoder release's
     if (s.plan.online > 0) {
         // the online controller (vis-moe-online.h): the KV cache priced at its admission floor, one sequence of the
         // asked context; the slabs made for the slots that leaves, the controller shrinks them as the KV cache grows
@@ -105,11 +105,17 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
             std::snprintf(line, sizeof(line), "; online controller: KV priced at its floor %.0f MiB (one sequence of "
                           "%.0f), slabs for %d slots, %d..%d active", rq2.kv_bytes / 1048576.0, rq.kv_bytes / 1048576.0,
                           p2.n_slots, plan.n_slots, p2.n_slots);
-            online = line;
+            suffix = line;
         }
     }
     if (s.plan.encoder_release > 0 && rq.encoder_bytes > 0) {
-        online += vis_moe_encoder_release_plan(s, ap, rq.encoder_bytes, (int) model.hparams.n_expert);
+        // the slots once the encoder is freed: the plan without it.  Where the floor left resident weights pageable,
+        // that plan gives them the encoder's bytes first: they stay unlocked, the page cache gets the room
+        llama_vis_moe_plan_request rq3 = rq;
+        rq3.encoder_bytes = 0;
+        struct llama_vis_moe_plan p3;
+        const int without = llama_vis_moe_plan(&rq3, &p3) == 0 && p3.ok && p3.pageable_bytes == 0 ? p3.n_slots : 0;
+        suffix += vis_moe_encoder_release_plan(s, ap, without, rq.encoder_bytes, (int) model.hparams.n_expert);
     }
     ap.planned    = s.params.n_slots <= 0;
     vm.plan_budget  = plan.budget;
@@ -137,7 +143,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
                    vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0, plan.slab_bytes / 1048576.0,
                    plan.n_slots,
-                   ap.managed.size(), plan.host_bytes / 1048576.0, online.c_str());
+                   ap.managed.size(), plan.host_bytes / 1048576.0, suffix.c_str());
 }
 
 // step 3: slots per managed layer and the host-cache bytes

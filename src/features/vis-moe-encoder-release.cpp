@@ -24,8 +24,8 @@ int share(const vis_moe_layer & L, int slots, int of) {
 
 } // namespace
 
-std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int64_t encoder_bytes,
-                                         int n_expert) {
+std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int without,
+                                         int64_t encoder_bytes, int n_expert) {
     if (s.plan.online > 0) {
         throw std::runtime_error("VIS_MOE_ENCODER_RELEASE=on cannot run with VIS_MOE_ONLINE=on (both move the slot "
                                  "limits); unset one of them");
@@ -41,9 +41,12 @@ std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_att
     if (off) {
         return std::string("; VIS_MOE_ENCODER_RELEASE: off (") + off + ")";
     }
-    const int freed = (int) std::min<int64_t>(n_expert, ap.n_slots + encoder_bytes / ap.per_slot);
+    const int freed = (int) std::min<int64_t>({ (int64_t) n_expert, (int64_t) without,
+                                                ap.n_slots + encoder_bytes / ap.per_slot });
     if (freed <= ap.n_slots) {
-        return "; VIS_MOE_ENCODER_RELEASE: off (the encoder's bytes buy no slot)";
+        return without <= 0 ? "; VIS_MOE_ENCODER_RELEASE: off (without the encoder the budget still leaves resident "
+                              "weights pageable: its bytes go to them)"
+                            : "; VIS_MOE_ENCODER_RELEASE: off (the encoder's bytes buy no slot)";
     }
     ap.encoder_held_slots = ap.n_slots;
     ap.n_slots            = freed;
@@ -123,7 +126,7 @@ void vis_moe_encoder_release::freed(vis_moe_context & vm) {
         }
     }
     // seen without -v, like the online controller's resize lines
-    std::fprintf(stderr, "vis-moe: the vision encoder is freed: slots %d -> %d per layer (its %.0f MiB of the plan)\n",
+    std::fprintf(stderr, "vis-moe: the vision encoder is freed: slots %d -> %d per layer (the plan without its %.0f MiB)\n",
                  held, freed_slots, encoder_bytes / 1048576.0);
     std::fflush(stderr);
 }

@@ -46,10 +46,11 @@ public:
     bool          done = false;   // freed() ran
 };
 
-// At planning (vis-moe-attach.cpp): where it applies, the slabs grow to the slots the encoder's bytes buy
-// (ap.n_slots) and ap.encoder_held_slots keeps the count with the encoder; returns the plan line's suffix.  Throws
-// where the knob cannot work (VIS_MOE_ONLINE=on also moves the limits).
-std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int64_t encoder_bytes,
-                                         int n_expert);
+// At planning (vis-moe-attach.cpp): where it applies, the slabs grow to the slots of the plan without the encoder
+// (`without`; 0: that plan leaves resident weights pageable or fails), at most those its bytes buy, into ap.n_slots, and
+// ap.encoder_held_slots keeps the count with the encoder; returns the plan line's suffix.  Throws where the knob
+// cannot work (VIS_MOE_ONLINE=on also moves the limits).
+std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int without,
+                                         int64_t encoder_bytes, int n_expert);
 // After the slabs exist, before the staging: the feature, and every managed layer limited to its share of `held`.
 void vis_moe_encoder_release_attach(vis_moe_context & vm, int held, int freed, int64_t encoder_bytes, int64_t row_bytes);
