@@ -8,6 +8,7 @@
 #include "vis-moe-encoder-release.h"
 #include "vis-moe-capacity.h"
 #include "vis-moe-context.h"
+#include "vis-moe-passes.h"
 #include "vis-moe-lend.h"
 #include "vis-moe-stage.h"
 #include "vis-moe-fetch.h"  // vis_moe_context's members, destroyed if creation throws
@@ -217,7 +218,9 @@ void create_layer(const llama_model & model, int il, const attach_plan & ap, ggm
     const int ns = std::min(ap.slots(il), n_exp);
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         if (ggml_tensor * t = L.orig[ti]) {
-            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], ns + ap.staging);
+            // staging slots for the pairs of other passes (with a GPU): enough for distinct ids per token
+            L.slab[ti] = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1],
+                                            ns + vis_moe_staging_slots(ap.cpu_only, ns, vm.n_expert_used));
             ggml_format_name(L.slab[ti], "vis_slab.blk.%d.%s", il, VIS_T_NAME[ti]);
         }
     }

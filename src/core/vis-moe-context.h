@@ -142,7 +142,8 @@ struct vis_moe_layer {
     // prefill streaming can serve it (docs/paging.md#prefill-streaming): its experts come from the file and it runs
     // on the CPU only (with a GPU, a host-weight mul_mat_id would be copied to the device whole)
     bool can_stream() const { return managed && deferred && cpu_passes; }
-    // the id a pair of another pass gets: skipped on CPU (-1), else the staging slot
+    // the id a pair of another pass gets: skipped on CPU (-1), else the staging slot (made distinct per token by
+    // vis_moe_distinct_foreign, vis-moe-passes.h)
     int32_t foreign_id() const { return cpu_passes ? -1 : n_slots; }
 };
 

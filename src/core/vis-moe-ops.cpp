@@ -63,7 +63,7 @@ static void plan_ubatch(ids_op & a, const ggml_tensor * ids_t, const ggml_tensor
         f->plan_collected(cvm, L, il, done, waited, a.ids, a.n_pairs);
     }
     vis_ubatch_plan & plan = vm.planning;
-    plan.begin(a.n_pairs);  // the routed ids, unless a planner picks others
+    plan.begin(a.n_pairs, ids_t->ne[0]);  // the routed ids, unless a planner picks others
     for (auto & f : vm.features) {
         f->plan_route(cvm, L, il, plan, ids_t, dep, scores);  // stand-ins, then image pairs over capacity rerouted
     }
@@ -100,7 +100,7 @@ static void pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_ten
             return;
         }
         vis_moe_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out);
-    }, [&](int64_t) { return a.L.foreign_id(); });
+    }, [&](int64_t j) { return a.L.cpu_passes ? -1 : (int32_t) (j % ids_t->ne[0]); });  // distinct in a row
 }
 
 void vis_moe_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {
@@ -129,7 +129,7 @@ void vis_moe_shadow_pass_op(ggml_tensor * dst, const ggml_tensor * ids_t, const 
     guarded(a.vm, a.out, a.n_pairs, [&]() {
         vis_shadow_run_pass(a.vm, a.L, a.ud.il, a.ud.pass, a.L.run_ids(a.ids), a.n_pairs, a.out,
                             a.vm.precision->stats(a.ud.il));
-    }, [&](int64_t) { return a.L.cpu_passes ? -1 : a.L.shadow.n_slots; });
+    }, [&](int64_t j) { return a.L.cpu_passes ? -1 : (int32_t) (j % ids_t->ne[0]); });  // distinct in a row
 }
 
 void vis_moe_select_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_tensor * dep, int ith, int nth, void * userdata) {

@@ -82,6 +82,46 @@ void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64
         const int e = ids[j];
         out[j] = pass_of[e] == p ? L.slots.slot_of(e) : L.foreign_id();
     }
+    if (!L.cpu_passes && L.any_slab()) {
+        vis_moe_distinct_foreign(out, n_pairs, L.ubatch_plan.n_used, (int32_t) L.any_slab()->ne[2], L.foreign_id());
+    }
+}
+
+bool vis_moe_distinct_foreign(int32_t * out, int64_t n_pairs, int64_t k, int32_t n_ids, int32_t marker) {
+    if (k <= 1 || n_ids < k || n_pairs % k != 0) {
+        return k <= 1;  // one pair per token cannot repeat
+    }
+    std::vector<uint8_t> used((size_t) n_ids, 0);
+    for (int64_t r = 0; r < n_pairs; r += k) {
+        int32_t * row = out + r;
+        bool any = false;
+        for (int64_t i = 0; i < k; ++i) {
+            if (row[i] != marker) {
+                used[(size_t) row[i]] = 1;
+            } else {
+                any = true;
+            }
+        }
+        int32_t c = n_ids - 1;
+        for (int64_t i = 0; any && i < k; ++i) {
+            if (row[i] == marker) {
+                while (used[(size_t) c]) {
+                    --c;  // n_ids >= k: a free id remains for every foreign pair
+                }
+                row[i] = c--;
+            }
+        }
+        for (int64_t i = 0; i < k; ++i) {
+            if (row[i] >= 0 && row[i] < n_ids) {
+                used[(size_t) row[i]] = 0;
+            }
+        }
+    }
+    return true;
+}
+
+int vis_moe_staging_slots(bool cpu_only, int n_slots, int k) {
+    return cpu_only ? 0 : std::max(1, k - n_slots);
 }
 
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s) {

@@ -41,7 +41,22 @@ bool vis_moe_streams(const vis_moe_context & vm, const vis_moe_layer & L, int64_
 void vis_moe_plan_passes(const vis_moe_layer & L, vis_ubatch_plan & plan, const int32_t * ids, int64_t n_pairs);
 
 // the ids of pass p of the layer's ubatch plan: each pair's slot if its expert runs in pass p, else L.foreign_id()
+// (made distinct per token where the layer's mul_mat_id may run on a GPU: vis_moe_distinct_foreign)
 void vis_moe_pass_ids(const vis_moe_layer & L, int p, const int32_t * ids, int64_t n_pairs, int32_t * out);
+
+// The slab ids of a pass on a layer whose mul_mat_id may run on a GPU (no id -1 there: patch 0006 is CPU-only).
+// Upstream's CUDA mul_mat_id for a batch (mmid.cu's mm_ids_helper and the scatter that quantizes each token once)
+// assumes a token never names one matrix twice: two pairs of a token on the one staging slot left a row of its
+// index maps unwritten, and the kernels wrote out of bounds (seen on an H100: illegal memory access, compute-sanitizer
+// in quantize_mmq_q8_1; wrong logits where it did not crash).  So each token's pairs that are not in the pass
+// (`marker`) get ids distinct from each other and from the token's own ids, among [0, n_ids) (the staging slots
+// first, from the top): their products are computed and dropped, as the staging slot's were.  Rows of k pairs; needs
+// n_ids >= k (vis_moe_staging_slots sizes the slabs so); returns false, changing nothing, where n_ids < k.
+bool vis_moe_distinct_foreign(int32_t * out, int64_t n_pairs, int64_t k, int32_t n_ids, int32_t marker);
+
+// The staging slots a managed layer's slabs get beside its n_slots: none on a CPU-only run (id -1 skips), else
+// enough for vis_moe_distinct_foreign: max(1, k - n_slots) for top-k routing.
+int vis_moe_staging_slots(bool cpu_only, int n_slots, int k);
 
 // evict the expert in slot s (unified memory: it moves down to tier 2 instead of being dropped)
 void vis_moe_evict_slot(vis_moe_context & vm, vis_moe_layer & L, int il, int s);

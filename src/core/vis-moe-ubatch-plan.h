@@ -45,6 +45,7 @@ struct vis_plan_read {
 
 struct vis_ubatch_plan {
     int64_t n_pairs = 0;  // (token, expert) pairs of the ubatch: n_tokens * k
+    int64_t n_used  = 1;  // k: the pairs of one token (a row of the ids)
 
     // route: the expert each pair runs and why (substitution, capacity); without sub_active the routed ids
     bool                 sub_active = false;
@@ -65,9 +66,10 @@ struct vis_ubatch_plan {
     // the reads to start in the background once pass 0 is loaded
     std::vector<vis_plan_read> reads;
 
-    // a new ubatch of n_pairs pairs: the routed ids, no reads (the buffers keep their capacity)
-    void begin(int64_t n) {
+    // a new ubatch of n pairs, k per token: the routed ids, no reads (the buffers keep their capacity)
+    void begin(int64_t n, int64_t k) {
         n_pairs    = n;
+        n_used     = k;
         sub_active = false;
         overlap_first = 0;
         reads.clear();

@@ -120,6 +120,10 @@ void vis_shadow_run_pass(vis_moe_context & vm, vis_moe_layer & L, int il, int sp
         out[j] = plan.pass_of[e] == me ? S.pool.slot_of(e) : foreign;
         st.n_shadow_pairs += plan.pass_of[e] == me ? 1 : 0;
     }
+    const ggml_tensor * slab = S.slab[0] ? S.slab[0] : S.slab[2] ? S.slab[2] : S.slab[3];
+    if (!L.cpu_passes && slab) {
+        vis_moe_distinct_foreign(out, n_pairs, plan.n_used, (int32_t) slab->ne[2], foreign);  // a GPU's mul_mat_id
+    }
     st.load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -153,7 +157,8 @@ void vis_shadow_slots_create(vis_moe_context & vm, int n_slots) {
                                          std::to_string(il) + " (loader bug)");
             }
             S.src[k]  = t;
-            S.slab[k] = ggml_new_tensor_3d(c, t->type, t->ne0, t->ne1, ns + (L.cpu_passes ? 0 : 1));
+            S.slab[k] = ggml_new_tensor_3d(c, t->type, t->ne0, t->ne1,
+                                           ns + vis_moe_staging_slots(L.cpu_passes, ns, vm.n_expert_used));
             ggml_format_name(S.slab[k], "vis_shadow_slab.blk.%zu.%s", il, KIND[k]);
             S.expert_bytes += (int64_t) S.slab[k]->nb[2];
         }
