@@ -122,6 +122,7 @@ void vis_moe_encoder_release::freed(vis_moe_context & vm) {
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (L.managed) {
+            L.min_active = 0;  // no lower limit follows: the graphs plan their passes for the slabs' slots again
             vm.limit_slots(il, L.n_slots);
         }
     }
