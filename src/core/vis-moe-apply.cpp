@@ -76,12 +76,18 @@ int64_t vis_moe_context::limit_slots(int il, int n) {
     }
     int64_t dropped = 0;
     for (int s : L.slots.limit(n)) {
-        for (ggml_tensor * t : L.slab) {
-            if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
-                dropped += vis_release_pages((uint8_t *) t->data + (size_t) s * t->nb[2], t->nb[2], false, false);
-            }
-        }
+        dropped += drop_slot_pages(il, s);
     }
     graph_epoch++;  // the graphs' pass counts were planned at the old limit
+    return dropped;
+}
+
+int64_t vis_moe_context::drop_slot_pages(int il, int s) {
+    int64_t dropped = 0;
+    for (ggml_tensor * t : layers[il].slab) {
+        if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
+            dropped += vis_release_pages((uint8_t *) t->data + (size_t) s * t->nb[2], t->nb[2], false, false);
+        }
+    }
     return dropped;
 }

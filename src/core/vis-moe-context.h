@@ -87,7 +87,8 @@ private:
 struct vis_moe_layer {
     bool managed  = false;
     int  n_slots  = 0;      // cache slots; with a staging slot, slot index n_slots is it
-    int  min_active = 0;    // the online controller's lowest slot limit (vis-moe-online.h), 0: no controller
+    int  min_active = 0;    // the lowest slot limit a controller may set (the online controller, vis-moe-online.h;
+                            // the encoder release until the encoder is freed), 0: none
     int  n_expert = 0;
     int64_t expert_bytes = 0;
 
@@ -246,10 +247,13 @@ struct vis_moe_context {
     // background reads into layer il's slots, in order (apply's second half; prefetch's reads ahead): each read's
     // `done` written (vis-moe-ubatch-plan.h)
     void apply_reads(int il, std::vector<vis_plan_read> & reads);
-    // the one place a layer's slot limit changes (the online controller, vis-moe-online.h; vis-moe-apply.cpp): on a
+    // the one place a layer's slot limit changes (the online controller, the encoder release; vis-moe-apply.cpp): on a
     // shrink its background reads are collected first; the slots at and above n are emptied and their pages released
     // (vis-pages.h), and graph_epoch is bumped.  Between ubatches only.  Returns the bytes released.
     int64_t limit_slots(int il, int n);
+    // drop the pages of layer il's slot s in every slab tensor held in host memory (the slot's contents are not
+    // needed: it is above the limit, or emptied); returns the bytes released
+    int64_t drop_slot_pages(int il, int s);
     // the index of layer L in `layers`
     int index_of(const vis_moe_layer & L) const { return (int) (&L - layers.data()); }
     // the full-precision passes of an image ubatch of L bounded by a feature (0: no bound)

@@ -6,10 +6,7 @@
 #include "vis-error.h"
 #include "llama-vis.h"
 
-#include "vis-pages.h"
-
 #include "llama-impl.h"
-#include "ggml-backend.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -35,7 +32,7 @@ std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_att
         off = "the slabs are on a GPU, whose memory is not released page by page";
     } else if (s.params.n_slots > 0) {
         off = "--moe-slots fixes the slots";
-    } else if (ap.online_min_slots > 0 || ap.per_slot <= 0) {
+    } else if (ap.per_slot <= 0) {
         off = "no slots to grow";
     }
     if (off) {
@@ -97,19 +94,13 @@ int vis_moe_encoder_release::fit_staging(vis_moe_context & vm, int n_buf, int64_
 }
 
 void vis_moe_encoder_release::ubatch_end(vis_moe_context & vm) {
-    if (done) {
-        return;
+    if (done || !vm.stage) {
+        return;  // only staged streaming writes above the limit
     }
-    for (auto & L : vm.layers) {
-        if (!L.managed) {
-            continue;
-        }
-        for (int sl = L.slots.n_active(); sl < L.n_slots; ++sl) {
-            for (ggml_tensor * t : L.slab) {
-                if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
-                    vis_release_pages((uint8_t *) t->data + (size_t) sl * t->nb[2], t->nb[2], false, false);
-                }
-            }
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        const vis_moe_layer & L = vm.layers[il];
+        for (int sl = L.managed ? L.slots.n_active() : L.n_slots; sl < L.n_slots; ++sl) {
+            vm.drop_slot_pages(il, sl);
         }
     }
 }

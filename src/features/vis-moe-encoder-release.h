@@ -26,8 +26,8 @@ public:
         : held(held), planned_held(held), freed_slots(freed), encoder_bytes(encoder_bytes), row_bytes(row_bytes) {}
 
     const char * feature_name() const override { return "encoder-release"; }
-    // while the encoder is loaded: the pages of the slots above the limit dropped again (staged streaming writes
-    // its buffers over whole slabs, vis-moe-stage.h)
+    // while the encoder is loaded and streaming is staged: the pages of the slots above the limit dropped again
+    // (staged streaming writes its buffers over whole slabs, vis-moe-stage.h)
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
 
