@@ -4,7 +4,7 @@
 # more than the 64 MiB that travel), gguf-py, a GGUF holding only SmolLM2's tokenizer keys (the fixtures' tokenizer),
 # and the vendor stamp.  Then, with the device tool (carry [".devcarry"]):
 #
-#   bash scripts/gpu-device.sh "2 4 5" 400     # build the cuda preset there (~270 s on 16 cores), then those steps
+#   bash scripts/gpu-device.sh "2 4 5" 400     # build the cuda preset there (~300 s on 16 cores), then those steps
 #
 # Needs scripts/setup.sh to have run here (.venv, vendor/).  .devcarry/ is git-ignored (.git/info/exclude).
 set -euo pipefail
