@@ -230,7 +230,7 @@ static void test_settings() {
     CHECK(llama_vis_moe_get_flag(n, &f) == -1);
 
     // the one reserve estimate grows with the ubatch and has a runtime floor
-    CHECK(llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0) == (64ll << 20));
+    CHECK(llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0) == (96ll << 20));
     CHECK(llama_vis_moe_estimate_reserve(512, 1000, 64, 8, 32) > llama_vis_moe_estimate_reserve(64, 1000, 64, 8, 32));
 }
 

@@ -29,7 +29,7 @@ from test_paging import memory_cgroup
 SPEC = fx.ModelSpec(name="online", arch="qwen3moe", n_layer=3, n_embd=128, n_head=8, n_head_kv=8, head_dim=128,
                     n_ff=256, n_ff_exp=256, n_expert=32, n_expert_used=4, expert_type="F32", weight_type="F32",
                     embd_type="F32", extra={"untied_output": True, "embd_std": fx.VARIED_EMBD_STD})
-BUDGET = 140  # MiB: 1 slot per layer with the whole KV cache (-c 4096), 18 at its floor (one sequence of 1024)
+BUDGET = 172  # MiB: 1 slot per layer with the whole KV cache (-c 4096), 18 at its floor (one sequence of 1024)
 SERVER = ["-c", "4096", "-np", "4", "-t", "2", "-ub", "64", "-b", "64", "--cache-ram", "0", "--metrics"]
 WORDS = "the quick brown fox jumps over a lazy dog while experts route every token to a few of many".split()
 LONG = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n)) for i, n in enumerate([700, 500, 800, 400])]

@@ -25,7 +25,7 @@ MIB = 1 << 20
 COST = dict(read_bps=400 * MIB, mem_bps=10000 * MIB, pass_s=10e-3, pass_token_s=2e-3, token_s=0.0, stream_passes=8,
             prompt_tokens=512, gen_tokens=128)
 # a medium-fixture-like request: 4 managed layers x 128 experts of 0.8 MiB, top-4, CPU only (no staging slot)
-REQ = dict(budget=200 * MIB, resident_bytes=20 * MIB, kv_bytes=4 * MIB, expert_bytes=int(0.8 * MIB),
+REQ = dict(budget=232 * MIB, resident_bytes=20 * MIB, kv_bytes=4 * MIB, expert_bytes=int(0.8 * MIB),
            n_managed_layers=4, n_expert=128, n_expert_used=4, unified=1, host_mib=-1, n_slots=0, no_staging=1)
 SHAPE = dict(n_vocab=49152, n_embd=512, n_ff_exp=512)
 LOWERED = re.compile(r"--moe-mem: -ub (\d+) lowered to (\d+): .* buys (\d+) expert slots? per layer")
@@ -116,36 +116,36 @@ def _plan_json(model, budget: int) -> dict:
 
 
 def test_f32_lowered_ubatch_runs_byte_identical_and_as_planned(f32_model, monkeypatch):
-    """All-F32 weights, --moe-mem 130 at -ub 512 (which does not fit: today's plan refuses): the runtime lowers the
+    """All-F32 weights, --moe-mem 162 at -ub 512 (which does not fit: today's plan refuses): the runtime lowers the
     ubatch (the prompt then runs in several ubatches) and runs; its logits equal upstream's at -ub 512 bit for bit;
     `pyvis plan --json` names the ubatch, slots and reserve the context reports."""
     from pyvis.runtime.native import VisError
     ref = _logits(f32_model)[0]
-    plan = _plan_json(f32_model, 130)
+    plan = _plan_json(f32_model, 162)
     conf = plan["configuration"]
     assert conf["applied"] and not plan["asked_plan"]["ok"]
-    got, ub, slots, reserve = _logits(f32_model, mem=130)
+    got, ub, slots, reserve = _logits(f32_model, mem=162)
     assert ub == conf["n_ubatch"] <= 64 and slots == plan["plan"]["n_slots"] == conf["plan"]["n_slots"] > 1
     assert reserve == plan["plan"]["request"]["reserve_bytes"]
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "off")
     with pytest.raises(VisError, match="smallest budget"):
-        _logits(f32_model, mem=130)
+        _logits(f32_model, mem=162)
 
 
 def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatch):
     """Q8_0 weights (the medium fixture), where upstream's outputs differ in the last bits between -ub 64 and 16:
     auto keeps -ub 512 and `pyvis plan` says so; VIS_MOE_CONFIGURE=on lowers it, and the logits are upstream's at the
     chosen -ub, bit for bit."""
-    plan = _plan_json(medium_model, 200)
+    plan = _plan_json(medium_model, 232)
     conf = plan["configuration"]
     assert not conf["applied"] and conf["n_ubatch"] == 512 and conf["advised_n_ubatch"] < 512
-    _, ub, slots, _ = _logits(medium_model, mem=200)
+    _, ub, slots, _ = _logits(medium_model, mem=232)
     assert ub == 512 and slots == plan["plan"]["n_slots"]
     monkeypatch.setenv("VIS_MOE_CONFIGURE", "on")
-    plan = _plan_json(medium_model, 200)
+    plan = _plan_json(medium_model, 232)
     conf = plan["configuration"]
-    got, ub_on, slots_on, _ = _logits(medium_model, mem=200)
+    got, ub_on, slots_on, _ = _logits(medium_model, mem=232)
     assert conf["applied"] and ub_on == conf["n_ubatch"] < 512 and slots_on == plan["plan"]["n_slots"] > slots
     monkeypatch.delenv("VIS_MOE_CONFIGURE")
     ref = _logits(medium_model, n_ubatch=ub_on)[0]
@@ -156,9 +156,9 @@ CONFIGURATOR_LINE = re.compile(r"--moe-mem: -ub (\d+) (could be lowered|lowered)
                                r"(: not applied: this model's weights are (not all F32))?")
 
 
-@pytest.mark.parametrize("model,budget,mode,verdict", [("f32_model", 130, "auto", "applied"),
-                                                       ("medium_model", 200, "auto", "not_f32"),
-                                                       ("medium_model", 200, "on", "applied")])
+@pytest.mark.parametrize("model,budget,mode,verdict", [("f32_model", 162, "auto", "applied"),
+                                                       ("medium_model", 232, "auto", "not_f32"),
+                                                       ("medium_model", 232, "on", "applied")])
 def test_pyvis_plan_says_what_llama_cli_does(request, bindir, monkeypatch, model, budget, mode, verdict):
     """`pyvis plan --json` and llama-cli read the apply rule from one place (llama_vis_moe_configure_applies): on the
     all-F32 fixture auto applies the lowered -ub, on Q8_0 weights auto keeps -ub for the not-F32 reason and `on`

@@ -335,7 +335,7 @@ def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
     shape = vplan.read_shape(medium_model)
     e, b = max(shape.expert_bytes.values()), vplan.shadow_expert_bytes(shadow, medium_model)
     assert 0 < b < e
-    budget, L = 300, 4
+    budget, L = 332, 4
 
     def slots(**kw):
         llm = moe.load(medium_model, moe.MoeConfig(mem=budget, **kw),
@@ -365,7 +365,7 @@ def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
     assert r.returncode == 1 and "not a vis profile" in r.stderr
     # a budget at the plan's floor (resident weights left pageable) has no room for shadow slots: precision is off
     from pyvis import _paths
-    floor = run([_paths.lib_dir() / "llama-cli", "-m", medium_model, "--moe-mem", "140", "--moe-shadow", shadow,
+    floor = run([_paths.lib_dir() / "llama-cli", "-m", medium_model, "--moe-mem", "172", "--moe-shadow", shadow,
                  "--moe-precision", "vision", "-p", "hi", "-n", "1", "-st", "-c", "256", "-t", "2", "--no-warmup",
                  "-lv", "4"], timeout=120)
     out = floor.stdout + floor.stderr
