@@ -156,3 +156,31 @@ def test_kv_pages_are_released_exactly(model, tmp_path, fa):
     # 2048 cells, sequence 1's among them, so only K's half goes
     assert rss["on"]["long"] - rss["on"]["removed"] > (8 if fa else 4) * 1024, rss
     assert rss["off"]["long"] - rss["off"]["removed"] < 1024, rss
+
+
+def _rss_anon_kib(pid) -> int:
+    m = re.search(r"^RssAnon:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(m[1])
+
+
+def test_staging_leaves_no_pages_in_the_slots_the_controller_gave_away(bindir, model, tmp_path):
+    """Staged prefill streaming writes its buffers over whole slabs, the slots above the controller's limit too
+    (vis-moe-stage.h).  With every prompt ubatch streaming (VIS_MOE_STREAM_PASSES=1), three long prompts grow the KV
+    cache and shrink the slots, then a fourth streams: the server's anonymous memory must end where it ends when
+    streaming goes through the page cache instead (VIS_MOE_STREAM_STAGE=off), not the ~16 MiB of staged pages above
+    the limit higher, and the texts are the same.  The staged arm must really have staged (else it proves nothing)."""
+    out = {}
+    for arm, extra_env in (("staged", {}), ("mapped", {"VIS_MOE_STREAM_STAGE": "off"})):
+        log = tmp_path / f"{arm}.log"
+        env = {"VIS_MOE_ONLINE": "on", "VIS_MOE_STREAM_PASSES": "1", **extra_env}
+        with llama_server(bindir, model, *SERVER, "--moe-mem", BUDGET, "--moe-stats", log=log, env=env) as (proc, port):
+            texts = [_complete(port, p, 4) for p in LONG]
+            rss = _rss_anon_kib(proc.pid)
+        text = log.read_text()
+        shrunk = [int(m[2]) for m in RESIZE.finditer(text)]
+        assert shrunk and min(shrunk) < 23 // 2, text[-3000:]  # the KV cache took most of the slabs' memory
+        out[arm] = (texts, rss, text)
+    assert out["staged"][0] == out["mapped"][0]
+    assert re.search(r"vis-moe: staged streaming: [1-9]\d* layers", out["staged"][2]), out["staged"][2][-3000:]
+    assert "staged streaming" not in out["mapped"][2]
+    assert out["staged"][1] - out["mapped"][1] < 6 * 1024, (out["staged"][1], out["mapped"][1])

@@ -153,6 +153,14 @@ public:
         (void) L;
         return 0;
     }
+    // the bytes a staged ubatch may commit in slab memory above the slot limits (staging buffers span whole slabs,
+    // inactive slots too: vis-moe-stage.h); a controller that lowered the limits to give memory to something else
+    // says how much of it is spare now.  The least over the features decides; a ubatch that would commit more
+    // streams through the page cache instead
+    virtual int64_t staging_room(const vis_moe_context & vm) const {
+        (void) vm;
+        return INT64_MAX;
+    }
     // does a ubatch stream layer L as soon as it needs a second pass (staged shadows beat shadow passes)?
     virtual bool streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const {
         (void) vm;

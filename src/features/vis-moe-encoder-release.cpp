@@ -93,16 +93,9 @@ int vis_moe_encoder_release::fit_staging(vis_moe_context & vm, int n_buf, int64_
     return 0;
 }
 
-void vis_moe_encoder_release::ubatch_end(vis_moe_context & vm) {
-    if (done || !vm.stage) {
-        return;  // only staged streaming writes above the limit
-    }
-    for (int il = 0; il < (int) vm.layers.size(); ++il) {
-        const vis_moe_layer & L = vm.layers[il];
-        for (int sl = L.managed ? L.slots.n_active() : L.n_slots; sl < L.n_slots; ++sl) {
-            vm.drop_slot_pages(il, sl);
-        }
-    }
+int64_t vis_moe_encoder_release::staging_room(const vis_moe_context & vm) const {
+    (void) vm;
+    return done ? INT64_MAX : (int64_t) (planned_held - held) * row_bytes;
 }
 
 void vis_moe_encoder_release::freed(vis_moe_context & vm) {

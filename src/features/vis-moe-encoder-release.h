@@ -26,9 +26,9 @@ public:
         : held(held), planned_held(held), freed_slots(freed), encoder_bytes(encoder_bytes), row_bytes(row_bytes) {}
 
     const char * feature_name() const override { return "encoder-release"; }
-    // while the encoder is loaded and streaming is staged: the pages of the slots above the limit dropped again
-    // (staged streaming writes its buffers over whole slabs, vis-moe-stage.h)
-    void ubatch_end(vis_moe_context & vm) override;
+    // while the encoder is loaded: the slots the plan held beside it that staging lowered `held` to leave free
+    // (staged streaming writes its buffers over whole slabs and drops those pages after the ubatch, vis-moe-stage.h)
+    int64_t staging_room(const vis_moe_context & vm) const override;
     void stats_print(const vis_moe_context & vm) const override;
 
     // the tool freed the encoder: every managed layer's limit rises to its slabs' size (once; later calls do nothing)

@@ -71,7 +71,8 @@ void vis_moe_online::ubatch_end(vis_moe_context & vm) {
     const int64_t kv_now = vis_kv_pages::resident(*kv);
     recount_us += ggml_time_us() - t0;
     n_recount++;
-    const int     want   = target(kv_now + kv_growth(*kv, p.n_ubatch));
+    const int64_t kv_next = kv_now + kv_growth(*kv, p.n_ubatch);
+    const int     want   = target(kv_next);
     if (want >= active + std::max(1, active / 10)) {
         grow_wait++;
     } else {
@@ -92,6 +93,7 @@ void vis_moe_online::ubatch_end(vis_moe_context & vm) {
         kv_last   = kv_now;
         grow_wait = 0;
     }
+    set_room(kv_next);
 }
 
 void vis_moe_online::stats_print(const vis_moe_context & vm) const {
@@ -121,10 +123,12 @@ void vis_moe_online_attach(vis_moe_context & vm, const llama_context * lctx, con
         }
     }
     const int64_t kv_now = vis_kv_pages::resident(*kv);
-    const int first = c->target(kv_now + kv_growth(*kv, p.n_ubatch));
+    const int64_t kv_next = kv_now + kv_growth(*kv, p.n_ubatch);
+    const int first = c->target(kv_next);
     c->kv_last = kv_now;
     c->resize(vm, first, "start: KV " + std::to_string(kv_now >> 20) + " MiB resident of " +
                          std::to_string(vis_kv_pages::total(*kv) >> 20) + "; the plan: " + std::to_string(p.min_slots) +
                          " slots with the whole KV cache, " + std::to_string(p.max_slots) + " at its floor");
+    c->set_room(kv_next);
     c->stats_reset();
 }

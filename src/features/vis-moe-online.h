@@ -20,6 +20,7 @@
 
 #include "vis-moe-feature.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -44,11 +45,16 @@ public:
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { n_shrink = n_grow = n_recount = recount_us = 0; }
+    // what the budget leaves next to the active slots and the KV cache with the next ubatch's cells (at the last
+    // ubatch end): a staged ubatch may write that much above the limits (vis-moe-stage.h)
+    int64_t staging_room(const vis_moe_context & vm) const override { (void) vm; return room; }
 
     // the limit of every managed layer set to `slots` (per-layer splits scaled), the emptied slots' pages dropped
     void resize(vis_moe_context & vm, int slots, const std::string & why);
     // the slots the budget leaves next to a KV cache of kv_bytes (clamped to [min_slots, max_slots])
     int target(int64_t kv_bytes) const;
+    // the spare bytes next to `active` slots and a KV cache of kv_bytes (staging_room)
+    void set_room(int64_t kv_bytes) { room = std::max<int64_t>(0, p.budget - p.fixed - kv_bytes - (int64_t) active * p.row_bytes); }
 
     int active = 0;  // the slots per layer now (the limit of a layer with max_slots)
     int     lo = 0, hi = 0;   // the fewest and most slots per layer used
@@ -58,6 +64,7 @@ private:
     const llama_context * lctx;
     plan    p;
     int     grow_wait = 0;    // ubatches the target has stayed above `active`
+    int64_t room      = 0;    // staging_room
     int64_t n_shrink = 0, n_grow = 0;
     int64_t n_recount = 0, recount_us = 0;  // ubatch ends, and the microseconds their KV recount took (--moe-stats)
 };

@@ -18,6 +18,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <chrono>
+#include <map>
 #include <string>
 
 static int64_t now_us() {
@@ -29,14 +30,75 @@ vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<s
                                std::vector<std::array<ggml_tensor *, 4>> sh, std::vector<int> b)
     : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), shtens(std::move(sh)), buf_of(std::move(b)),
       n_parts(tens.size(), 0), freq(tens.size()) {
+    const uintptr_t page = 4096;
+    std::map<uintptr_t, uintptr_t> ext;  // block start -> end: a block's largest tensor (layers and shadows share it)
     for (size_t il = 0; il < tens.size(); ++il) {
-        for (ggml_tensor * x : tens[il]) {
-            if (x) {
+        for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
+            for (ggml_tensor * x : { tens[il][ti], shtens.empty() ? nullptr : shtens[il][ti] }) {
+                if (!x) {
+                    continue;
+                }
+                const uintptr_t b = (uintptr_t) x->data / page * page;
+                const uintptr_t e = ((uintptr_t) x->data + ggml_nbytes(x) + page - 1) / page * page;
+                ext[b] = std::max(ext[b], e);
+            }
+            if (tens[il][ti]) {
                 n_parts[il]++;
-                freq[il].assign((size_t) x->ne[2], 0);
+                freq[il].assign((size_t) tens[il][ti]->ne[2], 0);
             }
         }
     }
+    blocks.assign(ext.begin(), ext.end());
+}
+
+// the part of [b, e) that lies in the staging blocks, in whole pages
+static int64_t in_blocks(const std::vector<std::pair<uintptr_t, uintptr_t>> & blocks, uintptr_t b, uintptr_t e) {
+    const uintptr_t page = 4096;
+    b = b / page * page;
+    e = (e + page - 1) / page * page;
+    int64_t n = 0;
+    for (const auto & [x, y] : blocks) {
+        const uintptr_t lo = std::max(b, x), hi = std::min(e, y);
+        n += hi > lo ? (int64_t) (hi - lo) : 0;
+    }
+    return n;
+}
+
+// slot range [from, to) of tensor t of a layer's slab
+static std::pair<uintptr_t, uintptr_t> slot_range(const ggml_tensor * t, int from, int to) {
+    return { (uintptr_t) t->data + (size_t) from * t->nb[2], (uintptr_t) t->data + (size_t) to * t->nb[2] };
+}
+
+int64_t vis_moe_stager::bytes_over_limits(const vis_moe_context & vm) const {
+    int64_t n = 0;
+    for (const auto & L : vm.layers) {
+        if (!L.managed || L.slots.n_active() >= L.n_slots) {
+            continue;
+        }
+        for (const ggml_tensor * t : L.slab) {
+            if (t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
+                const auto [b, e] = slot_range(t, L.slots.n_active(), L.n_slots);
+                n += in_blocks(blocks, b, e);
+            }
+        }
+    }
+    return n;
+}
+
+bool vis_moe_stager::room_to_stage(const vis_moe_context & vm) const {
+    const int64_t over = bytes_over_limits(vm);
+    if (over == 0) {
+        return true;
+    }
+    int64_t room = INT64_MAX;
+    for (const auto & f : vm.features) {
+        room = std::min(room, f->staging_room(vm));
+    }
+    if (over <= room) {
+        return true;
+    }
+    cnt.no_room++;
+    return false;
 }
 
 bool vis_moe_stager::has_shadow(int il) const {
@@ -222,7 +284,8 @@ bool vis_moe_stage_ubatch(const vis_moe_context & vm, int64_t n_pairs, bool imag
             return false;
         }
     }
-    return true;
+    // last: it counts a refusal
+    return vm.stage->room_to_stage(vm);
 }
 
 // the requests that read the given experts of layer il (or their shadows) into its staging buffer
@@ -366,6 +429,24 @@ void vis_moe_stager::end_ubatch(vis_moe_context & vm) {
     } catch (const std::exception & e) {
         vm.fail(e.what());  // the ubatch did not use it; still report the disk
     }
+    if (ubatch_started) {
+        // the staged layers wrote over slots above the limits too: their memory is someone else's again
+        for (int il = 0; il < (int) vm.layers.size(); ++il) {
+            const vis_moe_layer & L = vm.layers[il];
+            for (int sl = L.managed ? L.slots.n_active() : L.n_slots; sl < L.n_slots; ++sl) {
+                bool staged_over = false;
+                for (const ggml_tensor * t : L.slab) {
+                    if (t && t->data) {
+                        const auto [b, e] = slot_range(t, sl, sl + 1);
+                        staged_over = staged_over || in_blocks(blocks, b, e) > 0;
+                    }
+                }
+                if (staged_over) {
+                    cnt.dropped += vm.drop_slot_pages(il, sl);
+                }
+            }
+        }
+    }
     holds = { -1, -1 };
     ubatch_started = false;
 }
@@ -388,6 +469,14 @@ void vis_moe_stager::stats_print(const vis_moe_context & vm) const {
                              PRId64 " expert tensor reads dropped unstarted), %.2f MiB read, %.2f s waited\n",
                      cnt.layers, n_buf, n_buf == 2 ? "s" : "", cnt.ahead, cnt.used, cnt.cancelled, cnt.bytes / 1048576.0,
                      cnt.wait_us / 1e6);
+    }
+    if (cnt.no_room > 0 || cnt.dropped > 0) {
+        // a controller lowered the slot limits (VIS_MOE_ONLINE, VIS_MOE_ENCODER_RELEASE): the staging buffers also
+        // span slots above them, whose memory it gave to something else
+        std::fprintf(stderr, "vis-moe: staging above the slot limits: %" PRId64 " streamed layer%s built to read through the "
+                             "page cache (staging would have committed more than the spare memory), %.2f MiB of pages "
+                             "above the limits dropped after staged ubatches\n",
+                     cnt.no_room, cnt.no_room == 1 ? "" : "s", cnt.dropped / 1048576.0);
     }
 }
 

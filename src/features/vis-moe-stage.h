@@ -69,8 +69,15 @@ public:
     // routed: the distinct experts the ubatch routes at il; shadow: the ubatch reads shadows where a layer has them
     // (vis_moe_precision_stages_shadows), the next layer's read ahead too
     void begin_layer(vis_moe_context & vm, int il, const std::vector<int> & routed, bool shadow = false);
-    // the ubatch ended: wait for a read in flight, forget the buffers (their memory is the slots' again)
+    // the ubatch ended: wait for a read in flight, forget the buffers (their memory is the slots' again), and drop
+    // the pages a staged ubatch wrote above the slot limits
     void end_ubatch(vis_moe_context & vm);
+
+    // the bytes (whole pages) of the staging buffers that lie in slots above their layer's limit: what a staged
+    // ubatch commits beyond the memory the slots hold
+    int64_t bytes_over_limits(const vis_moe_context & vm) const;
+    // may this ubatch stage (the features' staging_room holds bytes_over_limits)?  Counts a refusal
+    bool room_to_stage(const vis_moe_context & vm) const;
 
     struct counters {
         int64_t layers = 0;        // layers computed from a staging buffer
@@ -79,6 +86,8 @@ public:
         int64_t cancelled = 0;     // expert tensor reads ahead dropped before they started (the router had run)
         int64_t bytes  = 0;        // payload read into the buffers
         int64_t wait_us = 0;       // time the compute waited for reads (synchronous, or late background ones)
+        int64_t no_room = 0;       // streamed layers built to read through the page cache: no room above the limits
+        int64_t dropped = 0;       // bytes of pages above the slot limits dropped after staged ubatches
     };
     const counters & stats() const { return cnt; }
     void reset_stats() { cnt = {}; }
@@ -102,6 +111,7 @@ private:
     std::vector<std::array<ggml_tensor *, 4>> tens;  // per layer (empty arrays for others)
     std::vector<std::array<ggml_tensor *, 4>> shtens;  // per layer: the shadow tensors' stand-ins, same blocks
     std::vector<int> buf_of;                          // per layer: its buffer, -1 if not staged
+    std::vector<std::pair<uintptr_t, uintptr_t>> blocks;  // the staging blocks' page ranges [begin, end)
     std::vector<int> n_parts;                         // per layer: expert tensors staged (reads per expert)
     std::vector<std::vector<int64_t>> freq;           // per layer and expert: staged ubatches that routed it
     std::array<std::vector<bool>, 2> present;         // per buffer: experts of holds[b] read completely
@@ -109,7 +119,7 @@ private:
     std::array<int, 2> holds   = { -1, -1 };   // the layer each buffer holds, 2 il + 1 for its shadows
     int  ahead_layer = -1;         // the layer being read in the background (into buf_of[ahead_layer])
     bool ahead_shadow = false;     // ... its shadows
-    counters cnt;
+    mutable counters cnt;  // no_room counts at graph build (const)
 };
 
 // context creation (vis-moe-attach.cpp), after the slabs: the stager when the slabs can stage a layer (CPU-only
