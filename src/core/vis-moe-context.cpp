@@ -166,6 +166,12 @@ bool vis_moe_end_ubatch(vis_moe_context * vm) {
     for (auto & f : vm->features) {
         f->ubatch_end(*vm);  // slab lending returns the slabs here; telemetry (last) sees the whole ubatch
     }
+    for (const auto & f : vm->features) {
+        if (f->graphs_stale(*vm)) {
+            vm->graph_epoch++;  // after every ubatch_end: what a feature decided at graph build no longer holds
+            break;
+        }
+    }
     vm->ub_streamed = false;
     std::lock_guard<std::mutex> lock(vm->err_mutex);
     if (vm->failed) {

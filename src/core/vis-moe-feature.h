@@ -161,6 +161,11 @@ public:
         (void) vm;
         return INT64_MAX;
     }
+    // after every feature's ubatch_end: would a graph built before now be built otherwise (then none is reused)?
+    virtual bool graphs_stale(const vis_moe_context & vm) const {
+        (void) vm;
+        return false;
+    }
     // does a ubatch stream layer L as soon as it needs a second pass (staged shadows beat shadow passes)?
     virtual bool streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const {
         (void) vm;

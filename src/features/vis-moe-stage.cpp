@@ -85,8 +85,7 @@ int64_t vis_moe_stager::bytes_over_limits(const vis_moe_context & vm) const {
     return n;
 }
 
-bool vis_moe_stager::room_to_stage(const vis_moe_context & vm) const {
-    const int64_t over = bytes_over_limits(vm);
+static bool has_room(const vis_moe_context & vm, int64_t over) {
     if (over == 0) {
         return true;
     }
@@ -94,11 +93,18 @@ bool vis_moe_stager::room_to_stage(const vis_moe_context & vm) const {
     for (const auto & f : vm.features) {
         room = std::min(room, f->staging_room(vm));
     }
-    if (over <= room) {
-        return true;
-    }
-    cnt.no_room++;
-    return false;
+    return over <= room;
+}
+
+bool vis_moe_stager::room_to_stage(const vis_moe_context & vm) const {
+    const bool ok = has_room(vm, bytes_over_limits(vm));
+    built_room = ok ? 1 : 0;
+    cnt.no_room += ok ? 0 : 1;
+    return ok;
+}
+
+bool vis_moe_stager::room_changed(const vis_moe_context & vm) const {
+    return built_room >= 0 && has_room(vm, bytes_over_limits(vm)) != (built_room == 1);
 }
 
 bool vis_moe_stager::has_shadow(int il) const {

@@ -76,8 +76,12 @@ public:
     // the bytes (whole pages) of the staging buffers that lie in slots above their layer's limit: what a staged
     // ubatch commits beyond the memory the slots hold
     int64_t bytes_over_limits(const vis_moe_context & vm) const;
-    // may this ubatch stage (the features' staging_room holds bytes_over_limits)?  Counts a refusal
+    // may this ubatch stage (the features' staging_room holds bytes_over_limits)?  At graph build: counts a refusal
+    // and remembers the answer
     bool room_to_stage(const vis_moe_context & vm) const;
+    // would room_to_stage answer otherwise now (the KV cache grew under an unchanged limit)?  Then a graph built
+    // before must not be reused (graphs_stale: vis_moe_end_ubatch bumps the graph epoch)
+    bool room_changed(const vis_moe_context & vm) const;
 
     struct counters {
         int64_t layers = 0;        // layers computed from a staging buffer
@@ -99,6 +103,7 @@ public:
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { reset_stats(); }
     bool streams_early(const vis_moe_context & vm, const vis_moe_layer & L, bool image) const override;
+    bool graphs_stale(const vis_moe_context & vm) const override { return room_changed(vm); }
     void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
                       const ggml_tensor * ids, const ggml_tensor * weights) override;
 
@@ -120,6 +125,7 @@ private:
     int  ahead_layer = -1;         // the layer being read in the background (into buf_of[ahead_layer])
     bool ahead_shadow = false;     // ... its shadows
     mutable counters cnt;  // no_room counts at graph build (const)
+    mutable int built_room = -1;  // room_to_stage's last answer (1: stage, 0: not; -1: never asked)
 };
 
 // context creation (vis-moe-attach.cpp), after the slabs: the stager when the slabs can stage a layer (CPU-only
