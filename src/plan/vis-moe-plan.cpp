@@ -212,9 +212,9 @@ int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_
                         (std::max<int64_t>(n_vocab, 0) + 6 * std::max<int64_t>(n_embd, 0) +
                          3 * std::max<int64_t>(n_expert_used, 0) * std::max<int64_t>(n_ff_exp, 0));
     // + runtime: the binary, libraries and heap (llama-cli measured 60 MiB on the testbed, 68 on the 48-layer model:
-    // VmRSS less every planned part), and 28 MiB more that the kernel needs inside a memory cgroup to keep those code
-    // pages: with the budget planned to the last MiB, the 48-layer model at -ub 64 re-read its code for 17+ minutes
-    // (270k major faults, 4 GiB cgroup); planned 36 MiB short of the limit it ran in 30 s (8 faults; docs/paging.md)
+    // VmRSS less every planned part), and 28 MiB left to the kernel inside a memory cgroup: planned to the last MiB,
+    // the 48-layer model at -ub 64 in a 4 GiB cgroup faulted file pages back in for minutes (266k-340k major
+    // faults); planned 36 MiB short of the limit it ran in 30 s (8 faults; docs/paging.md#budgets)
     return act + (96ll << 20);
 }
 
