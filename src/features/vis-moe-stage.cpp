@@ -21,6 +21,8 @@
 #include <map>
 #include <string>
 
+static constexpr uintptr_t PAGE = 4096;  // the slabs' and staging blocks' page grain (as GGML_PAD(.., 4096) below)
+
 static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -30,7 +32,6 @@ vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<s
                                std::vector<std::array<ggml_tensor *, 4>> sh, std::vector<int> b)
     : n_buf(n_buffers), ctx(ctx_), tens(std::move(t)), shtens(std::move(sh)), buf_of(std::move(b)),
       n_parts(tens.size(), 0), freq(tens.size()) {
-    const uintptr_t page = 4096;
     std::map<uintptr_t, uintptr_t> ext;  // block start -> end: a block's largest tensor (layers and shadows share it)
     for (size_t il = 0; il < tens.size(); ++il) {
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
@@ -38,8 +39,8 @@ vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<s
                 if (!x) {
                     continue;
                 }
-                const uintptr_t b = (uintptr_t) x->data / page * page;
-                const uintptr_t e = ((uintptr_t) x->data + ggml_nbytes(x) + page - 1) / page * page;
+                const uintptr_t b = (uintptr_t) x->data / PAGE * PAGE;
+                const uintptr_t e = ((uintptr_t) x->data + ggml_nbytes(x) + PAGE - 1) / PAGE * PAGE;
                 ext[b] = std::max(ext[b], e);
             }
             if (tens[il][ti]) {
@@ -53,9 +54,8 @@ vis_moe_stager::vis_moe_stager(int n_buffers, ggml_context * ctx_, std::vector<s
 
 // the part of [b, e) that lies in the staging blocks, in whole pages
 static int64_t in_blocks(const std::vector<std::pair<uintptr_t, uintptr_t>> & blocks, uintptr_t b, uintptr_t e) {
-    const uintptr_t page = 4096;
-    b = b / page * page;
-    e = (e + page - 1) / page * page;
+    b = b / PAGE * PAGE;
+    e = (e + PAGE - 1) / PAGE * PAGE;
     int64_t n = 0;
     for (const auto & [x, y] : blocks) {
         const uintptr_t lo = std::max(b, x), hi = std::min(e, y);
