@@ -219,6 +219,27 @@ def test_plan_never_exceeds_the_budget():
     assert seen == {"refused", "top-k", "below top-k", "pageable"}, seen
 
 
+def test_unified_memory_plans_no_host_cache_smaller_than_a_slot_row():
+    """On unified memory tier 2 is an exclusive victim cache: every eviction copies its expert in.  What a budget
+    leaves after whole slot rows is less than one row (fewer entries than layers, 0 hits on the replayed Qwen3 trace),
+    so `auto` plans none and those bytes stay spare; a size given by hand, and a discrete GPU's tier 2, stay."""
+    row = 16 * (3 << 20)
+    req = dict(resident_bytes=400 << 20, kv_bytes=8 << 20, reserve_bytes=32 << 20, expert_bytes=3 << 20,
+               n_managed_layers=16, n_expert=128, n_expert_used=8, no_staging=1)
+    spare_seen = 0
+    for budget_mib in (700, 1000, 1234, 2000, 5000):
+        p = _native.plan(budget=budget_mib << 20, unified=1, host_mib=-1, **req)
+        assert p["ok"] and p["n_slots"] < 128
+        spare = p["budget"] - p["fixed_bytes"] - p["slab_bytes"]
+        assert 0 <= spare < row                     # less than one more slot in every layer ...
+        spare_seen = max(spare_seen, spare)
+        assert p["host_bytes"] == 0, (budget_mib, p)  # ... is no host cache (before stop 38: `spare` of one)
+        assert _native.plan(budget=budget_mib << 20, unified=1, host_mib=16, **req)["host_bytes"] == 16 << 20
+    assert spare_seen >= 3 << 20                    # some budget left room for at least one expert
+    d = _native.plan(budget=1000 << 20, unified=0, host_mib=-1, device_bytes=200 << 20, **req)
+    assert d["ok"] and d["host_bytes"] > 0          # discrete GPU: tier 2 in host RAM next to slabs in VRAM
+
+
 def test_mem_budget_too_small_is_a_clear_error(bindir, fixture_dir):
     r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-mem", "8", timeout=60)
     out = r.stdout + r.stderr
