@@ -196,7 +196,8 @@ def summary_lines(d: dict) -> list[str]:
     row("memory budget", f"{d['budget_mib']} MiB (--moe-mem {d['budget_mib']})")
     row("tier split", f"resident backbone {_mib(rq.get('resident_bytes', 0))} | KV cache {_mib(rq.get('kv_bytes', 0))}"
                       f" | compute {_mib(rq.get('reserve_bytes', 0))}")
-    row("", f"tier 1 slabs {_mib(slab)} ({p['n_slots']} slots x {p.get('managed_layers', m['n_moe_layers'])} layers)"
+    slots = c.get("n_slots") or p["n_slots"]   # the runtime's, where it ran
+    row("", f"tier 1 slabs {_mib(slab)} ({slots} slots x {p.get('managed_layers', m['n_moe_layers'])} layers)"
             f" | tier 2 host cache {_mib(host)} | tier 3 file only {_mib(p['file_only_bytes'])}")
     if managed:
         share = (slab + host) / managed
@@ -291,7 +292,7 @@ def cli_equivalent(model: Path, a: argparse.Namespace, budget: int, k: int | Non
 
 
 def _main(a: argparse.Namespace) -> int:
-    from .runtime.plan import make_plan, read_shape
+    from .runtime.plan import configure_plan, make_plan, read_shape
     say("== vis-moe demo: a Mixture-of-Experts model answering with most of its experts left in the file")
     if a.model:
         model = Path(a.model)
@@ -320,6 +321,11 @@ def _main(a: argparse.Namespace) -> int:
     plan = make_plan(shape, budget_mib=budget, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, pinned=a.pinned)
     if not plan["ok"]:
         raise DemoError(f"a budget of {budget} MiB does not fit: {plan.get('error')}")
+    # what --moe-mem runs: the configurator may lower -ub where its compute buffer buys slots (all-F32 weights)
+    conf = configure_plan(shape, n_ubatch=a.ubatch_size, n_threads=a.threads, budget_mib=budget, n_ctx=a.ctx_size,
+                          pinned=a.pinned)
+    if conf["configuration"]["applied"] and conf["plan"]["ok"]:
+        plan = conf["plan"]
     experts = sum(b * shape.n_expert for b in shape.expert_bytes.values())
     rq = plan["request"]
     info = {"name": model.name, "file_bytes": shape.file_bytes, "expert_bytes": experts,

@@ -170,6 +170,16 @@ def test_summary_lines():
     assert "yes, byte-identical (16 bytes)" in text
 
 
+def test_summary_names_the_slots_that_ran():
+    """The runtime may run another slot count than the plan the summary was given (the configurator lowered -ub):
+    the slab line names the runtime's, next to the runtime's slab bytes."""
+    d = _stats()
+    d["paged"]["cache"]["n_slots"] = 7
+    d["paged"]["io"]["slab_bytes"] = 29 * 7 * 442368
+    text = "\n".join(demo.summary_lines(d))
+    assert "tier 1 slabs 85.6 MiB (7 slots x 29 layers)" in text, text
+
+
 def test_summary_without_comparison_or_io_stats():
     text = "\n".join(demo.summary_lines(_stats(resident=False, io=False)))
     assert "same text" not in text and "resident:" not in text and "peak RSS" not in text
