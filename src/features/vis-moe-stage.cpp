@@ -190,7 +190,9 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
         }
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             if (L.file[ti] && L.orig[ti]) {
-                kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096));
+                // + one page: the tensor starts at its file tensor's offset within a page (reads land in place)
+                kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096) +
+                                                              (int64_t) VIS_DIO_ALIGN);
                 if (const vis_shadow_tensor * sh = shadow_of(vm, L, ti)) {
                     kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD(sh->src.nb2 * sh->src.n_expert, 4096));
                 }
@@ -248,7 +250,11 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
             ggml_tensor * t = ggml_new_tensor(ctx, o->type, GGML_MAX_DIMS, o->ne);
             ggml_format_name(t, "vis_moe_stage-%d.%d", il, ti);
             GGML_ASSERT(ggml_nbytes(t) == ggml_nbytes(o) && t->nb[2] == L.file[ti]->nb2);
-            if (ggml_backend_tensor_alloc(blk.buf, t, blk.addr) != GGML_STATUS_SUCCESS) {
+            // at the file tensor's offset within a page, as the slabs are placed (vis_dio_alloc_tensors): an
+            // expert's whole pages are then read straight into the block, only the partial end pages bounce
+            const size_t phase = (size_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_ALIGN);
+            char * at = phase % ggml_backend_buffer_get_alignment(blk.buf) == 0 ? blk.addr + phase : blk.addr;
+            if (ggml_backend_tensor_alloc(blk.buf, t, at) != GGML_STATUS_SUCCESS) {
                 ggml_free(ctx);
                 return;
             }
