@@ -21,7 +21,7 @@
 #include <map>
 #include <string>
 
-static constexpr uintptr_t PAGE = 4096;  // the slabs' and staging blocks' page grain (as GGML_PAD(.., 4096) below)
+static constexpr uintptr_t PAGE = VIS_DIO_ALIGN;  // the slabs' and staging blocks' page grain
 
 static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -143,7 +143,7 @@ static bool place_blocks(const std::vector<ggml_backend_buffer_t> & bufs, int n_
     for (ggml_backend_buffer_t b : bufs) {
         char * base = (char *) ggml_backend_buffer_get_base(b);
         char * end  = base + ggml_backend_buffer_get_size(b);
-        char * p    = (char *) GGML_PAD((uintptr_t) base, 4096);
+        char * p    = (char *) GGML_PAD((uintptr_t) base, PAGE);
         if (p < end) {
             regions.push_back({ b, p, end });
         }
@@ -191,10 +191,9 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
         for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
             if (L.file[ti] && L.orig[ti]) {
                 // + one page: the tensor starts at its file tensor's offset within a page (reads land in place)
-                kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD((int64_t) ggml_nbytes(L.orig[ti]), 4096) +
-                                                              (int64_t) VIS_DIO_ALIGN);
+                kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) (GGML_PAD(ggml_nbytes(L.orig[ti]), PAGE) + PAGE));
                 if (const vis_shadow_tensor * sh = shadow_of(vm, L, ti)) {
-                    kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD(sh->src.nb2 * sh->src.n_expert, 4096));
+                    kind_bytes[ti] = std::max(kind_bytes[ti], (int64_t) GGML_PAD(sh->src.nb2 * sh->src.n_expert, PAGE));
                 }
             }
         }
@@ -250,10 +249,9 @@ void vis_moe_stage_attach(vis_moe_context & vm, const vis_moe_settings & s) {
             ggml_tensor * t = ggml_new_tensor(ctx, o->type, GGML_MAX_DIMS, o->ne);
             ggml_format_name(t, "vis_moe_stage-%d.%d", il, ti);
             GGML_ASSERT(ggml_nbytes(t) == ggml_nbytes(o) && t->nb[2] == L.file[ti]->nb2);
-            // at the file tensor's offset within a page, as the slabs are placed (vis_dio_alloc_tensors): an
-            // expert's whole pages are then read straight into the block, only the partial end pages bounce
-            const size_t phase = (size_t) (L.file[ti]->offs % (uint64_t) VIS_DIO_ALIGN);
-            char * at = phase % ggml_backend_buffer_get_alignment(blk.buf) == 0 ? blk.addr + phase : blk.addr;
+            // at the file tensor's offset within a page, as the slabs are placed: an expert's whole pages are then
+            // read straight into the block (the block starts on a page), only the partial end pages bounce
+            char * at = vis_dio_place(blk.addr, (int64_t) (L.file[ti]->offs % PAGE), ggml_backend_buffer_get_alignment(blk.buf));
             if (ggml_backend_tensor_alloc(blk.buf, t, at) != GGML_STATUS_SUCCESS) {
                 ggml_free(ctx);
                 return;

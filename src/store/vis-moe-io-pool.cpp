@@ -126,6 +126,14 @@ int64_t llama_vis_moe_io_buffer_bytes(int32_t io_threads, int64_t slice_bytes, i
            (int64_t) std::max(0, n_slab_tensors) * (int64_t) VIS_DIO_ALIGN;
 }
 
+char * vis_dio_place(char * p, int64_t page_pos, size_t align) {
+    const size_t A = VIS_DIO_ALIGN;
+    if (page_pos >= 0 && page_pos % (int64_t) align == 0) {
+        return p + ((size_t) page_pos + A - ((uintptr_t) p % A)) % A;  // the next address at that offset in its page
+    }
+    return (char *) GGML_PAD((uintptr_t) p, align);
+}
+
 ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
                                             const std::function<int64_t(const ggml_tensor *)> & page_pos) {
     if (!ggml_backend_buft_is_host(buft)) {
@@ -141,15 +149,9 @@ ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffe
     if (!buf) {
         return nullptr;
     }
-    uint8_t * const base = (uint8_t *) ggml_backend_buffer_get_base(buf);
-    uint8_t * p = base;
+    char * p = (char *) ggml_backend_buffer_get_base(buf);
     for (ggml_tensor * t = ggml_get_first_tensor(c); t; t = ggml_get_next_tensor(c, t)) {
-        const int64_t pos = page_pos(t);
-        if (pos >= 0 && pos % (int64_t) align == 0) {
-            p += ((size_t) pos + A - ((uintptr_t) p % A)) % A;  // the next address at that offset in its page
-        } else {
-            p = base + GGML_PAD((size_t) (p - base), align);
-        }
+        p = vis_dio_place(p, page_pos(t), align);
         if (ggml_backend_tensor_alloc(buf, t, p) != GGML_STATUS_SUCCESS) {
             ggml_backend_buffer_free(buf);
             return nullptr;

@@ -63,6 +63,10 @@ private:
 constexpr size_t VIS_DIO_ALIGN = 4096;  // O_DIRECT's alignment: the page reads and the slabs' placement use
 ggml_backend_buffer_t vis_dio_alloc_tensors(ggml_context * c, ggml_backend_buffer_type_t buft,
                                             const std::function<int64_t(const ggml_tensor *)> & page_pos);
+// the placement rule of vis_dio_alloc_tensors for one tensor: the first address at or after p whose offset within
+// its 4 KiB page is page_pos (at most VIS_DIO_ALIGN - 1 bytes on); p padded to `align` instead where page_pos < 0 or
+// is not a multiple of align.  The staging buffers of staged streaming place their tensors by it too.
+char * vis_dio_place(char * p, int64_t page_pos, size_t align);
 
 // A small pool of I/O threads: the misses of one layer are read in parallel.  Reads go through one FIFO of expert
 // slices, each slice tagged with the ticket of the submission it belongs to: read() submits and waits, reading too;
