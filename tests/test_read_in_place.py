@@ -29,14 +29,20 @@ CASES = {"pages-unaligned-offsets": (512, None), "pages-aligned-offsets": (512, 
          "half-pages-aligned-file": (384, 4096), "half-pages-unaligned": (384, None)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_reads_in_place_are_byte_identical(fixture_dir, case):
+def _model(fixture_dir, case: str):
+    """The case's fixture (written once) and the bytes of one expert slice (256 x n_ff_exp Q8_0)."""
     n_ff_exp, alignment = CASES[case]
     spec = _spec(n_ff_exp, alignment)
     path = fixture_dir / f"{spec.name}-{spec.key()}.gguf"
     if not path.exists():
         fx.write_model(spec, path, fast_quant=True)
-    slice_bytes = 256 * n_ff_exp // 32 * 34
+    return spec, path, 256 * n_ff_exp // 32 * 34
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reads_in_place_are_byte_identical(fixture_dir, case):
+    _, alignment = CASES[case]
+    spec, path, slice_bytes = _model(fixture_dir, case)
     ref = greedy_logits(path, PROMPT, 4)[0]
     logits, llm = greedy_logits(path, PROMPT, 4, slots=spec.n_expert_used)   # top-k slots: decode misses
     io = moe.io_stats(llm)
@@ -62,12 +68,7 @@ def test_staged_streaming_reads_in_place(fixture_dir, monkeypatch):
     within a page, as the slabs are: on a file whose tensor offsets are not page-aligned a staged expert's whole
     pages are read into the block and only its two partial end pages bounce (before stop 38 every staged byte was
     read into a bounce buffer and copied: 48-layer model at 12.5 %, 7 GB of 70).  Logits stay upstream's."""
-    n_ff_exp, alignment = CASES["pages-unaligned-offsets"]
-    spec = _spec(n_ff_exp, alignment)
-    path = fixture_dir / f"{spec.name}-{spec.key()}.gguf"
-    if not path.exists():
-        fx.write_model(spec, path, fast_quant=True)
-    slice_bytes = 256 * n_ff_exp // 32 * 34
+    spec, path, slice_bytes = _model(fixture_dir, "pages-unaligned-offsets")
     ref = greedy_logits(path, PROMPT, 4)[0]
     monkeypatch.setenv("VIS_MOE_STREAM_PASSES", "1")      # every prefill ubatch streams, staged in the slabs
     logits, llm = greedy_logits(path, PROMPT, 4, slots=2 * spec.n_expert_used)
