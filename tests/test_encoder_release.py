@@ -65,7 +65,9 @@ def test_freed_encoder_grows_the_slots_and_keeps_the_text(bindir, vlm):
     m = FREED.search(freed.stderr)
     assert m and not FREED.search(held.stderr), freed.stderr[-3000:]
     before, after = int(m.group(1)), int(m.group(2))
-    assert {int(s) for s in SLOTS.findall(held.stderr)} == {before}      # off: the decode keeps the planned slots
+    # off: the decode keeps the planned slots (+ 1 in the layers the bytes left after whole rows give one more; on,
+    # the plan is even: the controller scales every layer's slots together)
+    assert {int(s) for s in SLOTS.findall(held.stderr)} - {before + 1} == {before}
     assert {int(s) for s in SLOTS.findall(freed.stderr)} == {after} and after >= before + 5
     # what it is for: the decode reads far less with the encoder's bytes in slots
     assert _misses(freed.stderr) * 2 < _misses(held.stderr), (held.stderr[-1500:], freed.stderr[-1500:])

@@ -148,6 +148,26 @@ def split_slots(curves, n_expert_used: int, slots: int, row_bytes=None) -> list[
     return [caps[i] for i in range(len(curves))]
 
 
+def extra_slots(slots: list[int], extra: int, n_expert: int, curves=None) -> list[int]:
+    """One more slot in `extra` layers: the bytes a plan leaves after whole slot rows (llama_vis_moe_extra_slots,
+    src/core/vis-moe-split.cpp, in Python; tested equal).  At most one each, none to a layer at ``n_expert``.  With
+    ``curves`` [layers][n_expert + 1] the layers whose next slot saves the most misses (the first on ties); without,
+    the open layers spread evenly over depth."""
+    out = list(slots)
+    open_ = [i for i, s in enumerate(slots) if s < n_expert]
+    x = min(extra, len(open_))
+    if x <= 0:
+        return out
+    if curves is None:
+        chosen = [open_[(2 * i + 1) * len(open_) // (2 * x)] for i in range(x)]
+    else:
+        gain = {i: float(curves[i][slots[i]]) - float(curves[i][slots[i] + 1]) for i in open_}
+        chosen = sorted(open_, key=lambda i: -gain[i])[:x]      # sorted() is stable: the first on ties
+    for i in chosen:
+        out[i] += 1
+    return out
+
+
 def profile_split(t: Trace, slots: int, policy: str = policies.DEFAULT, hysteresis: float = 0.1) -> dict[int, int]:
     """Per-layer slot counts for ``slots`` x layers slots from a profile trace: `policy`'s decode misses per layer
     at every capacity from the top-k to twice ``slots`` (:func:`miss_curves`), split by :func:`split_by_exchange`.

@@ -234,6 +234,7 @@ class llama_vis_moe_plan_request(ctypes.Structure):
 #     int64_t file_only_bytes;   // managed expert bytes held in neither tier 1 nor tier 2
 #     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
 #     int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs
+#     int32_t extra_slots;       // one more slot in this many managed layers (the bytes left after whole rows)
 # };
 # (the struct shares its name with the function below: in Python it is struct_llama_vis_moe_plan)
 class struct_llama_vis_moe_plan(ctypes.Structure):
@@ -248,6 +249,7 @@ class struct_llama_vis_moe_plan(ctypes.Structure):
         ("file_only_bytes", ctypes.c_int64),
         ("tight_budget", ctypes.c_int64),
         ("pageable_bytes", ctypes.c_int64),
+        ("extra_slots", ctypes.c_int32),
     ]
 
 
@@ -379,6 +381,15 @@ def llama_vis_moe_configure_applies(req, conf, mode: int, all_f32: int) -> int:
 def llama_vis_moe_split_slots(miss_curve, n_layers: int, n_expert: int, n_expert_used: int, slots: int, row_bytes,
                               out) -> int:
     """Per-layer slot counts from one expert budget by the layers' miss curves (the rule VIS_MOE_SLOT_SPLIT runs)."""
+
+
+# LLAMA_API int32_t llama_vis_moe_extra_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
+#                                             const int32_t * slots, int32_t extra, int32_t * out);
+@ctypes_function("llama_vis_moe_extra_slots",
+                 [ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                  ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+def llama_vis_moe_extra_slots(miss_curve, n_layers: int, n_expert: int, slots, extra: int, out) -> int:
+    """One more slot in `extra` layers (the bytes a plan leaves after whole slot rows)."""
 
 
 # LLAMA_API int32_t llama_vis_moe_cost_default(const char * path, struct llama_vis_moe_cost * cost);

@@ -361,6 +361,23 @@ def split_slots(miss_curve, n_expert_used: int, slots: int, row_bytes=None) -> l
     return list(out)
 
 
+def extra_slots(slots, extra: int, n_expert: int, miss_curve=None) -> list[int]:
+    """llama_vis_moe_extra_slots: one more slot in ``extra`` of the layers holding ``slots`` (the bytes a plan leaves
+    after whole slot rows), picked by the miss curves [layers][n_expert + 1] or, without, spread over depth
+    (pyvis.runtime.cachesim_split.extra_slots is the same rule in Python)."""
+    n_layers = len(slots)
+    inp = (ctypes.c_int32 * n_layers)(*[int(x) for x in slots])
+    curve = None
+    if miss_curve is not None:
+        c = np.ascontiguousarray(miss_curve, dtype=np.float64)
+        if c.shape != (n_layers, n_expert + 1):
+            raise VisError(f"extra_slots: miss_curve must be [{n_layers}][{n_expert + 1}], got {c.shape}")
+        curve = c.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
+    out = (ctypes.c_int32 * n_layers)()
+    _check(capi.llama_vis_moe_extra_slots(curve, n_layers, n_expert, inp, extra, out), "llama_vis_moe_extra_slots")
+    return list(out)
+
+
 def estimate_reserve(n_ubatch: int, n_vocab: int, n_embd: int, n_expert_used: int, n_ff_exp: int) -> int:
     """Bytes of compute buffers + runtime the runtime plans --moe-mem with, from the model's shape."""
     args = dict(n_ubatch=n_ubatch, n_vocab=n_vocab, n_embd=n_embd, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp)

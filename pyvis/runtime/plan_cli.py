@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .plan import (MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, image_max_tokens, make_plan,
@@ -90,7 +91,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                ("  + image copies (f32 image, output embeddings)", enc["image_bytes"])] if enc else []),
             (f"tier 1  slabs: {p['n_slots']} slot{'s' if p['n_slots'] != 1 else ''}"
              f"{'' if rq['no_staging'] else ' (+1 staging)'} x "
-             f"{p['managed_layers']} layers", p["slab_bytes"]),
+             f"{p['managed_layers']} layers{f' + 1 in {x}' if (x := p.get('extra_slots', 0)) else ''}",
+             p["slab_bytes"]),
             *([(f"tier 1  shadow slabs: {p['shadow_slots']} x {p['managed_layers']} layers "
                 f"(--moe-precision)", p["shadow_bytes"])] if p["shadow_slots"] else []),
             ("tier 2  host expert cache", p["host_bytes"]),
@@ -98,7 +100,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for label, b in rows:
         print(f"  {label:<62s} {_fmt(b)}")
     if p["layer_slots"]:
-        print(f"  per-layer slots (VIS_MOE_SLOT_SPLIT, the same slab bytes or fewer): "
+        why = " + ".join(w for w, on in (("VIS_MOE_SLOT_SPLIT", bool(os.environ.get("VIS_MOE_SLOT_SPLIT") or
+                                                                       args.write_split)),
+                                         ("the bytes left after whole rows", bool(p.get("extra_slots")))) if on)
+        print(f"  per-layer slots ({why}): "
               f"{','.join(map(str, p['layer_slots'].values()))} (layers {min(p['layer_slots'])}..{max(p['layer_slots'])})")
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
@@ -134,8 +139,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _layer_slots(shape: ModelShape, p: dict, args) -> dict:
-    """--write-split FILE (written from --profile), or VIS_MOE_SLOT_SPLIT: the per-layer slots the runtime runs."""
-    import os
+    """--write-split FILE (written from --profile), or VIS_MOE_SLOT_SPLIT, and the plan's extra slots: the per-layer
+    slots the runtime runs."""
     from . import policies, slot_split
     if args.write_split:
         if not args.profile:
@@ -143,7 +148,7 @@ def _layer_slots(shape: ModelShape, p: dict, args) -> dict:
         slot_split.write_for_model(shape, args.profile, args.write_split, policies.DEFAULT)
         print(f"wrote {args.write_split}: run with VIS_MOE_SLOT_SPLIT={args.write_split}", file=sys.stderr)
     path = os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split
-    return slot_split.for_plan(shape, p, path) if path else {}
+    return slot_split.for_plan(shape, p, path)
 
 
 def _print_configuration(conf: dict, asked_ub: int) -> None:

@@ -150,14 +150,24 @@ def check_model(sf: SplitFile, path, moe_layers: list[int], n_expert: int) -> No
 
 
 def for_plan(shape, plan: dict, path) -> dict[int, int]:
-    """What VIS_MOE_SLOT_SPLIT=path makes of `pyvis plan`'s plan: managed layer -> slots (empty: no split)."""
-    sf = read(path)
-    check_model(sf, path, shape.moe_layers, shape.n_expert)
-    if not plan.get("ok") or not plan["managed_layers"] or plan["n_slots"] >= shape.n_expert:
+    """The per-layer slots the runtime runs for `pyvis plan`'s plan: managed layer -> slots (empty: n_slots each).
+    VIS_MOE_SLOT_SPLIT=path (None: no file) splits n_slots by the file's curves; then the plan's extra_slots (the
+    bytes left after whole slot rows) give one more slot to the layers llama_vis_moe_extra_slots picks: by the file's
+    curves, else spread over depth (src/core/vis-moe-attach-plan.cpp)."""
+    from .cachesim_split import extra_slots
+    sf = None
+    if path:
+        sf = read(path)
+        check_model(sf, path, shape.moe_layers, shape.n_expert)
+    extra = plan.get("extra_slots", 0)
+    if not plan.get("ok") or not plan["managed_layers"] or plan["n_slots"] >= shape.n_expert or (not sf and not extra):
         return {}
     managed = shape.moe_layers[plan["pinned_layers"]:]
     pos = [shape.moe_layers.index(il) for il in managed]
-    got = sf.split(plan["n_slots"], pos, [shape.expert_bytes[il] for il in managed])
+    got = (sf.split(plan["n_slots"], pos, [shape.expert_bytes[il] for il in managed]) if sf
+           else [plan["n_slots"]] * len(managed))
+    if extra:
+        got = extra_slots(got, extra, shape.n_expert, None if sf is None else sf.curves[pos])
     return dict(zip(managed, got))
 
 

@@ -141,7 +141,8 @@ def summary(t: Trace, slots: int, policy: str, per_expert: bool = False, split: 
 def _print(s: dict) -> None:
     mib = 1 << 20
     split = (" (split between the layers online; Belady at the even split)" if s["split"] is True else
-             " on average, split per layer (--split-file; Belady at the same split)" if s["split"] else "")
+             " on average, per layer as listed (--split-file, or what --budget leaves after whole rows; Belady at the "
+             "same counts)" if s["split"] else "")
     print(f"trace {s['trace']}: policy {s['policy']}, {s['slots']} slots per layer{split}, {s['requests']} requests, "
           f"{s['decode_steps']} decode steps counted (the prompt warms the caches)")
     print(f"{'layer':>5} {'slots':>5} {'uses':>6} {'misses':>7} {'hit %':>6} {'belady':>7} {'x opt':>6} {'MiB':>8}")
@@ -179,20 +180,32 @@ def _plot(args: argparse.Namespace, t: Trace, slots: int) -> None:
     print(f"miss curves: {out}", file=sys.stderr)
 
 
-def _split_file(args: argparse.Namespace, t: Trace, slots: int) -> dict[int, int]:
-    """--split-file FILE: the per-layer slots VIS_MOE_SLOT_SPLIT=FILE gives the trace's layers at `slots` each."""
+def _split_file(args: argparse.Namespace, t: Trace, slots: int) -> dict[int, int] | None:
+    """--split-file FILE: the per-layer slots VIS_MOE_SLOT_SPLIT=FILE gives the trace's layers at `slots` each; and
+    with --budget, what is left after whole slot rows as one more slot in that many layers, as the runtime's plan
+    gives it (llama_vis_moe_extra_slots: by the file's curves, else spread over depth).  None: `slots` each."""
     from . import slot_split
-    if args.split:
+    from .cachesim_split import extra_slots
+    if args.split and args.split_file:
         raise SystemExit("error: --split (online) and --split-file (fixed) are two splits: give one")
-    try:
-        sf = slot_split.read(args.split_file)
-        layers = t.layers().tolist()
-        slot_split.check_model(sf, args.split_file, layers, t.n_expert)
-        eb = t.expert_bytes
-        rb = [int(eb[il]) for il in layers] if eb is not None and len(eb) > max(layers) else None
-        return dict(zip(layers, sf.split(slots, None, rb)))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    layers = t.layers().tolist()
+    eb = t.expert_bytes
+    sf, caps = None, [slots] * len(layers)
+    if args.split_file:
+        try:
+            sf = slot_split.read(args.split_file)
+            slot_split.check_model(sf, args.split_file, layers, t.n_expert)
+            rb = [int(eb[il]) for il in layers] if eb is not None and len(eb) > max(layers) else None
+            caps = sf.split(slots, None, rb)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+    extra = 0
+    if args.budget is not None and not args.split and slots < t.n_expert:
+        left = int(args.budget * (1 << 20)) - slots * int(eb[layers].sum())
+        extra = min(left // int(eb[layers].max()), len(layers) - 1)
+    if extra > 0:
+        caps = extra_slots(caps, extra, t.n_expert, None if sf is None else sf.curves)
+    return dict(zip(layers, caps)) if sf is not None or extra > 0 else None
 
 
 def _cmd_cachesim(args: argparse.Namespace) -> int:
@@ -207,7 +220,7 @@ def _cmd_cachesim(args: argparse.Namespace) -> int:
     if args.split and (args.policy not in ("default", "lru", "lfu", "lfu-adapt") or args.requests == "expert"):
         raise SystemExit("error: --split runs the lru, lfu or lfu-adapt policy with token requests")
     slots = _slots(args, t)
-    caps = _split_file(args, t, slots) if args.split_file else None
+    caps = _split_file(args, t, slots)
     s = summary(t, slots, args.policy, args.requests == "expert", args.split, caps)
     if args.json:
         print(json.dumps(s))
@@ -240,7 +253,8 @@ def register(sub) -> None:
     g = c.add_mutually_exclusive_group(required=True)
     g.add_argument("--slots", type=_positive, help="expert slots per layer")
     g.add_argument("--budget", type=_mib, metavar="MIB",
-                   help="total cache in MiB over the traced layers (slots per layer = budget / one expert of each)")
+                   help="total cache in MiB over the traced layers: slots per layer = budget / one expert of each, "
+                   "and what is left as one more slot in some layers, as --moe-mem plans it")
     c.add_argument("--expert-bytes", type=_positive, metavar="N",
                    help="bytes of one expert, every layer (for --budget when the trace does not say)")
     c.add_argument("--requests", choices=["token", "expert"], default="token",

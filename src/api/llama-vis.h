@@ -466,6 +466,9 @@ struct llama_vis_moe_plan {
     int64_t tight_budget;      // below this budget there are fewer than top-k slots per layer
     int64_t pageable_bytes;    // resident weights that do not fit next to the minimal slabs: left to the page
                                // cache (not locked; re-read from the file under pressure, as upstream's mmap)
+    int32_t extra_slots;       // unified memory, slots planned (n_slots 0): one more slot in this many managed layers,
+                               // from the bytes left after whole slot rows (< n_managed_layers; counted in slab_bytes;
+                               // which layers: docs/planning.md#slots-from-the-bytes-left-over)
 };
 LLAMA_API int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct llama_vis_moe_plan * out);
 
@@ -546,6 +549,15 @@ LLAMA_API int32_t llama_vis_moe_configure_applies(const struct llama_vis_moe_con
 LLAMA_API int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
                                             int32_t n_expert_used, int32_t slots, const int64_t * row_bytes,
                                             int32_t * out);
+// One more slot in `extra` layers (the bytes a plan leaves after whole slot rows: llama_vis_moe_plan's extra_slots,
+// docs/planning.md#slots-from-the-bytes-left-over): out[l] = slots[l] + 1 in the chosen layers, slots[l] in the others,
+// at most one each and none to a layer already at n_expert.  With miss curves (miss_curve [n_layers][n_expert + 1], as
+// llama_vis_moe_split_slots reads them) the layers whose next slot saves the most misses (the first on ties); without
+// (NULL) the layers below n_expert spread evenly over depth: the j-th of E of them for j = floor((i + 0.5) E / extra),
+// i < extra.  extra is capped at the layers that can take one.  pyvis.runtime.cachesim_split.extra_slots is the same
+// rule in Python (tested equal).  0 on success.
+LLAMA_API int32_t llama_vis_moe_extra_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert,
+                                            const int32_t * slots, int32_t extra, int32_t * out);
 // The bandwidth half of the cost model: expert-sized O_DIRECT reads of the file at path by --moe-io-threads threads
 // at once (page-cache reads with the pages dropped where O_DIRECT is refused) and a memcpy, probed once per device
 // and I/O thread count and cached in ~/.cache/vis-moe/bandwidth (XDG_CACHE_HOME respected); VIS_MOE_READ_MBPS

@@ -132,13 +132,9 @@ std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, c
 std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap) {
     ap.layer_slots.clear();
     const int n_exp = (int) model.hparams.n_expert;
-    if (s.plan.slot_split.empty() || ap.managed.empty() || model.hparams.no_alloc) {
+    const bool extra = ap.extra_slots > 0 && ap.n_slots < n_exp;
+    if ((s.plan.slot_split.empty() && !extra) || ap.managed.empty() || model.hparams.no_alloc) {
         return "";
-    }
-    const vis_moe_split_file f = vis_moe_split_file_load(s.plan.slot_split, (int) ap.moe_layers.size(), n_exp);
-    if (ap.n_slots >= n_exp) {
-        return "VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": not applied: every managed layer holds all " +
-               std::to_string(n_exp) + " experts";
     }
     std::vector<int> pos;
     std::vector<int64_t> row;
@@ -146,24 +142,58 @@ std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_se
         pos.push_back((int) (std::find(ap.moe_layers.begin(), ap.moe_layers.end(), il) - ap.moe_layers.begin()));
         row.push_back(vis_moe_layer_expert_bytes(model.layers[il]));
     }
-    const std::vector<int> got = vis_moe_split_apply(f, pos, ap.n_slots, row);
+    std::vector<int> got(ap.managed.size(), std::min(ap.n_slots, n_exp));
+    std::vector<double> cv;  // the file's curves of the managed layers
+    std::string out;
+    if (!s.plan.slot_split.empty()) {
+        const vis_moe_split_file f = vis_moe_split_file_load(s.plan.slot_split, (int) ap.moe_layers.size(), n_exp);
+        if (ap.n_slots >= n_exp) {
+            return "VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": not applied: every managed layer holds all " +
+                   std::to_string(n_exp) + " experts";
+        }
+        for (int p : pos) {
+            cv.insert(cv.end(), f.curve((size_t) p), f.curve((size_t) p) + f.n_expert + 1);
+        }
+        got = vis_moe_split_apply(f, pos, ap.n_slots, row);
+        int lo = n_exp, hi = 0;
+        int64_t even = 0, split = 0;
+        std::string list;
+        for (size_t i = 0; i < got.size(); ++i) {
+            list += (i ? "," : "") + std::to_string(got[i]);
+            lo = std::min(lo, got[i]);
+            hi = std::max(hi, got[i]);
+            even  += (int64_t) ap.n_slots * row[i];
+            split += (int64_t) got[i] * row[i];
+        }
+        char mib[96];
+        std::snprintf(mib, sizeof(mib), "%.2f MiB of slots against %.2f MiB equal", split / 1048576.0, even / 1048576.0);
+        out = "VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": " + std::to_string(ap.n_slots) + " slots per layer split " +
+              std::to_string(lo) + ".." + std::to_string(hi) + " by its miss curves (" + mib + "); managed layers " +
+              std::to_string(ap.managed.front()) + ".." + std::to_string(ap.managed.back()) + ": " + list;
+    }
+    if (extra) {
+        std::vector<int32_t> in(got.begin(), got.end()), res(got.size());
+        if (llama_vis_moe_extra_slots(cv.empty() ? nullptr : cv.data(), (int32_t) got.size(), n_exp, in.data(),
+                                      ap.extra_slots, res.data()) != 0) {
+            throw std::runtime_error(std::string("vis-moe: ") + llama_vis_last_error());
+        }
+        std::string list;
+        int n_more = 0;
+        for (size_t i = 0; i < res.size(); ++i) {
+            if (res[i] > got[i]) {
+                list += (n_more++ ? "," : "") + std::to_string(ap.managed[i]);
+            }
+            got[i] = res[i];
+        }
+        out += std::string(out.empty() ? "" : "\n") + "--moe-mem: the bytes left after whole slot rows give one more slot "
+               "to " + std::to_string(n_more) + " of " + std::to_string(got.size()) + " managed layers (" +
+               (cv.empty() ? "spread over depth" : "by the split file's curves") + "): " + list;
+    }
     ap.layer_slots.assign(model.layers.size(), 0);
-    std::string list;
-    int lo = n_exp, hi = 0;
-    int64_t even = 0, split = 0;
     for (size_t i = 0; i < ap.managed.size(); ++i) {
         ap.layer_slots[ap.managed[i]] = got[i];
-        list += (i ? "," : "") + std::to_string(got[i]);
-        lo = std::min(lo, got[i]);
-        hi = std::max(hi, got[i]);
-        even  += (int64_t) ap.n_slots * row[i];
-        split += (int64_t) got[i] * row[i];
     }
-    char mib[96];
-    std::snprintf(mib, sizeof(mib), "%.2f MiB of slots against %.2f MiB equal", split / 1048576.0, even / 1048576.0);
-    return "VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": " + std::to_string(ap.n_slots) + " slots per layer split " +
-           std::to_string(lo) + ".." + std::to_string(hi) + " by its miss curves (" + mib + "); managed layers " +
-           std::to_string(ap.managed.front()) + ".." + std::to_string(ap.managed.back()) + ": " + list;
+    return out;
 }
 
 bool vis_moe_uses_memory_plan(const llama_model & model, const vis_moe_settings & s, const vis_moe_attach_plan & ap) {

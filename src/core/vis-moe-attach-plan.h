@@ -34,7 +34,8 @@ struct vis_moe_attach_plan {
     bool cpu_only = false;          // no GPU at all: no staging slot
     int  staging  = 0;
     int  n_slots  = 0;              // slots per managed layer (on average, with layer_slots)
-    std::vector<int> layer_slots;   // VIS_MOE_SLOT_SPLIT: slots of each layer (indexed by layer), empty: n_slots each
+    std::vector<int> layer_slots;   // slots of each layer (indexed by layer; VIS_MOE_SLOT_SPLIT, extra_slots), empty: n_slots each
+    int  extra_slots = 0;           // the --moe-mem plan's: one more slot in this many managed layers (llama_vis_moe_extra_slots)
     int64_t host_bytes = 0;
     bool planned  = false;          // slots from --moe-cache-mib or --moe-mem rather than --moe-slots
     int64_t pageable = 0;           // resident weights left unlocked because the budget cannot hold them
@@ -79,7 +80,9 @@ std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, c
                                                     vis_moe_attach_plan & ap);
 
 // step 3, last: VIS_MOE_SLOT_SPLIT splits the managed layers' n_slots each by the split file's miss curves
-// (vis-moe-split.h) into ap.layer_slots; throws on a file for another model.  Returns the line that says so ("": no split)
+// (vis-moe-split.h) into ap.layer_slots, and the plan's extra_slots go to the layers llama_vis_moe_extra_slots picks
+// (by the file's curves, else spread over depth); throws on a file for another model.  Returns the lines that say so
+// ("": every managed layer holds n_slots)
 std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap);
 
 // step 3 decides the slots with the --moe-mem plan (not --moe-slots or --moe-cache-mib)

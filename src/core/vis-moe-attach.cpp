@@ -119,6 +119,10 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
         suffix += vis_moe_encoder_release_plan(s, ap, without, rq.encoder_bytes, (int) model.hparams.n_expert);
     }
     ap.planned    = s.params.n_slots <= 0;
+    // the bytes left after whole slot rows: one more slot in some layers (vis_moe_apply_slot_split), unless a
+    // controller scales every layer's slots together (online, encoder release: their plans are even)
+    ap.extra_slots = s.plan.online > 0 || ap.encoder_held_slots > 0 ? 0 : plan.extra_slots;
+    const std::string extra = ap.extra_slots > 0 ? " + 1 in " + std::to_string(ap.extra_slots) : "";
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
     vm.plan_encoder = rq.encoder_bytes;
@@ -140,11 +144,11 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
         vm.plan_source = "--moe-mem";
     }
     LLAMA_LOG_INFO("vis-moe: memory plan: budget %.0f MiB = resident %.0f + KV %.0f + compute/runtime %.0f%s + I/O "
-                   "buffers %.1f + slabs %.0f (%d slots x %zu layers) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
+                   "buffers %.1f + slabs %.0f (%d slots x %zu layers%s) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
-                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0, plan.slab_bytes / 1048576.0,
-                   plan.n_slots,
-                   ap.managed.size(), plan.host_bytes / 1048576.0, suffix.c_str());
+                   vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0,
+                   (plan.slab_bytes - (int64_t) (plan.extra_slots - ap.extra_slots) * rq.expert_bytes) / 1048576.0,
+                   plan.n_slots, ap.managed.size(), extra.c_str(), plan.host_bytes / 1048576.0, suffix.c_str());
 }
 
 // step 3: slots per managed layer and the host-cache bytes
@@ -180,8 +184,10 @@ void size_slots(const llama_context * lctx, const llama_model & model, const vis
         vm.note(msg);
     }
     const std::string split = vis_moe_apply_slot_split(model, s, ap);  // throws on a file for another model
-    if (!split.empty()) {
-        LLAMA_LOG_INFO("vis-moe: %s\n", split.c_str());
+    for (size_t a = 0; a < split.size();) {
+        const size_t b = std::min(split.find('\n', a), split.size());
+        LLAMA_LOG_INFO("vis-moe: %s\n", split.substr(a, b - a).c_str());
+        a = b + 1;
     }
 }
 
@@ -350,7 +356,7 @@ void log_summary(const vis_moe_settings & s, const attach_plan & ap, const vis_m
     if (vm.n_managed > 0) {
         LLAMA_LOG_INFO("vis-moe: expert cache: %d of %zu MoE layers managed (%d pinned), %d slots%s of %d experts each, "
                        "slabs %.2f MiB\n", vm.n_managed, ap.moe_layers.size(), ap.pinned, std::min(ap.n_slots, n_exp),
-                       ap.layer_slots.empty() ? "" : " on average (VIS_MOE_SLOT_SPLIT)", n_exp, vm.slab_bytes / 1048576.0);
+                       ap.layer_slots.empty() ? "" : " on average", n_exp, vm.slab_bytes / 1048576.0);
         if (ap.any_deferred) {
             LLAMA_LOG_INFO("vis-moe: tiers: slabs %.2f MiB (%s) | host cache %.2f MiB (%s) | file: %s, %d I/O threads%s\n",
                            vm.slab_bytes / 1048576.0, vm.unified ? "filled straight from the file" : "filled through a staging buffer",

@@ -86,6 +86,56 @@ int32_t llama_vis_moe_split_slots(const double * miss_curve, int32_t n_layers, i
     return 0;
 }
 
+int32_t llama_vis_moe_extra_slots(const double * miss_curve, int32_t n_layers, int32_t n_expert, const int32_t * slots,
+                                  int32_t extra, int32_t * out) {
+    vis_clear_last_error();
+    if (!slots || !out || n_layers < 1 || n_expert < 1 || extra < 0) {
+        vis_set_last_error("llama_vis_moe_extra_slots: need slots, out, n_layers >= 1, n_expert >= 1 and extra >= 0 "
+                           "(got " + std::to_string(n_layers) + " layers, " + std::to_string(n_expert) + " experts, " +
+                           std::to_string(extra) + " extra)");
+        return -1;
+    }
+    std::vector<int> open;  // the layers that can take one more slot, in order
+    for (int l = 0; l < n_layers; ++l) {
+        if (slots[l] < 0 || slots[l] > n_expert) {
+            vis_set_last_error("llama_vis_moe_extra_slots: layer " + std::to_string(l) + " has " +
+                               std::to_string(slots[l]) + " slots, outside 0.." + std::to_string(n_expert));
+            return -1;
+        }
+        out[l] = slots[l];
+        if (slots[l] < n_expert) {
+            open.push_back(l);
+        }
+    }
+    const int E = (int) open.size();
+    const int x = std::min(extra, E);
+    if (x == 0) {
+        return 0;
+    }
+    if (!miss_curve) {
+        for (int i = 0; i < x; ++i) {
+            out[open[(size_t) ((2ll * i + 1) * E / (2ll * x))]]++;
+        }
+        return 0;
+    }
+    const size_t w = (size_t) n_expert + 1;
+    std::vector<double> gain(n_layers);
+    for (int l : open) {
+        gain[l] = miss_curve[(size_t) l * w + slots[l]] - miss_curve[(size_t) l * w + slots[l] + 1];
+        if (!std::isfinite(gain[l])) {
+            vis_set_last_error("llama_vis_moe_extra_slots: miss curve of layer " + std::to_string(l) +
+                               " is not finite at " + std::to_string(slots[l]) + ".." + std::to_string(slots[l] + 1) +
+                               " slots");
+            return -1;
+        }
+    }
+    std::stable_sort(open.begin(), open.end(), [&](int a, int b) { return gain[a] > gain[b]; });
+    for (int i = 0; i < x; ++i) {
+        out[open[i]]++;
+    }
+    return 0;
+}
+
 vis_moe_split_file vis_moe_split_file_load(const std::string & path, int n_moe_layers, int n_expert) {
     auto fail = [&](const std::string & what) {
         return std::runtime_error("VIS_MOE_SLOT_SPLIT " + path + ": " + what + "; make one for this model with: " + MAKE);
