@@ -275,6 +275,22 @@ bool create_slabs(const llama_model & model, const vis_moe_settings & s, const a
     }
     bool locked = true;
     for (auto & [buft, c] : ctx_of) {
+        if (model.hparams.no_alloc) {
+            // upstream's --fit probe: a dummy buffer, as its own weights and KV cache get there.  A real one was
+            // allocated, zeroed and locked, then freed: with --moe-slots that churned the slabs' size through memory
+            // before the real load, and the run after it read and computed 1.3x slower (48-layer model, replayed
+            // trace, 4 GiB: decode 5.9 against 7.8 tok/s with -fit off; docs/benchmarks.md#stop-39)
+            ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, 0);
+            if (!buf) {
+                throw std::runtime_error(std::string("vis-moe: no buffer of ") + ggml_backend_buft_name(buft));
+            }
+            for (ggml_tensor * t = ggml_get_first_tensor(c); t; t = ggml_get_next_tensor(c, t)) {
+                t->buffer = buf;
+            }
+            vm.bufs.push_back(buf);
+            locked = false;
+            continue;
+        }
         ggml_backend_buffer_t buf = vis_dio_alloc_tensors(c, buft, [&](const ggml_tensor * t) {
             const auto it = page_pos.find(t);
             return it == page_pos.end() ? (int64_t) -1 : it->second;
@@ -467,7 +483,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (vm->n_managed > 0 && ap.any_deferred && !hp.no_alloc) {
         vis_moe_log_unified(model, ap.managed, s.tier.unified, ap.all_host_devices, *vm);
     }
-    if (vm->n_managed > 0 && ap.host_bytes > 0 && ap.n_slots < (int) hp.n_expert) {
+    if (vm->n_managed > 0 && ap.host_bytes > 0 && ap.n_slots < (int) hp.n_expert && !hp.no_alloc) {
         // pinned on a discrete GPU within the cap (--moe-pin-mib), else anonymous memory as before
         vm->host = vis_moe_make_host_cache(*vm, (size_t) ap.host_bytes, (size_t) ap.exp_max, s.tier.mlock != 0);
         vm->host_exclusive = vm->unified;
@@ -480,7 +496,9 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (tracing) {
         vm->trace = vm->add(std::make_unique<vis_moe_trace>(s.trace_path, hp.n_layer(), hp.n_expert, (uint32_t) vm->n_expert_used));
     }
-    log_summary(s, ap, *vm, (int) hp.n_expert);
+    if (!hp.no_alloc) {  // not for the --fit probe: the real attach says it
+        log_summary(s, ap, *vm, (int) hp.n_expert);
+    }
     if (s.sub.on() && !hp.no_alloc) {
         vis_moe_substitute_attach(*vm, model, s, ap.any_deferred);  // throws on a bad profile or combination
     }
