@@ -148,6 +148,12 @@ def run_paged(model: Path, prompt: str, n_predict: int, budget_mib: int, n_ctx: 
         res["io"] = moe.io_stats(llm) or {}
         res["cache"] = {"n_slots": st.n_slots, "n_routed": st.n_routed, "n_hits": st.n_hits,
                         "n_misses": st.n_misses, "n_passes": st.n_passes} if st else {}
+        if st:  # each managed layer's slots: the plan's left-over bytes give some of them one more
+            per, il = [], 0
+            while (ls := moe.layer_stats(llm, il)) is not None:
+                per += [ls.n_slots] if ls.managed else []
+                il += 1
+            res["cache"]["layer_slots"] = per
     finally:
         llm.close()
     return res
@@ -180,7 +186,8 @@ def summary_lines(d: dict) -> list[str]:
     model: name, file_bytes, expert_bytes, n_moe_layers, n_expert, k; budget_mib;
     plan: llama_vis_moe_plan as pyvis plan returns it (n_slots, slab_bytes, host_bytes, file_only_bytes,
     managed_layers, managed_bytes, request: resident_bytes, kv_bytes, reserve_bytes);
-    paged: an answer() dict plus io (llama_vis_moe_get_io_stats) and cache (llama_vis_moe_get_stats totals);
+    paged: an answer() dict plus io (llama_vis_moe_get_io_stats) and cache (llama_vis_moe_get_stats totals, and
+    layer_slots: each managed layer's slots);
     resident: an answer() dict or None; identical: bool or None."""
     m, p, g = d["model"], d["plan"], d["paged"]
     io, c, rq = g.get("io") or {}, g.get("cache") or {}, p.get("request", {})
@@ -196,8 +203,11 @@ def summary_lines(d: dict) -> list[str]:
     row("memory budget", f"{d['budget_mib']} MiB (--moe-mem {d['budget_mib']})")
     row("tier split", f"resident backbone {_mib(rq.get('resident_bytes', 0))} | KV cache {_mib(rq.get('kv_bytes', 0))}"
                       f" | compute {_mib(rq.get('reserve_bytes', 0))}")
-    slots = c.get("n_slots") or p["n_slots"]   # the runtime's, where it ran
-    row("", f"tier 1 slabs {_mib(slab)} ({slots} slots x {p.get('managed_layers', m['n_moe_layers'])} layers)"
+    per = c.get("layer_slots") or []           # the runtime's, where it ran
+    slots = min(per) if per else c.get("n_slots") or p["n_slots"]
+    more = sum(1 for x in per if x > slots)
+    row("", f"tier 1 slabs {_mib(slab)} ({slots} slots x {p.get('managed_layers', m['n_moe_layers'])} layers"
+            f"{f' + 1 in {more}' if more else ''})"
             f" | tier 2 host cache {_mib(host)} | tier 3 file only {_mib(p['file_only_bytes'])}")
     if managed:
         share = (slab + host) / managed
@@ -337,7 +347,7 @@ def _main(a: argparse.Namespace) -> int:
         f"{_mib(rq['resident_bytes'])} stays resident")
     say(f"budget   {budget} MiB = resident {rq['resident_bytes'] / MIB:.0f} + KV {rq['kv_bytes'] / MIB:.0f} + compute "
         f"{rq['reserve_bytes'] / MIB:.0f} + experts {in_mem / MIB:.0f} MiB ({plan['n_slots']} of {shape.n_expert} "
-        f"per layer, {100 * in_mem / max(plan['managed_bytes'], 1):.0f} % of the experts)")
+        f"per layer{f', + 1 in {x} layers' if (x := plan.get('extra_slots', 0)) else ''}, {100 * in_mem / max(plan['managed_bytes'], 1):.0f} % of the experts)")
     say(f"CLI      {cli_equivalent(model, a, budget, k, shape.arch)}")
     say("         (the same paged run with upstream's llama-cli; it formats the chat a little differently)")
     say(f"\n== {a.prompt}")

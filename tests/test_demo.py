@@ -178,6 +178,10 @@ def test_summary_names_the_slots_that_ran():
     d["paged"]["io"]["slab_bytes"] = 29 * 7 * 442368
     text = "\n".join(demo.summary_lines(d))
     assert "tier 1 slabs 85.6 MiB (7 slots x 29 layers)" in text, text
+    # the plan's left-over bytes gave 5 of the layers one more slot: the line says so
+    d["paged"]["cache"]["layer_slots"] = [7] * 24 + [8] * 5
+    text = "\n".join(demo.summary_lines(d))
+    assert "(7 slots x 29 layers + 1 in 5)" in text, text
 
 
 def test_summary_without_comparison_or_io_stats():
