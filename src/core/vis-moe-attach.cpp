@@ -181,7 +181,9 @@ void size_slots(const llama_context * lctx, const llama_model & model, const vis
                       "passes per managed layer and reads most routed experts again%s", ap.n_slots, ap.n_slots == 1 ? "" : "s",
                       ap.planned ? " fit the budget" : "", k, (k + ap.n_slots - 1) / ap.n_slots,
                       ap.planned ? "; a larger budget gives top-k slots" : "");
-        vm.note(msg);
+        const std::string more = ap.extra_slots > 0 ? " (" + std::to_string(ap.extra_slots) + " layers get one more " +
+                                                          "from the bytes left over)" : "";
+        vm.note(msg + more);
     }
     const std::string split = vis_moe_apply_slot_split(model, s, ap);  // throws on a file for another model
     for (size_t a = 0; a < split.size();) {
