@@ -354,8 +354,9 @@ int32_t llama_vis_moe_plan(const struct llama_vis_moe_plan_request * req, struct
     }
     if (r.unified && r.n_slots <= 0 && slots < r.n_expert) {
         // What is left after whole slot rows (and a host cache, if any) is less than one row: one more slot in that
-        // many layers (which ones: vis_moe_extra_slots).  48-layer model, 4 GiB: 18 of them next to 22 slots; at
-        // 12.5 % 37 next to 5, which then run a top-6 step in one pass (docs/planning.md#slots-from-the-bytes-left-over)
+        // many layers (which ones: llama_vis_moe_extra_slots, at attach).  48-layer model at top-6 (the replayed
+        // trace): 22 of them next to 22 slots at 4 GiB; 40 next to 5 at 12.5 %, which then serve a top-6 step in one
+        // pass (decode 1.15x there; docs/planning.md#slots-from-the-bytes-left-over)
         const int64_t left = budget - p.fixed_bytes - p.slab_bytes - p.host_bytes;
         p.extra_slots = (int32_t) std::clamp<int64_t>(left / r.expert_bytes, 0, r.n_managed_layers - 1);
         p.slab_bytes += (int64_t) p.extra_slots * r.expert_bytes;
