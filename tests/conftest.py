@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import time
@@ -218,3 +219,10 @@ def lowlevel_greedy(path, prompt: bytes, n_decode: int, extra_bufts: bool = True
         L.llama_batch_free(b)
         L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+def vis_header_text() -> str:
+    """The public C API as one text: src/api/llama-vis.h and the section headers it includes, in its order."""
+    api = Path(__file__).resolve().parent.parent / "src" / "api"
+    umbrella = (api / "llama-vis.h").read_text()
+    return umbrella + "".join((api / name).read_text() for name in re.findall(r'#include "(llama-vis-\w+\.h)"', umbrella))

@@ -16,7 +16,8 @@ from pyvis.runtime import capi, native, settings
 from pyvis.runtime.config import MoeConfig, applied
 from pyvis.runtime.settings import CapacityParams, MoeParams, PrecisionParams, TierParams
 
-HEADER = Path(__file__).resolve().parent.parent / "src" / "api" / "llama-vis.h"
+from conftest import vis_header_text
+
 CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double,
           "const char *": ctypes.c_char_p, "const float *": ctypes.POINTER(ctypes.c_float),
           "int32_t *": ctypes.POINTER(ctypes.c_int32), "char": ctypes.c_char}
@@ -32,7 +33,7 @@ KW = dict(n_ctx=64, n_threads=2, verbose=False)
 
 
 def _header():
-    text = re.sub(r"//[^\n]*", "", HEADER.read_text())
+    text = re.sub(r"//[^\n]*", "", vis_header_text())
     enums = {n: int(v) for body in re.findall(r"enum \w+ \{(.*?)\};", text, re.S)
              for n, v in re.findall(r"\b(LLAMA_VIS_\w+)\s*=\s*(-?\d+)", body)}
     structs = {m.group(1): [(t, n, int(enums.get(a, a)) if a else None) for t, n, a in
@@ -60,6 +61,13 @@ def test_the_mirror_is_the_header():
     src = "".join(p.read_text() for p in sorted(Path(capi.__file__).parent.glob("capi*.py")))
     for f in funcs:       # the C declaration is written above each binding
         assert re.search(rf"# LLAMA_API [^\n]*\b{f}\(", src), f
+    # section by section: the functions of src/api/llama-vis-X.h are bound in pyvis/runtime/capi_X.py
+    api = Path(__file__).resolve().parent.parent / "src" / "api"
+    for section in ("moe", "paging", "vlm"):
+        text = re.sub(r"//[^\n]*", "", (api / f"llama-vis-{section}.h").read_text())
+        declared = set(re.findall(r"LLAMA_API[^;(]*?\b(llama_vis_\w+)\s*\(", text))
+        mirror = (Path(capi.__file__).parent / f"capi_{section}.py").read_text()
+        assert declared and declared == set(re.findall(r'@ctypes_function\("(llama_vis_\w+)"', mirror)), section
 
 
 def test_every_settings_field_is_a_flag_of_the_c_table():

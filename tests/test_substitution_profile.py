@@ -18,6 +18,8 @@ from pyvis.runtime import profile as prof
 from pyvis.runtime import trace as vtrace
 from pyvis.runtime.trace import Trace, TraceError
 
+from conftest import vis_header_text
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "models" / "fixtures" / "qwen3moe.gguf"      # 3 layers x 32 experts, top-8
 MASK = (1 << 64) - 1
@@ -354,7 +356,7 @@ def test_writer_never_replaces_a_model_or_another_file(tmp_path, model, profile)
 # SUB1 trace records
 # --------------------------------------------------------------------------
 def test_outcome_names_mirror_the_header():
-    text = (ROOT / "src" / "api" / "llama-vis.h").read_text()
+    text = vis_header_text()
     body = re.search(r"enum llama_vis_sub_outcome \{(.*?)\};", text, re.S).group(1)
     vals = {int(v): n.lower() for n, v in re.findall(r"LLAMA_VIS_SUB_(\w+)\s*=\s*(\d+)", body) if n != "N_OUTCOMES"}
     assert vtrace.SUB_OUTCOMES == tuple(vals[i] for i in range(len(vals)))

@@ -1,5 +1,5 @@
-"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
-header's first sections (the build, expert residency and its settings table, stats, substitution, precision,
+"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): its
+section src/api/llama-vis-moe.h (the build, expert residency and its settings table, stats, substitution, precision,
 capacity, prefetch), in the header's order."""
 from __future__ import annotations
 

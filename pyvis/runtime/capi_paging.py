@@ -1,5 +1,5 @@
-"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
-header's paging-tier section (tier parameters, I/O stats, the memory probe and planner), in the header's order."""
+"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): its
+section src/api/llama-vis-paging.h (tier parameters, I/O stats, the memory probe and planner), in the header's order."""
 from __future__ import annotations
 
 import ctypes

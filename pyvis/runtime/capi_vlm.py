@@ -1,5 +1,5 @@
-"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): the
-header's visual-token pruning sections (encoder saliency, prefix-layer evaluation and routing capture), in the
+"""Part of the 1:1 ctypes mirror of src/api/llama-vis.h (:mod:`pyvis.runtime.capi`, which re-exports it): its
+section src/api/llama-vis-vlm.h (encoder saliency, prefix-layer evaluation and routing capture), in the
 header's order."""
 from __future__ import annotations
 
