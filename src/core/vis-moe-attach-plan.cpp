@@ -151,9 +151,7 @@ std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_se
             return "VIS_MOE_SLOT_SPLIT " + s.plan.slot_split + ": not applied: every managed layer holds all " +
                    std::to_string(n_exp) + " experts";
         }
-        for (int p : pos) {
-            cv.insert(cv.end(), f.curve((size_t) p), f.curve((size_t) p) + f.n_expert + 1);
-        }
+        cv  = vis_moe_split_curves(f, pos);
         got = vis_moe_split_apply(f, pos, ap.n_slots, row);
         int lo = n_exp, hi = 0;
         int64_t even = 0, split = 0;

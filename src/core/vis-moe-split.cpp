@@ -210,16 +210,21 @@ vis_moe_split_file vis_moe_split_file_load(const std::string & path, int n_moe_l
     return f;
 }
 
+std::vector<double> vis_moe_split_curves(const vis_moe_split_file & f, const std::vector<int> & managed_pos) {
+    std::vector<double> cv;
+    for (int p : managed_pos) {
+        cv.insert(cv.end(), f.curve((size_t) p), f.curve((size_t) p) + f.n_expert + 1);
+    }
+    return cv;
+}
+
 std::vector<int> vis_moe_split_apply(const vis_moe_split_file & f, const std::vector<int> & managed_pos, int slots,
                                      const std::vector<int64_t> & row_bytes) {
     const int n = (int) managed_pos.size();
     if (n == 0 || slots >= f.n_expert) {
         return std::vector<int>(n, std::min(slots, f.n_expert));
     }
-    std::vector<double> cv;
-    for (int p : managed_pos) {
-        cv.insert(cv.end(), f.curve((size_t) p), f.curve((size_t) p) + f.n_expert + 1);
-    }
+    const std::vector<double> cv = vis_moe_split_curves(f, managed_pos);
     std::vector<int32_t> out(n);
     if (llama_vis_moe_split_slots(cv.data(), n, f.n_expert, f.top_k, slots, row_bytes.data(), out.data()) != 0) {
         throw std::runtime_error("VIS_MOE_SLOT_SPLIT " + f.path + ": " + llama_vis_last_error());

@@ -25,6 +25,10 @@ struct vis_moe_split_file {
 // mismatch and the command that makes one
 vis_moe_split_file vis_moe_split_file_load(const std::string & path, int n_moe_layers, int n_expert);
 
+// the file's curves of the managed layers (`managed_pos`: their positions among the model's MoE layers), as
+// llama_vis_moe_split_slots and llama_vis_moe_extra_slots read them: [managed layers][n_expert + 1]
+std::vector<double> vis_moe_split_curves(const vis_moe_split_file & f, const std::vector<int> & managed_pos);
+
 // the per-layer slot counts of the managed layers (`managed_pos`: their positions among the model's MoE layers)
 // for `slots` each on average, bytes of one slot of each in `row_bytes`: the rule on the file's curves
 std::vector<int> vis_moe_split_apply(const vis_moe_split_file & f, const std::vector<int> & managed_pos, int slots,
