@@ -100,10 +100,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for label, b in rows:
         print(f"  {label:<62s} {_fmt(b)}")
     if p["layer_slots"]:
-        why = " + ".join(w for w, on in (("VIS_MOE_SLOT_SPLIT", bool(os.environ.get("VIS_MOE_SLOT_SPLIT") or
-                                                                       args.write_split)),
-                                         ("the bytes left after whole rows", bool(p.get("extra_slots")))) if on)
-        print(f"  per-layer slots ({why}): "
+        why = [w for w, on in (("VIS_MOE_SLOT_SPLIT", os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split),
+                               ("the bytes left after whole rows", p.get("extra_slots"))) if on]
+        print(f"  per-layer slots ({' + '.join(why)}): "
               f"{','.join(map(str, p['layer_slots'].values()))} (layers {min(p['layer_slots'])}..{max(p['layer_slots'])})")
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
