@@ -122,3 +122,33 @@ def test_the_runtime_runs_the_extra_slots_exactly(medium_model, tmp_path, budget
                                  streamed=stream_flags(t, il, cap), lent=True) == misses, il
     assert sum(m for _, m in plan.values()) < sum(m for _, m in even.values())
     assert pr < er
+
+
+def test_the_configurator_prices_the_extra_slots():
+    """llama_vis_moe_configure prices the plan the runtime runs, extra slots included: a budget whose bytes after
+    whole rows give 3 of 4 layers a second slot (top-4: a decode step in 2 passes instead of 4 there, and fewer
+    misses) predicts a faster decode than the budget with the same even count and nothing left over (priced on the
+    even count alone, the two were equal).  With per-layer curves the advice (layer_slots) is the split and then the
+    extras by the same curves, as the attach runs them with the split file: on prior curves it is priced as the plan,
+    on skewed ones the extras go to the layers that gain most."""
+    from test_planning import COST, REQ, SHAPE
+    MIB, L, n, k = 1 << 20, REQ["n_managed_layers"], REQ["n_expert"], REQ["n_expert_used"]
+    conf = {b: native.configure(REQ | dict(budget=b * MIB), **SHAPE, n_ubatch=512, n_ubatch_min=512, cost=COST)
+            for b in (234, 240)}
+    whole, extra = conf[234], conf[240]
+    assert whole["plan"]["n_slots"] == extra["plan"]["n_slots"] == 1
+    assert whole["plan"]["extra_slots"] == 0 and extra["plan"]["extra_slots"] == 3
+    assert extra["decode_tps"] > 1.3 * whole["decode_tps"]
+    prior = np.array([k * (1 - s / n) for s in range(n + 1)], np.float32)
+    c = native.configure(REQ | dict(budget=240 * MIB), **SHAPE, n_ubatch=512, n_ubatch_min=512, cost=COST,
+                         miss_curve=np.stack([prior] * L))
+    assert sorted(c["layer_slots"]) == [1, 2, 2, 2]
+    assert c["layer_decode_tps"] == pytest.approx(c["decode_tps"], rel=1e-9)
+    assert c["decode_tps"] == pytest.approx(extra["decode_tps"], rel=1e-9)
+    flat = np.full(n + 1, 0.0, np.float32)
+    flat[0] = flat[1] = flat[2] = k                        # a layer whose misses fall only from 3 slots on: no gain at 2
+    skew = np.stack([flat, prior, prior, prior])
+    c = native.configure(REQ | dict(budget=240 * MIB), **SHAPE, n_ubatch=512, n_ubatch_min=512, cost=COST,
+                         miss_curve=skew)
+    assert c["layer_slots"] == [1, 2, 2, 2]
+    assert c["layer_slots"] == extra_slots([1] * L, 3, n, skew.astype(np.float64))

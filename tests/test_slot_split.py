@@ -20,7 +20,7 @@ from pyvis import fixtures as fx
 from pyvis import moe
 from pyvis.runtime import native, policies, slot_split
 from pyvis.runtime.cachesim import layer_requests, policy_misses
-from pyvis.runtime.cachesim_split import split_slots
+from pyvis.runtime.cachesim_split import extra_slots, split_slots
 from pyvis.runtime.trace import read
 
 from conftest import greedy_logits, run
@@ -87,7 +87,10 @@ def test_the_configurators_split_is_the_runtimes_rule():
         conf = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST, miss_curve=c)
         s = conf["plan"]["n_slots"]
         assert 1 <= s < n
-        assert conf["layer_slots"] == split_slots(c.astype(np.float64), k, s) == native.split_slots(c, k, s)
+        split = split_slots(c.astype(np.float64), k, s)
+        assert split == native.split_slots(c, k, s)
+        # then the bytes left after whole rows, by the same curves (the attach's order with a split file)
+        assert conf["layer_slots"] == extra_slots(split, conf["plan"]["extra_slots"], n, c.astype(np.float64))
 
 
 def _write(tmp_path, sf: slot_split.SplitFile, name="split.txt"):

@@ -296,7 +296,8 @@ class llama_vis_moe_cost(ctypes.Structure):
 #     int32_t n_ubatch;          // the ubatch asked for: the largest candidate
 #     int32_t n_ubatch_min;      // the smallest candidate; <= 0: the runtime's, 16
 #     const float * miss_curve;  // NULL: the uniform prior; else [n_managed_layers][n_expert + 1] misses per token
-#     int32_t * layer_slots;     // optional out [n_managed_layers]: the slab bytes split per layer by marginal value
+#     int32_t * layer_slots;     // optional out [n_managed_layers]: the slab bytes split per layer by marginal value,
+#                                // then the plan's extra_slots by the same curves
 #     struct llama_vis_moe_cost cost;
 # };
 class llama_vis_moe_configure_request(ctypes.Structure):
@@ -316,7 +317,7 @@ class llama_vis_moe_configure_request(ctypes.Structure):
 # struct llama_vis_moe_configuration {
 #     int32_t ok;                // 1: a plan fits (else llama_vis_last_error(); plan.min_budget at n_ubatch_min)
 #     int32_t n_ubatch;          // the chosen ubatch (<= the asked)
-#     struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch: what the runtime runs
+#     struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch (with its extra_slots): what the runtime runs
 #     double  decode_tps;        // predicted tokens/s of decode and prefill with this plan ...
 #     double  prefill_tps;
 #     double  asked_decode_tps;  // ... and with the plan at the asked ubatch

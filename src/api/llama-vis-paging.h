@@ -182,14 +182,16 @@ struct llama_vis_moe_configure_request {
                                // at another ubatch depends on the weight types: docs/planning.md#outputs)
     const float * miss_curve;  // NULL: the uniform prior k (1 - s / n); else [n_managed_layers][n_expert + 1]: expected
                                // misses per decode token of each managed layer with s = 0..n_expert slots (a trace)
-    int32_t * layer_slots;     // optional out [n_managed_layers]: the same slots split per layer (llama_vis_moe_split_slots)
+    int32_t * layer_slots;     // optional out [n_managed_layers]: the same slots split per layer (llama_vis_moe_split_slots),
+                               // then the plan's extra_slots by the same curves (llama_vis_moe_extra_slots)
     struct llama_vis_moe_cost cost;
 };
 struct llama_vis_moe_configuration {
     int32_t ok;                // 1: a plan fits (else the reason is in llama_vis_last_error(), plan.min_budget says
                                // the smallest budget at n_ubatch_min)
     int32_t n_ubatch;          // the chosen ubatch (<= the asked)
-    struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch: equal slots per layer, what the runtime runs
+    struct llama_vis_moe_plan plan;  // llama_vis_moe_plan at n_ubatch: equal slots per layer and its extra_slots,
+                                     // what the runtime runs (the tok/s below price the extra slots spread over depth)
     double  decode_tps;        // predicted tokens/s of decode and prefill with this plan ...
     double  prefill_tps;
     double  asked_decode_tps;  // ... and with the plan at the asked ubatch (today's fixed-rule plan)

@@ -95,11 +95,40 @@ struct cost_model {
                                                               : bytes / c.mem_bps / 4.0;
     }
 
-    // the whole request with per-layer slots `slots` (or equal `s_all` when slots is empty) at ubatch u
+    // the managed layers' slots: `base` (or `s` each when empty), then one more in the plan's extra_slots layers
+    // that llama_vis_moe_extra_slots picks, as the attach does (by the curves where `by_curves`: the split file's
+    // case; else spread over depth: no split file)
+    std::vector<int> with_extra(const struct llama_vis_moe_plan & p, int s, std::vector<int> base,
+                                bool by_curves) const {
+        if (base.empty()) {
+            base.assign(L, std::min(std::max(s, 0), n));
+        }
+        if (p.extra_slots <= 0 || L <= 0) {
+            return base;
+        }
+        std::vector<double> cv;
+        if (by_curves && rq.miss_curve) {
+            cv.resize((size_t) L * (n + 1));
+            for (int l = 0; l < L; ++l) {
+                for (int x = 0; x <= n; ++x) {
+                    cv[(size_t) l * (n + 1) + x] = miss(l, x);
+                }
+            }
+        }
+        std::vector<int32_t> in(base.begin(), base.end()), out(L);
+        if (llama_vis_moe_extra_slots(cv.empty() ? nullptr : cv.data(), L, n, in.data(), p.extra_slots, out.data()) != 0) {
+            return base;  // cannot happen for slots in 0..n; priced without them
+        }
+        return std::vector<int>(out.begin(), out.end());
+    }
+
+    // the whole request at ubatch u with per-layer slots `slots`, or, when it is empty, `s_all` in every layer and
+    // the plan's extra slots spread over depth (what the runtime runs without a split file)
     priced price(const struct llama_vis_moe_plan & p, const llama_vis_moe_plan_request & pr, int u, int s_all,
-                 const std::vector<int> & slots = {}) const {
+                 const std::vector<int> & given = {}) const {
         const auto & c = rq.cost;
-        auto s_of = [&](int l) { return slots.empty() ? s_all : slots[l]; };
+        const std::vector<int> slots = given.empty() ? with_extra(p, s_all, {}, false) : given;
+        auto s_of = [&](int l) { return slots[l]; };
         double mean = 0;
         for (int l = 0; l < L; ++l) {
             mean += std::min(s_of(l), n);
@@ -277,7 +306,9 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
         o.mv_ubatch_up = mv_ubatch(b, cs[best - 1]);
     }
     if (rq.layer_slots && m.L > 0) {
-        const std::vector<int> ls = split_per_layer(m, std::min(s, m.n));
+        // the split, then the bytes left after whole rows by the same curves: what the attach runs with the split
+        // file written from this profile
+        const std::vector<int> ls = m.with_extra(b.p, s, split_per_layer(m, std::min(s, m.n)), true);
         std::copy(ls.begin(), ls.end(), rq.layer_slots);
         while (o.n_pinned < m.L && ls[o.n_pinned] >= m.n) {
             o.n_pinned++;
