@@ -5,6 +5,7 @@
 // candidate is planned by llama_vis_moe_plan (the runtime's own split), and priced by the cost model below.
 #include "llama-vis.h"
 #include "vis-error.h"
+#include "vis-moe-reserve.h"
 
 #include <algorithm>
 #include <cmath>
@@ -138,11 +139,13 @@ struct cost_model {
         const double resident = (double) pr.resident_bytes - (double) p.pageable_bytes;
         // pageable resident weights (not locked, left to the page cache) are read from memory every step like the
         // locked ones while the page cache holds them.  The compute estimate is an upper bound: a ubatch touches
-        // about the smallest ubatch's estimate, so the bytes above it are room the pages keep.  Pageable bytes
-        // beyond that room are a cyclic scan larger than the cache: LRU drops every page before its next use, so
-        // all of them are re-read from the file every step (measured on the testbed: docs/planning.md)
+        // about the smallest ubatch's estimate, so the bytes above it are room the pages keep, and so is the
+        // headroom the reserve leaves to the kernel.  Pageable bytes beyond that room are a cyclic scan larger than
+        // the cache: LRU drops every page before its next use, so all of them are re-read from the file every step
+        // (measured on the testbed: docs/planning.md)
         const double room = (double) pr.reserve_bytes - (double) llama_vis_moe_estimate_reserve(
-                                UBATCH_MIN, rq.n_vocab, rq.n_embd, rq.plan.n_expert_used, rq.n_ff_exp);
+                                UBATCH_MIN, rq.n_vocab, rq.n_embd, rq.plan.n_expert_used, rq.n_ff_exp) +
+                            (double) VIS_MOE_RESERVE_KERNEL;
         const double paged = (double) p.pageable_bytes / c.mem_bps +
                              ((double) p.pageable_bytes > room ? (double) p.pageable_bytes / c.read_bps : 0.0);
         priced r;

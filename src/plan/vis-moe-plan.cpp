@@ -3,6 +3,7 @@
 // expert cache.  `pyvis plan` calls the same two functions (docs/paging.md).
 #include "llama-vis.h"
 #include "vis-error.h"
+#include "vis-moe-reserve.h"
 
 #include <algorithm>
 #include <cmath>
@@ -211,11 +212,8 @@ int64_t llama_vis_moe_estimate_reserve(int64_t n_ubatch, int64_t n_vocab, int64_
     const int64_t act = std::max<int64_t>(n_ubatch, 1) * 4 *
                         (std::max<int64_t>(n_vocab, 0) + 6 * std::max<int64_t>(n_embd, 0) +
                          3 * std::max<int64_t>(n_expert_used, 0) * std::max<int64_t>(n_ff_exp, 0));
-    // + runtime: the binary, libraries and heap (llama-cli measured 60 MiB on the testbed, 68 on the 48-layer model:
-    // VmRSS less every planned part), and 28 MiB left to the kernel inside a memory cgroup: planned to the last MiB,
-    // the 48-layer model at -ub 64 in a 4 GiB cgroup faulted file pages back in for minutes (266k-340k major
-    // faults); planned 36 MiB short of the limit it ran in 30 s (8 faults; docs/paging.md#budgets)
-    return act + (96ll << 20);
+    // + the runtime (binary, libraries, heap) and the headroom left to the kernel (vis-moe-reserve.h)
+    return act + VIS_MOE_RESERVE_RUNTIME + VIS_MOE_RESERVE_KERNEL;
 }
 
 // the budget a plan works with: `requested` bytes, never above what this process may hold at all (the cgroup
