@@ -363,7 +363,9 @@ def main() -> int:
                          "token and keeps the expert cache hot)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="another configuration of ours, run after 'ours' with these --moe-* flags added, e.g. "
-                         "--variant 'router=--moe-substitute router' (repeatable; llama-bench gets them as variables)")
+                         "--variant 'router=--moe-substitute router' (repeatable; llama-bench gets them as variables); "
+                         "VIS_MOE_NAME=VALUE words set an engine knob in its environment instead, e.g. "
+                         "--variant 'forced=VIS_MOE_CONFIGURE=on'")
     ap.add_argument("--limits-mib", type=int, nargs="+", default=None,
                     help="memory limits in MiB (instead of --fractions of the model file)")
     ap.add_argument("--replay", metavar="TRACE", default=None,
@@ -378,6 +380,11 @@ def main() -> int:
         if not eq or not name or name in ("upstream", "upstream-nr", "ours") or not flags.split():
             ap.error(f"--variant {v!r}: expected NAME=FLAGS with a new name and at least one flag")
         variants[name] = flags.split()
+    # a variant's VIS_MOE_NAME=VALUE words are engine knobs set in its environment (a knob with no flag spelling,
+    # e.g. 'forced=VIS_MOE_CONFIGURE=on'); the other words are flags
+    knob = re.compile(r"VIS_MOE_[A-Z0-9_]+=\S*")
+    variant_env = {n: dict(w.split("=", 1) for w in f if knob.fullmatch(w)) for n, f in variants.items()}
+    variants = {n: [w for w in f if not knob.fullmatch(w)] for n, f in variants.items()}
     a.n_predict = a.n_predict if a.n_predict is not None or a.replay else 32
     names = list(a.only) + [n for n in variants if n not in a.only]
     model = Path(a.model).resolve()
@@ -433,7 +440,8 @@ def main() -> int:
                         cmd = [up / "llama-bench", *bb, "--repack", "0"]
                     else:   # llama-bench has its own flags: the fork's settings come from the environment
                         cmd = [Path(a.bin) / "llama-bench", *bb, "--repack", "0", *a.extra]
-                        env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace), **flags_env(vflags))
+                        env = dict(VIS_MOE_MEM="auto", VIS_MOE_STATS="1", VIS_MOE_TRACE=str(trace), **flags_env(vflags),
+                                   **variant_env.get(name, {}))
                 elif name == "upstream":
                     cmd = [up / "llama-cli", *base]
                 elif name == "upstream-nr":
@@ -441,6 +449,7 @@ def main() -> int:
                 else:
                     cmd = [Path(a.bin) / "llama-cli", *base, "-nr", "--moe-mem", "auto", "--moe-stats", "--moe-trace", trace,
                            *vflags, *a.extra]
+                    env = variant_env.get(name) or None
                 env = {**(env or {}), **replay_env} or None
                 r = run_one(name, cmd, limit, a.timeout, a.n_predict, out / f"{name}-{frac}-{rep}.log", env)
                 r["tool"] = a.tool

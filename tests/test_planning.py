@@ -166,6 +166,28 @@ def test_f32_lowered_ubatch_runs_byte_identical_and_as_planned(f32_model, monkey
         _logits(f32_model, mem=162)
 
 
+def test_a_split_file_is_the_runtimes_routing_profile(f32_model, tmp_path, monkeypatch):
+    """VIS_MOE_SLOT_SPLIT's per-layer miss curves price the runtime's plans (src/plan/vis-moe-configure-context.cpp),
+    as `pyvis plan` prices them with the same variable: with curves of no misses at any slot count a slot saves
+    nothing, so at 175 MiB (where -ub 512 does not fit) the configurator runs a larger ubatch than under the uniform
+    prior, which buys every expert a slot at -ub 16; the runtime's ubatch is `pyvis plan`'s either way, and the
+    logits stay upstream's.  Without the runtime reading the file, its ubatch would stay the prior's."""
+    split = tmp_path / "no-misses.split"
+    split.write_text("vis-moe slot-split 1\nexperts 64 top_k 4\n" +
+                     "".join(f"layer {il} " + " ".join(["0"] * 65) + "\n" for il in range(F32.n_layer)))
+    ref = _logits(f32_model)[0]
+    prior = _plan_json(f32_model, 175)["configuration"]
+    monkeypatch.setenv("VIS_MOE_SLOT_SPLIT", str(split))
+    profiled = _plan_json(f32_model, 175)["configuration"]
+    assert prior["applied"] and profiled["applied"]
+    assert profiled["n_ubatch"] > prior["n_ubatch"]
+    got, ub, _, _ = _logits(f32_model, mem=175)
+    assert ub == profiled["n_ubatch"]
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    monkeypatch.delenv("VIS_MOE_SLOT_SPLIT")
+    assert _logits(f32_model, mem=175)[1] == prior["n_ubatch"]
+
+
 # At 232 MiB the medium fixture's -ub 512 plan (1 slot per layer) against -ub 256 (14) is decided by the probed cost of
 # a pass: 12 us on an idle AVX-512 CPU keeps -ub 512 (3 extra passes per layer per token cost little), 300 us or more
 # lowers it.  The tests below are about who decides and what runs, not about this machine's probe: the pass cost is
@@ -193,7 +215,8 @@ def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatc
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
-CONFIGURATOR_LINE = re.compile(r"--moe-mem: -ub (\d+) (could be lowered|lowered) to (\d+): .*? per layer .*?\)"
+CONFIGURATOR_LINE = re.compile(r"--moe-mem: -ub (\d+) (could be lowered|lowered) to (\d+): .*? per layer"
+                               r"(?: \(\+ 1 in \d+ layers?\))? (?:instead of|where) .*?\)"
                                r"(: not applied: this model's weights are (not all F32))?")
 
 

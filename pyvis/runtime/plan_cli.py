@@ -162,8 +162,11 @@ def _print_configuration(conf: dict, asked_ub: int) -> None:
               f"compute buffer does not fit next to it and the KV cache (VIS_MOE_CONFIGURE=off keeps -ub; "
               f"docs/planning.md)\n")
         return
+    def more(p):  # the layers the bytes left after whole rows give one more slot, as llama-cli's line says
+        return f" (+ 1 in {x} layer{'s' if x > 1 else ''})" if (x := p.get("extra_slots", 0)) else ""
     change = (f"-ub {asked_ub} {'lowered' if c['applied'] else 'could be lowered'} to {ub}: its compute buffer buys "
-              f"{c['plan']['n_slots']} slot(s) per layer instead of {a['n_slots'] if a['ok'] else 'none (it does not fit)'}"
+              f"{c['plan']['n_slots']} slot(s) per layer{more(c['plan'])} instead of "
+              f"{str(a['n_slots']) + more(a) if a['ok'] else 'none (it does not fit)'}"
               if ub < asked_ub else f"-ub {asked_ub} kept: a smaller one buys too little")
     if ub < asked_ub and not c["applied"]:
         change += ("; not applied: the weights are not all F32, and on them outputs differ in the last bits at "

@@ -79,6 +79,15 @@ def profile_curves(shape, managed: list[int], profile, policy: str | None = None
     return curve
 
 
+def split_file_curves(shape, managed: list[int], path):
+    """VIS_MOE_SLOT_SPLIT's curves of the managed layers, rescaled from the file's top-k to the model's: what the
+    runtime's configurator prices with when the variable is set (src/plan/vis-moe-configure-context.cpp)."""
+    sf = read(path)
+    check_model(sf, path, shape.moe_layers, shape.n_expert)
+    rows = sf.curves[[shape.moe_layers.index(il) for il in managed]]
+    return rows / sf.top_k * shape.n_expert_used
+
+
 @functools.lru_cache(maxsize=4)
 def _profile(path: str, policy: str) -> tuple[SplitFile, list[int]]:
     """A profile trace's curves at every slot count, once per run of `pyvis plan` (the configurator's advice and
