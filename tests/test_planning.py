@@ -172,6 +172,7 @@ def test_a_split_file_is_the_runtimes_routing_profile(f32_model, tmp_path, monke
     nothing, so at 175 MiB (where -ub 512 does not fit) the configurator runs a larger ubatch than under the uniform
     prior, which buys every expert a slot at -ub 16; the runtime's ubatch is `pyvis plan`'s either way, and the
     logits stay upstream's.  Without the runtime reading the file, its ubatch would stay the prior's."""
+    monkeypatch.setenv("VIS_MOE_READ_MBPS", "400")             # a slow disk: the prior values slots (64 at -ub 16)
     split = tmp_path / "no-misses.split"
     split.write_text("vis-moe slot-split 1\nexperts 64 top_k 4\n" +
                      "".join(f"layer {il} " + " ".join(["0"] * 65) + "\n" for il in range(F32.n_layer)))
