@@ -129,6 +129,14 @@ std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, c
     return shadow;
 }
 
+std::vector<int> vis_moe_managed_positions(const vis_moe_attach_plan & ap) {
+    std::vector<int> pos;
+    for (int il : ap.managed) {
+        pos.push_back((int) (std::find(ap.moe_layers.begin(), ap.moe_layers.end(), il) - ap.moe_layers.begin()));
+    }
+    return pos;
+}
+
 std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap) {
     ap.layer_slots.clear();
     const int n_exp = (int) model.hparams.n_expert;
@@ -136,10 +144,9 @@ std::string vis_moe_apply_slot_split(const llama_model & model, const vis_moe_se
     if ((s.plan.slot_split.empty() && !extra) || ap.managed.empty() || model.hparams.no_alloc) {
         return "";
     }
-    std::vector<int> pos;
+    const std::vector<int> pos = vis_moe_managed_positions(ap);
     std::vector<int64_t> row;
     for (int il : ap.managed) {
-        pos.push_back((int) (std::find(ap.moe_layers.begin(), ap.moe_layers.end(), il) - ap.moe_layers.begin()));
         row.push_back(vis_moe_layer_expert_bytes(model.layers[il]));
     }
     std::vector<int> got(ap.managed.size(), std::min(ap.n_slots, n_exp));

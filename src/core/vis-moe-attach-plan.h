@@ -79,6 +79,9 @@ std::string vis_moe_unpaged_line(const llama_model & model, const vis_moe_attach
 std::unique_ptr<vis_moe_shadow> vis_moe_plan_shadow(const llama_model & model, const vis_moe_settings & s,
                                                     vis_moe_attach_plan & ap);
 
+// the managed layers' positions among the model's MoE layers (what a split file's curves are indexed by)
+std::vector<int> vis_moe_managed_positions(const vis_moe_attach_plan & ap);
+
 // step 3, last: VIS_MOE_SLOT_SPLIT splits the managed layers' n_slots each by the split file's miss curves
 // (vis-moe-split.h) into ap.layer_slots, and the plan's extra_slots go to the layers llama_vis_moe_extra_slots picks
 // (by the file's curves, else spread over depth); throws on a file for another model.  Returns the lines that say so

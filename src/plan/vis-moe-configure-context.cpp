@@ -82,12 +82,8 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
         try {
             const int n_exp = (int) model.hparams.n_expert;
             const vis_moe_split_file f = vis_moe_split_file_load(s.plan.slot_split, (int) ap.moe_layers.size(), n_exp);
-            std::vector<int> pos;
-            for (int il : ap.managed) {
-                pos.push_back((int) (std::find(ap.moe_layers.begin(), ap.moe_layers.end(), il) - ap.moe_layers.begin()));
-            }
             const double scale = (double) rq.plan.n_expert_used / std::max(f.top_k, 1);
-            for (double m : vis_moe_split_curves(f, pos)) {
+            for (double m : vis_moe_split_curves(f, vis_moe_managed_positions(ap))) {
                 curve.push_back((float) (m * scale));
             }
             rq.miss_curve = curve.data();
