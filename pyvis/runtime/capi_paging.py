@@ -323,6 +323,7 @@ class llama_vis_moe_configure_request(ctypes.Structure):
 #     double  asked_decode_tps;  // ... and with the plan at the asked ubatch
 #     double  asked_prefill_tps;
 #     int32_t asked_n_slots;
+#     int32_t asked_extra_slots; // ... and its extra_slots
 #     double  mv_slot;           // seconds saved per request per MiB by the last slot row
 #     double  mv_next_slot;      // ... by the next slot row
 #     double  mv_ubatch_down;    // ... by the last ubatch doubling
@@ -340,6 +341,7 @@ class llama_vis_moe_configuration(ctypes.Structure):
         ("asked_decode_tps", ctypes.c_double),
         ("asked_prefill_tps", ctypes.c_double),
         ("asked_n_slots", ctypes.c_int32),
+        ("asked_extra_slots", ctypes.c_int32),
         ("mv_slot", ctypes.c_double),
         ("mv_next_slot", ctypes.c_double),
         ("mv_ubatch_down", ctypes.c_double),

@@ -197,6 +197,7 @@ struct llama_vis_moe_configuration {
     double  asked_decode_tps;  // ... and with the plan at the asked ubatch (today's fixed-rule plan)
     double  asked_prefill_tps;
     int32_t asked_n_slots;
+    int32_t asked_extra_slots; // ... and its extra_slots (llama_vis_moe_plan)
     double  mv_slot;           // seconds saved per request per MiB by the last slot row (one slot in every layer)
     double  mv_next_slot;      // ... that the next slot row would save (0: every expert has a slot)
     double  mv_ubatch_down;    // ... that the last ubatch doubling (n_ubatch / 2 -> n_ubatch) saves (0: none)

@@ -111,31 +111,23 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
                                                          rq.n_ff_exp) -
                           llama_vis_moe_estimate_reserve(c.n_ubatch, rq.n_vocab, rq.n_embd, rq.plan.n_expert_used,
                                                          rq.n_ff_exp)) / 1048576.0;
-    // the slots of a plan: its even count and the layers its left-over bytes give one more (llama_vis_moe_plan)
-    auto slots_of = [](int32_t n, int32_t extra) {
-        return std::to_string(n) + (extra > 0 ? " (+ 1 in " + std::to_string(extra) + (extra == 1 ? " layer)" : " layers)") : "");
+    // " (+ 1 in X layers)": the layers a plan's bytes left after whole rows give one more slot (llama_vis_moe_plan)
+    auto more = [](int32_t extra) {
+        return extra > 0 ? " (+ 1 in " + std::to_string(extra) + (extra == 1 ? " layer)" : " layers)") : std::string();
     };
-    llama_vis_moe_plan_request apr = rq.plan;
-    apr.reserve_bytes = llama_vis_moe_estimate_reserve(cp.n_ubatch, rq.n_vocab, rq.n_embd, rq.plan.n_expert_used,
-                                                       rq.n_ff_exp);
-    struct llama_vis_moe_plan asked = {};
-    const bool asked_ok = llama_vis_moe_plan(&apr, &asked) == 0 && asked.ok;
-    vis_clear_last_error();
     char was[200];
     if (c.asked_n_slots > 0) {
-        std::snprintf(was, sizeof(was), "instead of %s (predicted decode %.1f tok/s instead of %.1f, prefill %.1f instead "
-                      "of %.1f", slots_of(c.asked_n_slots, asked_ok ? asked.extra_slots : 0).c_str(), c.decode_tps,
+        std::snprintf(was, sizeof(was), "instead of %d%s (predicted decode %.1f tok/s instead of %.1f, prefill %.1f "
+                      "instead of %.1f", c.asked_n_slots, more(c.asked_extra_slots).c_str(), c.decode_tps,
                       c.asked_decode_tps, c.prefill_tps, c.asked_prefill_tps);
     } else {
         std::snprintf(was, sizeof(was), "where -ub %u does not fit (predicted decode %.1f tok/s, prefill %.1f",
                       cp.n_ubatch, c.decode_tps, c.prefill_tps);
     }
     char msg[512];
-    const std::string chosen = slots_of(c.plan.n_slots, c.plan.extra_slots);
-    const std::string more = chosen.substr(std::to_string(c.plan.n_slots).size());  // " (+ 1 in X layers)" or ""
     std::snprintf(msg, sizeof(msg), "--moe-mem: -ub %u lowered to %d: its compute buffer (%.0f MiB less) buys %d expert "
                   "slot%s per layer%s %s)", cp.n_ubatch, c.n_ubatch, freed, c.plan.n_slots, c.plan.n_slots == 1 ? "" : "s",
-                  more.c_str(), was);
+                  more(c.plan.extra_slots).c_str(), was);
     if (verdict != LLAMA_VIS_MOE_CONFIGURE_APPLIED) {
         std::string m(msg);
         m.replace(m.find("lowered to"), 10, "could be lowered to");

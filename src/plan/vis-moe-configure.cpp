@@ -271,6 +271,7 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
     }
     if (cs[0].p.ok) {
         o.asked_n_slots     = cs[0].p.n_slots;
+        o.asked_extra_slots = cs[0].p.extra_slots;
         o.asked_decode_tps  = 1.0 / cs[0].cost.decode_s;
         o.asked_prefill_tps = 1.0 / cs[0].cost.prefill_s;
     }
