@@ -96,6 +96,18 @@ struct cost_model {
                                                               : bytes / c.mem_bps / 4.0;
     }
 
+    // every managed layer's miss(l, 0..n), [L][n + 1], as llama_vis_moe_split_slots and llama_vis_moe_extra_slots
+    // read them
+    std::vector<double> curves() const {
+        std::vector<double> cv((size_t) L * (n + 1));
+        for (int l = 0; l < L; ++l) {
+            for (int x = 0; x <= n; ++x) {
+                cv[(size_t) l * (n + 1) + x] = miss(l, x);
+            }
+        }
+        return cv;
+    }
+
     // the managed layers' slots: `base` (or `s` each when empty), then one more in the plan's extra_slots layers
     // that llama_vis_moe_extra_slots picks, as the attach does (by the curves where `by_curves`: the split file's
     // case; else spread over depth: no split file)
@@ -107,15 +119,7 @@ struct cost_model {
         if (p.extra_slots <= 0 || L <= 0) {
             return base;
         }
-        std::vector<double> cv;
-        if (by_curves && rq.miss_curve) {
-            cv.resize((size_t) L * (n + 1));
-            for (int l = 0; l < L; ++l) {
-                for (int x = 0; x <= n; ++x) {
-                    cv[(size_t) l * (n + 1) + x] = miss(l, x);
-                }
-            }
-        }
+        const std::vector<double> cv = by_curves && rq.miss_curve ? curves() : std::vector<double>();
         std::vector<int32_t> in(base.begin(), base.end()), out(L);
         if (llama_vis_moe_extra_slots(cv.empty() ? nullptr : cv.data(), L, n, in.data(), p.extra_slots, out.data()) != 0) {
             return base;  // cannot happen for slots in 0..n; priced without them
@@ -189,12 +193,7 @@ std::string fmt(double v) {
 // what VIS_MOE_SLOT_SPLIT runs at attach and pyvis.runtime.cachesim_split.split_slots in the simulator) on the
 // curves the plans are priced with, so the configurator's split is the runtime's at start-up
 std::vector<int> split_per_layer(const cost_model & m, int s) {
-    std::vector<double> cv((size_t) m.L * (m.n + 1));
-    for (int l = 0; l < m.L; ++l) {
-        for (int x = 0; x <= m.n; ++x) {
-            cv[(size_t) l * (m.n + 1) + x] = m.miss(l, x);
-        }
-    }
+    const std::vector<double> cv = m.curves();
     std::vector<int32_t> out(m.L, s);
     if (s >= 1 && s < m.n) {
         llama_vis_moe_split_slots(cv.data(), m.L, m.n, std::min(m.k, m.n), s, nullptr, out.data());
