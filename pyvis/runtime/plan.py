@@ -322,11 +322,13 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     pinned = asked["pinned_layers"]
     managed = shape.moe_layers[pinned:] if asked["managed_layers"] else []
     from .slot_split import profile_curves, split_file_curves
-    split = os.environ.get("VIS_MOE_SLOT_SPLIT")
-    # the routing profile the runtime prices with: --profile's trace, else VIS_MOE_SLOT_SPLIT's curves (as
-    # src/plan/vis-moe-configure-context.cpp reads them), else the uniform prior
-    curve = (profile_curves(shape, managed, profile) if profile else
-             split_file_curves(shape, managed, split) if split else None) if managed else None
+    # the routing profile the plans are priced with: --profile's trace, else VIS_MOE_SLOT_SPLIT's curves (as
+    # src/plan/vis-moe-configure-context.cpp reads them), else the uniform prior (None)
+    curve, split = None, os.environ.get("VIS_MOE_SLOT_SPLIT")
+    if managed and profile:
+        curve = profile_curves(shape, managed, profile)
+    elif managed and split:
+        curve = split_file_curves(shape, managed, split)
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
                           cost=cost, miss_curve=curve, mode=configure_mode(), all_f32=shape.all_f32)
     # what the runtime runs (llama_vis_moe_configure_applies' verdict, where anything is paged): the chosen ubatch;
