@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <set>
+#include <stdexcept>
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -98,6 +99,19 @@ static std::set<const vis_gguf_file *> model_files(const vis_moe_context & vm) {
         }
     }
     return files;
+}
+
+void vis_moe_prepare_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {
+    if (!vm) {
+        return;
+    }
+    for (auto & f : vm->features) {
+        try {
+            f->ubatch_prepare(*vm, ub);
+        } catch (const std::exception & e) {
+            vm->fail(e.what());  // a background read that failed while a limit collected it
+        }
+    }
 }
 
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ub) {

@@ -3,6 +3,7 @@
 // The cache core (vis-moe-context.h: slabs, slot pools, passes, tiers) knows its features only through this
 // class: the context owns them (vis_moe_context::features, in attach order) and its lifetime hooks are loops
 // over them:
+//   vis_moe_prepare_ubatch -> ubatch_prepare (before the graph is built or reused: slot limits for this ubatch)
 //   vis_moe_begin_ubatch   -> ubatch_begin   (every feature, attach order)
 //   vis_moe_end_ubatch     -> ubatch_end     (after the core's own bookkeeping; a failure goes to vm.fail)
 //   --moe-stats            -> stats_print    (after the cache table, before the tiers footer)
@@ -43,6 +44,13 @@ public:
     // a short name for logs ("substitution", "prefetch", ...)
     virtual const char * feature_name() const = 0;
 
+    // before the ubatch's graph is built or reused and its inputs are set (patch 0017): a slot limit set here is the
+    // one its graph is built for; the compute buffer holds nothing live (the last ubatch's outputs were copied out).
+    // A failure is reported with vm.fail(msg)
+    virtual void ubatch_prepare(vis_moe_context & vm, const llama_ubatch & ub) {
+        (void) vm;
+        (void) ub;
+    }
     // before the ubatch is computed (after the core's step clocks)
     virtual void ubatch_begin(vis_moe_context & vm, const llama_ubatch & ub) {
         (void) vm;

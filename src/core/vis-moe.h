@@ -36,6 +36,10 @@ void vis_moe_context_detach(vis_owned<vis_moe_context> & vm);
 // slots worth more (vis-moe-configure.h; before upstream reserves the compute buffers).
 void vis_moe_check_kv(const llama_model & model, const llama_memory_params & pm, llama_cparams & cp);
 
+// A ubatch is about to be computed: before its graph is built or reused and before its inputs are set (patch 0017).
+// Features may change slot limits here (the graph is then built for them) and drop pages of the compute buffer
+// (the last ubatch's outputs were copied out).  A failure is reported by vis_moe_end_ubatch.
+void vis_moe_prepare_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);
 // Record the ubatch about to be computed (positions, sequences, modality for the trace).
 void vis_moe_begin_ubatch(vis_moe_context * vm, const llama_ubatch & ubatch);
 // After compute: false if a load or a trace write failed during the ubatch (message in llama_vis_last_error()).
