@@ -2,6 +2,7 @@
 #include "vis-pages.h"
 
 #include <cstring>
+#include <vector>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -42,4 +43,22 @@ void vis_buffer_clear_lazy(ggml_backend_buffer_t buf) {
     if (vis_release_pages(ggml_backend_buffer_get_base(buf), n, false, true) == 0) {
         ggml_backend_buffer_clear(buf, 0);  // madvise refused (or no whole page): the upstream clear
     }
+}
+
+int64_t vis_resident_bytes(const void * p, size_t n) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t a0   = ((uintptr_t) p + page - 1) & ~(page - 1);
+    const uintptr_t a1   = ((uintptr_t) p + n) & ~(page - 1);
+    if (!p || a1 <= a0) {
+        return 0;
+    }
+    std::vector<unsigned char> v((a1 - a0) / page);
+    if (mincore((void *) a0, a1 - a0, v.data()) != 0) {
+        return -1;
+    }
+    int64_t r = 0;
+    for (unsigned char c : v) {
+        r += c & 1;
+    }
+    return r * (int64_t) page;
 }

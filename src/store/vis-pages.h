@@ -19,3 +19,6 @@ int64_t vis_release_pages(void * p, size_t n, bool unlock, bool zero_edges);
 // ggml_backend_buffer_clear(buf, 0) without touching every page: a host buffer's whole pages are dropped and its
 // partial pages zeroed (the same zeros, resident only once written); any other buffer is cleared as upstream does
 void vis_buffer_clear_lazy(ggml_backend_buffer_t buf);
+
+// the bytes of the whole pages inside [p, p + n) that are resident (mincore; anonymous memory included); -1 on error
+int64_t vis_resident_bytes(const void * p, size_t n);
