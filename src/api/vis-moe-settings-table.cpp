@@ -551,6 +551,12 @@ const vis_moe_env_row ENV_ROWS[] = {
       "it empties, with one log line per resize (docs/planning.md#online-controller; default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.online = parse_switch(w, v, false); } },
+    { "VIS_MOE_BORROW", "on|off",
+      "vis-moe: under --moe-mem on the CPU, ubatches of at most 16 tokens (decode) run more expert slots, in the\n"
+      "bytes the plan reserves for the compute buffer of the asked -ub, which they leave unused; larger ubatches\n"
+      "give them back first (docs/planning.md#borrowed-slots; default: off)",
+      [](vis_moe_settings & s, const std::string & w, const std::string & v) {
+          s.plan.borrow = parse_switch(w, v, false); } },
     { "VIS_MOE_ENCODER_RELEASE", "on|off",
       "vis-moe: a single-turn llama-mtmd-cli run (-p with --image) under --moe-mem frees the vision encoder once its\n"
       "images are in the KV cache, and the expert slots grow by the encoder's planned bytes for the decode (CPU;\n"

@@ -45,6 +45,8 @@ struct vis_moe_attach_plan {
     int64_t online_fixed     = 0;   // ... and what the plan holds besides the KV cache and the slabs
     int     encoder_held_slots = 0; // VIS_MOE_ENCODER_RELEASE: slots while the vision encoder is loaded (0: no
                                     // release); n_slots is what the slabs hold once it is freed
+    int     borrow_base_slots = 0;  // VIS_MOE_BORROW: slots in ubatches over its SMALL tokens (0: no borrowing);
+                                    // n_slots is what the slabs hold for smaller ones
     int32_t policy = VIS_POLICY_LFU_ADAPT; // VIS_MOE_POLICY: eviction order of the full slots (overwritten from the settings)
     int slots(int il) const { return layer_slots.empty() ? n_slots : layer_slots[il]; }
 };

@@ -5,6 +5,7 @@
 #include "vis-moe-attach-plan.h"
 #include "vis-moe-attach-slabs.h"
 #include "vis-moe-attach-upload.h"
+#include "vis-moe-borrow.h"
 #include "vis-moe-encoder.h"
 #include "vis-moe-encoder-release.h"
 #include "vis-moe-capacity.h"
@@ -118,10 +119,15 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
         suffix += vis_moe_encoder_release_plan(s, ap, without, rq.encoder_bytes, (int) model.hparams.n_expert);
     }
     ap.planned    = s.params.n_slots <= 0;
+    suffix += vis_moe_borrow_plan(model, s, ap, rq, plan, lctx ? (int64_t) lctx->n_ubatch() : 512);
     // the bytes left after whole slot rows: one more slot in some layers (vis_moe_apply_slot_split), unless a
     // controller scales every layer's slots together (online, encoder release: their plans are even)
-    ap.extra_slots = s.plan.online > 0 || ap.encoder_held_slots > 0 ? 0 : plan.extra_slots;
-    const std::string extra = ap.extra_slots > 0 ? " + 1 in " + std::to_string(ap.extra_slots) : "";
+    if (ap.borrow_base_slots <= 0) {
+        ap.extra_slots = s.plan.online > 0 || ap.encoder_held_slots > 0 ? 0 : plan.extra_slots;
+    }
+    // the line shows the asked ubatch's plan (borrowed slots: the suffix names the slabs' size)
+    const int shown_extra = ap.borrow_base_slots > 0 ? plan.extra_slots : ap.extra_slots;
+    const std::string extra = shown_extra > 0 ? " + 1 in " + std::to_string(shown_extra) : "";
     vm.plan_budget  = plan.budget;
     vm.plan_reserve = rq.reserve_bytes;
     vm.plan_encoder = rq.encoder_bytes;
@@ -146,7 +152,7 @@ void size_from_memory_plan(const llama_context * lctx, const llama_model & model
                    "buffers %.1f + slabs %.0f (%d slots x %zu layers%s) + host cache %.0f MiB%s\n", plan.budget / 1048576.0,
                    rq.resident_bytes / 1048576.0, rq.kv_bytes / 1048576.0, rq.reserve_bytes / 1048576.0,
                    vis_moe_encoder_line(rq.encoder_bytes).c_str(), rq.io_bytes / 1048576.0,
-                   (plan.slab_bytes - (int64_t) (plan.extra_slots - ap.extra_slots) * rq.expert_bytes) / 1048576.0,
+                   (plan.slab_bytes - (int64_t) (plan.extra_slots - shown_extra) * rq.expert_bytes) / 1048576.0,
                    plan.n_slots, ap.managed.size(), extra.c_str(), plan.host_bytes / 1048576.0, suffix.c_str());
 }
 
@@ -348,6 +354,10 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (ap.encoder_held_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
         // before the staging, which fits its buffers to the memory held until the encoder is freed
         vis_moe_encoder_release_attach(*vm, ap.encoder_held_slots, ap.n_slots, vm->plan_encoder, ap.per_slot);
+    }
+    if (ap.borrow_base_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
+        vis_moe_borrow_attach(*vm, lctx, model, ap.borrow_base_slots, ap.n_slots, lctx ? (int64_t) lctx->n_ubatch() : 512,
+                              ap.per_slot, ap.pageable, s.tier.mlock != 0);
     }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads

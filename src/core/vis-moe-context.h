@@ -49,6 +49,7 @@ class vis_moe_modality;
 class vis_moe_replay;
 class vis_moe_telemetry;
 class vis_moe_encoder_release;
+class vis_moe_borrow;
 class vis_moe_trace;
 
 // the expert tensors of a layer, in slab order
@@ -210,6 +211,7 @@ struct vis_moe_context {
     vis_moe_lender *     lend      = nullptr;  // slab lending (vis-moe-lend.h)
     vis_moe_telemetry *  telemetry = nullptr;  // --moe-csv, the status line, /metrics (vis-moe-telemetry.h)
     vis_moe_encoder_release * encoder_release = nullptr;  // VIS_MOE_ENCODER_RELEASE (vis-moe-encoder-release.h)
+    vis_moe_borrow *     borrow    = nullptr;  // VIS_MOE_BORROW: borrowed slots (vis-moe-borrow.h)
     int64_t shadow_slab_bytes = 0;             // bytes of the layers' shadow slabs
 
     // memory plan (--moe-mem)

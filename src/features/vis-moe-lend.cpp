@@ -1,5 +1,6 @@
 // vis-moe-lend.cpp - slab lending (vis-moe-lend.h).
 #include "vis-moe-lend.h"
+#include "vis-moe-borrow.h"
 #include "vis-moe-context.h"
 #include "vis-moe-fetch.h"
 #include "vis-moe-fetch-slots.h"
@@ -89,6 +90,10 @@ void vis_moe_return_slabs(vis_moe_context & vm) {
     vm.lend->lent = false;
     if (!vm.locked) {
         return;  // the pages come back as the slots refill
+    }
+    if (vm.borrow) {
+        vm.borrow->lock_base(vm);  // the borrowed slots above stay unlocked (vis-moe-borrow.h)
+        return;
     }
     for (ggml_backend_buffer_t buf : vm.bufs) {
         if (ggml_backend_buffer_is_host(buf)) {

@@ -1,0 +1,230 @@
+// vis-moe-borrow.cpp - borrowed slots (vis-moe-borrow.h).
+#include "vis-moe-borrow.h"
+#include "vis-moe-attach-plan.h"
+#include "vis-moe-context.h"
+#include "vis-moe-host-cache.h"
+#include "vis-moe-reserve.h"
+#include "vis-moe-settings.h"
+#include "vis-pages.h"
+#include "llama-vis-paging.h"
+
+#include "llama-batch.h"
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+
+int64_t vis_moe_borrow::compute_at(int64_t n) const {
+    return llama_vis_moe_estimate_reserve(std::min(n, p.n_ubatch), p.n_vocab, p.n_embd, p.n_expert_used, p.n_ff_exp) -
+           VIS_MOE_RESERVE_RUNTIME - VIS_MOE_RESERVE_KERNEL;
+}
+
+void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
+    for (int il = 0; il < (int) vm.layers.size(); ++il) {
+        vis_moe_layer & L = vm.layers[il];
+        if (L.managed) {
+            // a split layer keeps its share, at least one
+            vm.limit_slots(il, std::clamp((int) ((int64_t) L.n_slots * slots / std::max(1, p.full)), 1, L.n_slots));
+        }
+    }
+    active = slots;
+}
+
+bool vis_moe_borrow::lock_base(vis_moe_context & vm) const {
+    bool ok = true;
+    for (const auto & L : vm.layers) {
+        for (const ggml_tensor * t : L.slab) {
+            if (L.managed && t && t->data && ggml_backend_buffer_is_host(t->buffer)) {
+                ok = vis_mlock_region(t->data, (size_t) L.min_active * t->nb[2], "the expert slabs") && ok;
+            }
+        }
+    }
+    return ok;
+}
+
+int64_t vis_moe_borrow::sched_bytes() const {
+    ggml_backend_sched_t sched = lctx ? lctx->get_sched() : nullptr;
+    int64_t sum = -1;
+    for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_buft_is_host(ggml_backend_sched_get_buffer_type(sched, b))) {
+            sum = std::max<int64_t>(sum, 0) + (int64_t) ggml_backend_sched_get_buffer_size(sched, b);
+        }
+    }
+    return sum;
+}
+
+bool vis_moe_borrow::compute_is_current() const {
+    if (!compute || !lctx) {
+        return false;
+    }
+    // the scheduler replaces its buffer only by a larger one (ggml_gallocr_reserve_n): the same size, the same buffer
+    ggml_backend_sched_t sched = lctx->get_sched();
+    for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_sched_get_buffer_type(sched, b) == ggml_backend_buffer_get_type(compute) &&
+            ggml_backend_sched_get_buffer_size(sched, b) == compute_size) {
+            return true;
+        }
+    }
+    return false;
+}
+
+void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & ub) {
+    const int64_t n = ub.n_tokens;
+    const int64_t R = sched_bytes();
+    const bool current = compute_is_current();
+    // what the ubatches since the last check left resident in the compute buffer: the measure the next limits use
+    const int64_t res = current ? vis_resident_bytes(ggml_backend_buffer_get_base(compute), compute_size) : -1;
+    if (res >= 0 && large_n > 0 && R > 0) {
+        const double pred = (double) R * (double) large_n / (double) p.n_ubatch;
+        if (pred > 0 && res > pred) {
+            scale = std::max(scale, res / pred);
+        }
+    } else if (res >= 0 && ran_small) {
+        small_bytes = std::max(small_bytes, res);
+    }
+    if (n <= SMALL && large_n > 0 && current) {
+        // nothing in it is live: the last outputs were copied out, this ubatch's inputs are not set yet
+        bytes_released += vis_release_pages(ggml_backend_buffer_get_base(compute), compute_size, false, false);
+        n_released++;
+        large_n = 0;
+    }
+    if (n <= SMALL && large_n == 0) {
+        need = std::max(compute_at(SMALL), small_bytes);
+    } else {
+        // a larger ubatch writes the buffer upstream allocated up to about its share of the asked ubatch's tokens (its
+        // activations are [.., n_tokens] tensors), at least what the measure above saw
+        large_n = std::max(large_n, n);
+        need = R < 0 ? compute_at(p.n_ubatch)
+                     : std::min<int64_t>(R, (int64_t) (scale * (double) R * (double) large_n / (double) p.n_ubatch) +
+                                                compute_at(SMALL));
+    }
+    const int slots = std::clamp((int) (p.base + std::max<int64_t>(0, compute_at(p.n_ubatch) - need - p.pageable) /
+                                                 std::max<int64_t>(1, p.row_bytes)), p.base, p.full);
+    if (large_n == 0) {
+        n_full++;
+        full_sum += slots;
+    } else {
+        n_mid++;
+        mid_sum += slots;
+    }
+    ran_small = n <= SMALL;
+    if (slots != active) {
+        limit_all(vm, slots);  // a lower limit drops its slots' pages before the graph writes the compute buffer
+    }
+}
+
+void vis_moe_borrow::observe_routing(const vis_moe_context & vm, int il, const ggml_tensor * ids,
+                                     const ggml_tensor * weights) {
+    (void) vm;
+    (void) il;
+    (void) weights;
+    // every time: a buffer the scheduler replaced by a larger one may come back at the same address
+    ggml_backend_buffer_t b = ids ? ids->buffer : nullptr;
+    if (b && ggml_backend_buffer_is_host(b) && ggml_backend_buffer_get_usage(b) == GGML_BACKEND_BUFFER_USAGE_COMPUTE) {
+        compute      = b;
+        compute_size = ggml_backend_buffer_get_size(b);
+    }
+}
+
+int64_t vis_moe_borrow::staging_room(const vis_moe_context & vm) const {
+    (void) vm;
+    return std::max<int64_t>(0, compute_at(p.n_ubatch) - need - p.pageable - (int64_t) (active - p.base) * p.row_bytes);
+}
+
+void vis_moe_borrow::stats_reset() {
+    n_full = n_mid = full_sum = mid_sum = n_released = bytes_released = 0;
+}
+
+void vis_moe_borrow::stats_print(const vis_moe_context & vm) const {
+    (void) vm;
+    std::fprintf(stderr, "vis-moe: borrowed slots: the plan at -ub %" PRId64 " gives %d per layer, the slabs hold %d; %"
+                         PRId64 " ubatches of <= %" PRId64 " tokens ran %.1f on average (the compute buffer's pages "
+                         "dropped %" PRId64 "x; %.1f MiB resident after them), %" PRId64 " larger ones %.1f (compute "
+                         "buffer %.0f MiB allocated, %.0f estimated; written %.2fx their share of it)\n",
+                 p.n_ubatch, p.base, p.full, n_full, SMALL, n_full > 0 ? full_sum / (double) n_full : 0.0, n_released,
+                 small_bytes / 1048576.0, n_mid, n_mid > 0 ? mid_sum / (double) n_mid : 0.0,
+                 std::max<int64_t>(0, sched_bytes()) / 1048576.0, compute_at(p.n_ubatch) / 1048576.0, scale);
+}
+
+std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap,
+                                const llama_vis_moe_plan_request & rq, const struct llama_vis_moe_plan & plan, int64_t n_ubatch) {
+    if (s.plan.borrow <= 0) {
+        return "";
+    }
+    const char * off = nullptr;
+    if (!ap.cpu_only) {
+        off = "the slabs are on a GPU, whose memory is not released page by page";
+    } else if (s.plan.online > 0 || ap.encoder_held_slots > 0) {
+        off = "VIS_MOE_ONLINE or VIS_MOE_ENCODER_RELEASE moves the slot limits";
+    } else if (s.params.n_slots > 0) {
+        off = "--moe-slots fixes the slots";
+    } else if (s.prec.on() || s.cap.on() || !s.prec.shadow.empty()) {
+        off = "--moe-precision, --moe-shadow and --moe-capacity plan passes at a fixed slot count";
+    } else if (n_ubatch <= vis_moe_borrow::SMALL) {
+        off = "the ubatch is already small";
+    } else if (ap.per_slot <= 0) {
+        off = "no slots to grow";
+    }
+    if (off) {
+        return std::string("; VIS_MOE_BORROW: off (") + off + ")";
+    }
+    const auto & hp = model.hparams;
+    llama_vis_moe_plan_request r2 = rq;
+    r2.reserve_bytes = llama_vis_moe_estimate_reserve(vis_moe_borrow::SMALL, model.vocab.n_tokens(), hp.n_embd,
+                                                      hp.n_expert_used_max(), hp.n_ff_exp());
+    struct llama_vis_moe_plan p2;
+    if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
+        return "; VIS_MOE_BORROW: off (no plan at a small ubatch)";
+    }
+    if (p2.pageable_bytes > 0) {
+        // the resident weights get the bytes first; the page cache holds them as it can (not slots)
+        return "; VIS_MOE_BORROW: off (even at a small ubatch the budget leaves resident weights pageable)";
+    }
+    if (p2.n_slots <= plan.n_slots) {
+        return "; VIS_MOE_BORROW: off (the compute buffer of a small ubatch buys no whole slot row)";
+    }
+    ap.borrow_base_slots = plan.n_slots;
+    ap.n_slots     = p2.n_slots;
+    ap.extra_slots = p2.extra_slots;
+    char line[240];
+    std::snprintf(line, sizeof(line), "; VIS_MOE_BORROW: slabs for %d slots%s (the plan at -ub %" PRId64 "), %d in "
+                  "ubatches of more than %" PRId64 " tokens", p2.n_slots,
+                  p2.extra_slots > 0 ? (" + 1 in " + std::to_string(p2.extra_slots)).c_str() : "",
+                  vis_moe_borrow::SMALL, plan.n_slots, vis_moe_borrow::SMALL);
+    return line;
+}
+
+void vis_moe_borrow_attach(vis_moe_context & vm, const llama_context * lctx, const llama_model & model, int base, int full,
+                           int64_t n_ubatch, int64_t row_bytes, int64_t pageable, bool lock) {
+    const auto & hp = model.hparams;
+    vis_moe_borrow::plan p;
+    p.base          = base;
+    p.full          = full;
+    p.n_ubatch      = n_ubatch;
+    p.row_bytes     = row_bytes;
+    p.pageable      = pageable;
+    p.n_vocab       = model.vocab.n_tokens();
+    p.n_embd        = hp.n_embd;
+    p.n_expert_used = hp.n_expert_used_max();
+    p.n_ff_exp      = hp.n_ff_exp();
+    auto * b = vm.borrow = vm.add(std::make_unique<vis_moe_borrow>(lctx, p));
+    for (auto & L : vm.layers) {
+        if (L.managed) {
+            // the graphs reserve their nodes for the passes at the fewest slots
+            L.min_active = std::clamp((int) ((int64_t) L.n_slots * p.base / std::max(1, p.full)), 1, L.n_slots);
+        }
+    }
+    b->limit_all(vm, p.base);  // nothing is resident yet: the slabs were cleared lazily
+    if (lock) {
+        // the base slots resident and locked at load, as the whole slabs are without borrowing
+        vm.locked = b->lock_base(vm) && (!vm.host || vm.host->locked());
+    }
+}

@@ -1,0 +1,111 @@
+"""Borrowed slots (VIS_MOE_BORROW=on; src/features/vis-moe-borrow.h, docs/planning.md#borrowed-slots): the slabs are
+made for the slots the --moe-mem plan gives at the compute estimate of a 16-token ubatch; a decode step runs all of
+them, a larger ubatch runs the asked ubatch's slots plus what upstream's real compute buffer leaves of its estimate.
+
+- outputs: on the medium fixture (Q8_0: upstream's own logits differ between ubatch sizes) every logit of a prompt,
+  greedy steps, a second prompt chunk (the limit falls again) and more greedy steps equals upstream's at the same
+  ubatch, bit for bit; and the feature is not a no-op: at the same budget it holds more slots and its greedy steps
+  read fewer bytes than the plan without it;
+- memory: llama-cli with it inside a memory cgroup of the budget finishes with its peak inside the limit and prints
+  upstream's greedy text (-nr, as the managed layers compute) at -ub 512, a prompt of several ubatches;
+- where it cannot run it says why and runs the plan without it.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from pyvis import moe
+from pyvis.runtime import native
+
+from conftest import MEDIUM, run
+from test_paging import memory_cgroup
+
+MIB = 1 << 20
+BUDGET = 194  # MiB: the medium fixture at -c 256 gets 2 slots + 1 in 3 layers at -ub 256 (below top-4), far more at -ub 16
+KW = dict(n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, n_threads=2, verbose=False, seed=1)
+WORDS = "the expert cache keeps some experts of every layer resident and reads the others from the file".split()
+CHUNK1 = " ".join(WORDS[(i * 5) % len(WORDS)] for i in range(40))
+CHUNK2 = " ".join(WORDS[(i * 7 + 3) % len(WORDS)] for i in range(30))
+LINE = re.compile(r"borrowed slots: the plan at -ub (\d+) gives (\d+) per layer, the slabs hold (\d+); (\d+) ubatches of "
+                  r"<= 16 tokens ran ([\d.]+) on average \(the compute buffer's pages dropped (\d+)x.*?\), (\d+) larger ones "
+                  r"([\d.]+)")
+
+
+def _run(path, **moe_kw):
+    """Logits of CHUNK1, 8 greedy steps, CHUNK2, 8 greedy steps; the slots of the managed layers and the bytes the
+    greedy steps read (the chunks stream)."""
+    llm = moe.load(path, moe.MoeConfig(**moe_kw), **KW) if moe_kw else native.llama_cpp.Llama(str(path), **KW)
+    read = 0
+    for chunk in (CHUNK1, CHUNK2):
+        llm.eval(llm.tokenize((" " + chunk).encode(), add_bos=chunk is CHUNK1))
+        before = moe.io_stats(llm)["bytes_read"] if moe_kw else 0
+        for _ in range(8):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        read += (moe.io_stats(llm)["bytes_read"] if moe_kw else 0) - before
+    logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+    slots = [moe.layer_stats(llm, il).n_slots for il in range(MEDIUM.n_layer)
+             if moe.layer_stats(llm, il) and moe.layer_stats(llm, il).managed] if moe_kw else []
+    del llm
+    return logits, slots, read
+
+
+def test_borrowed_slots_compute_upstreams_logits_and_read_less(medium_model, monkeypatch):
+    ref, _, _ = _run(medium_model)
+    assert ref.shape[0] > 2 * 16 + 16                          # two chunks longer than a small ubatch
+    got = {}
+    for arm in ("off", "on"):
+        monkeypatch.setenv("VIS_MOE_BORROW", arm)
+        got[arm] = _run(medium_model, mem=BUDGET)
+        assert np.array_equal(got[arm][0].view(np.uint32), ref.view(np.uint32)), arm
+    (_, s_off, r_off), (_, s_on, r_on) = got["off"], got["on"]
+    assert s_off and s_on and min(s_on) > max(s_off), (s_off, s_on)  # the slabs hold more slots ...
+    assert max(s_off) < MEDIUM.n_expert
+    assert r_on < r_off, (r_on, r_off)                         # ... and the decode steps read less
+
+
+def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, medium_model):
+    prompt = " ".join([CHUNK1, CHUNK2] * 10)                   # ~700 tokens: two ubatches of 512
+    cli = ["-p", prompt, "-n", "24", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512", "-nr"]
+    ref = run([bindir / "llama-cli", "-m", medium_model, *cli], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    limit = 260
+    with memory_cgroup(limit * MIB) as (wrap, peak):
+        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "auto", "--moe-stats"]), timeout=300,
+                extra_env={"VIS_MOE_BORROW": "on", "VIS_MOE_CONFIGURE": "off"})
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2500:]
+        assert 0 < peak() <= limit * MIB
+    m = LINE.search(out)
+    assert m, out[-2500:]
+    ub, base, full, n_small, small, dropped, n_large = (int(m[1]), int(m[2]), int(m[3]), int(m[4]), float(m[5]),
+                                                        int(m[6]), int(m[7]))
+    # the decode steps ran every slot of the slabs, after the prompt's compute pages were dropped
+    assert ub == 512 and full > base and n_small >= 20 and small == full and dropped >= 1 and n_large >= 2, m[0]
+    assert _generated(r.stdout) == _generated(ref.stdout)
+
+
+@pytest.mark.parametrize("extra,why", [(["--moe-slots", "3"], "--moe-slots fixes the slots"),
+                                       (["-ub", "16"], "the ubatch is already small")])
+def test_where_it_cannot_run_it_says_why(bindir, medium_model, extra, why):
+    r = run([bindir / "llama-cli", "-m", medium_model, "-p", CHUNK1, "-n", "2", "-st", "-t", "2", "--temp", "0",
+             "-c", "256", "--moe-mem", str(BUDGET), "-v", *extra], timeout=300, extra_env={"VIS_MOE_BORROW": "on"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    assert f"VIS_MOE_BORROW: off ({why})" in out, out[-2000:]
+    assert "borrowed slots:" not in out
+
+
+def test_the_knob_is_parsed_strictly(bindir, medium_model):
+    r = run([bindir / "llama-cli", "-m", medium_model, "-p", "x", "-n", "1", "-st", "--moe-mem", str(BUDGET)],
+            timeout=120, extra_env={"VIS_MOE_BORROW": "maybe"})
+    assert r.returncode != 0 and "VIS_MOE_BORROW" in r.stderr, r.stderr[-1500:]
+
+
+def _generated(stdout: str) -> str:
+    """llama-cli's text after the echoed prompt, up to its speed line (the loading spinner differs run to run)."""
+    m = re.search(r"\n> [^\n]*\n(.*?)\[ Prompt: ", stdout, re.S)
+    assert m, stdout[-1500:]
+    return m.group(1)
