@@ -47,13 +47,13 @@ FEATURE_MODULES = {"vis-moe-substitute", "vis-moe-substitute-stats", "vis-moe-pr
                    "vis-moe-predict-mlp", "vis-moe-precision", "vis-moe-shadow", "vis-moe-shadow-slots",
                    "vis-moe-capacity", "vis-moe-modality", "vis-moe-stage", "vis-moe-lend", "vis-moe-trace",
                    "vis-moe-replay", "vis-moe-telemetry", "vis-moe-telemetry-probe", "vis-moe-topk", "vis-moe-online",
-                   "vis-moe-encoder-release"}
+                   "vis-moe-encoder-release", "vis-moe-borrow"}
 # Core modules that still reach a feature by name: the graph builds the nodes of prefetch, replay and staging, the
-# ops run the shadow passes, and attach creates the features.  Only shrinks.
+# ops run the shadow passes, and attach creates the features (a new feature joins its list).  Otherwise only shrinks.
 KNOWN_CORE_FEATURE_INCLUDES = {
     "vis-moe-graph": {"vis-moe-prefetch", "vis-moe-replay", "vis-moe-stage"},
     "vis-moe-ops": {"vis-moe-precision", "vis-moe-shadow-slots"},
-    "vis-moe-attach": {"vis-moe-capacity", "vis-moe-encoder-release", "vis-moe-lend", "vis-moe-modality", "vis-moe-online", "vis-moe-precision",
+    "vis-moe-attach": {"vis-moe-borrow", "vis-moe-capacity", "vis-moe-encoder-release", "vis-moe-lend", "vis-moe-modality", "vis-moe-online", "vis-moe-precision",
                        "vis-moe-prefetch",
                        "vis-moe-replay", "vis-moe-shadow", "vis-moe-stage", "vis-moe-substitute", "vis-moe-telemetry",
                        "vis-moe-topk", "vis-moe-trace"},

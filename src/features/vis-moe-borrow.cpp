@@ -3,7 +3,6 @@
 #include "vis-moe-attach-plan.h"
 #include "vis-moe-context.h"
 #include "vis-moe-host-cache.h"
-#include "vis-moe-reserve.h"
 #include "vis-moe-settings.h"
 #include "vis-pages.h"
 #include "llama-vis-paging.h"
@@ -21,8 +20,9 @@
 #include <string>
 
 int64_t vis_moe_borrow::compute_at(int64_t n) const {
+    // the reserve of a zero-sized model is its fixed part (the runtime and the kernel's headroom)
     return llama_vis_moe_estimate_reserve(std::min(n, p.n_ubatch), p.n_vocab, p.n_embd, p.n_expert_used, p.n_ff_exp) -
-           VIS_MOE_RESERVE_RUNTIME - VIS_MOE_RESERVE_KERNEL;
+           llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);
 }
 
 void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
