@@ -8,7 +8,8 @@ them, a larger ubatch runs the asked ubatch's slots plus what upstream's real co
   read fewer bytes than the plan without it;
 - memory: llama-cli with it inside a memory cgroup of the budget finishes with its peak inside the limit and prints
   upstream's greedy text (-nr, as the managed layers compute) at -ub 512, a prompt of several ubatches;
-- where it cannot run it says why and runs the plan without it.
+- where it cannot run it says why and runs the plan without it;
+- the configurator prices it: with it, every candidate ubatch decodes on the 16-token plan's slots.
 """
 from __future__ import annotations
 
@@ -102,6 +103,24 @@ def test_the_knob_is_parsed_strictly(bindir, medium_model):
     r = run([bindir / "llama-cli", "-m", medium_model, "-p", "x", "-n", "1", "-st", "--moe-mem", str(BUDGET)],
             timeout=120, extra_env={"VIS_MOE_BORROW": "maybe"})
     assert r.returncode != 0 and "VIS_MOE_BORROW" in r.stderr, r.stderr[-1500:]
+
+
+def test_the_configurator_prices_the_borrowed_slots():
+    """With borrowing, every candidate ubatch decodes on the slots of the 16-token plan, so the configurator no longer
+    lowers -ub for decode slots (tests/test_planning.py's request, where without it -ub 512 leaves one slot per
+    layer and a smaller ubatch wins); its predicted decode is the 16-token plan's."""
+    from pyvis.runtime import native
+    from test_planning import COST, REQ, SHAPE
+    plain = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST)
+    borrowed = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST, borrow=True)
+    small = native.configure(REQ, **SHAPE, n_ubatch=16, n_ubatch_min=16, cost=COST)
+    assert plain["ok"] and plain["n_ubatch"] < 512 and plain["asked_n_slots"] == 1
+    assert borrowed["ok"] and borrowed["n_ubatch"] > plain["n_ubatch"]
+    assert borrowed["decode_tps"] == pytest.approx(small["decode_tps"])
+    assert borrowed["asked_decode_tps"] == pytest.approx(small["decode_tps"])
+    assert borrowed["asked_decode_tps"] > plain["asked_decode_tps"]
+    # the plan each runs is its own ubatch's (the runtime's slabs then grow to the 16-token plan's)
+    assert borrowed["plan"]["n_slots"] < small["plan"]["n_slots"]
 
 
 def _generated(stdout: str) -> str:

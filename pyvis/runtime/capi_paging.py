@@ -299,6 +299,7 @@ class llama_vis_moe_cost(ctypes.Structure):
 #     int32_t * layer_slots;     // optional out [n_managed_layers]: the slab bytes split per layer by marginal value,
 #                                // then the plan's extra_slots by the same curves
 #     struct llama_vis_moe_cost cost;
+#     int32_t borrow;            // 1: decode priced with the plan at n_ubatch_min's estimate (VIS_MOE_BORROW); 0: off
 # };
 class llama_vis_moe_configure_request(ctypes.Structure):
     _fields_ = [
@@ -311,6 +312,7 @@ class llama_vis_moe_configure_request(ctypes.Structure):
         ("miss_curve", ctypes.POINTER(ctypes.c_float)),
         ("layer_slots", ctypes.POINTER(ctypes.c_int32)),
         ("cost", llama_vis_moe_cost),
+        ("borrow", ctypes.c_int32),
     ]
 
 

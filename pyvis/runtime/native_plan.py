@@ -63,19 +63,20 @@ CONFIGURE_VERDICTS = {capi.LLAMA_VIS_MOE_CONFIGURE_APPLIED: "applied", capi.LLAM
 
 
 def configure(plan: dict, *, n_vocab: int, n_embd: int, n_ff_exp: int, n_ubatch: int, cost: dict,
-              n_ubatch_min: int = 0, miss_curve=None, mode: str = "auto", all_f32: bool = False) -> dict:
+              n_ubatch_min: int = 0, miss_curve=None, mode: str = "auto", all_f32: bool = False,
+              borrow: bool = False) -> dict:
     """llama_vis_moe_configure: the ubatch and slots with the lowest predicted latency within the plan request's
     budget (``plan``: keys of llama_vis_moe_plan_request; its reserve_bytes is ignored).  ``miss_curve``: None (the
     prior) or an array [managed layers][n_expert + 1] of misses per decode token; then 'layer_slots' (the slab bytes
     split per layer) is returned too.  The configuration as a dict; 'plan' holds llama_vis_moe_plan's at the chosen
     ubatch, 'error' the reason when it does not fit, 'verdict' llama_vis_moe_configure_applies' answer for
     VIS_MOE_CONFIGURE=``mode`` on weights that are (``all_f32``) or not all F32: 'applied' (the runtime runs at
-    'n_ubatch'), 'off' or 'not_f32'."""
+    'n_ubatch'), 'off' or 'not_f32'.  ``borrow``: decode priced with the borrowed slots (VIS_MOE_BORROW=on)."""
     import numpy as np
     rq = capi.llama_vis_moe_configure_request()
     fill_struct(rq.plan, dict(host_mib=-1, unified=1, reserve_bytes=0) | plan)
     fill_struct(rq, dict(n_vocab=n_vocab, n_embd=n_embd, n_ff_exp=n_ff_exp, n_ubatch=n_ubatch,
-                         n_ubatch_min=n_ubatch_min))
+                         n_ubatch_min=n_ubatch_min, borrow=int(bool(borrow))))
     for k, v in cost.items():
         setattr(rq.cost, k, v)
     n_layers = int(plan.get("n_managed_layers", 0))

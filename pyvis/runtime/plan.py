@@ -330,7 +330,8 @@ def configure_plan(shape: ModelShape, *, n_ubatch: int = 512, profile=None, cost
     elif managed and split:
         curve = split_file_curves(shape, managed, split)
     c = _native.configure(rq, n_vocab=shape.n_vocab, n_embd=shape.n_embd, n_ff_exp=shape.n_ff_exp, n_ubatch=n_ubatch,
-                          cost=cost, miss_curve=curve, mode=configure_mode(), all_f32=shape.all_f32)
+                          cost=cost, miss_curve=curve, mode=configure_mode(), all_f32=shape.all_f32,
+                          borrow=borrow_mode() and not rq.get("n_slots"))
     # what the runtime runs (llama_vis_moe_configure_applies' verdict, where anything is paged): the chosen ubatch;
     # nothing fits: the smallest (its refusal names the budget there)
     c["applied"] = bool(asked["managed_layers"] and not asked["whole_model_fits"] and c["verdict"] == "applied")
@@ -368,6 +369,15 @@ def shadow_expert_bytes(shadow_path, model_path) -> int:
         il = int(name.split(".")[1])
         per_layer[il] = per_layer.get(il, 0) + int(t.n_bytes) // max(int(ne[2]), 1)
     return max(per_layer.values(), default=0)
+
+
+def borrow_mode() -> bool:
+    """VIS_MOE_BORROW as the runtime reads it: off (unset or empty) or on; anything else is an error."""
+    import os
+    v = os.environ.get("VIS_MOE_BORROW") or "off"
+    if v not in ("on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"VIS_MOE_BORROW: expected on or off, got {v!r}")
+    return v in ("on", "1", "true")
 
 
 def configure_mode() -> str:

@@ -185,6 +185,9 @@ struct llama_vis_moe_configure_request {
     int32_t * layer_slots;     // optional out [n_managed_layers]: the same slots split per layer (llama_vis_moe_split_slots),
                                // then the plan's extra_slots by the same curves (llama_vis_moe_extra_slots)
     struct llama_vis_moe_cost cost;
+    int32_t borrow;            // 1: the runtime borrows slots (VIS_MOE_BORROW, docs/planning.md#borrowed-slots): a
+                               // candidate's decode is priced with the plan at n_ubatch_min's compute estimate where
+                               // that plan holds more slots and leaves no resident weight pageable; 0: off
 };
 struct llama_vis_moe_configuration {
     int32_t ok;                // 1: a plan fits (else the reason is in llama_vis_last_error(), plan.min_budget says

@@ -154,23 +154,36 @@ void vis_moe_borrow::stats_print(const vis_moe_context & vm) const {
                  std::max<int64_t>(0, sched_bytes()) / 1048576.0, compute_at(p.n_ubatch) / 1048576.0, scale);
 }
 
+const char * vis_moe_borrow_off_reason(const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
+    if (!ap.cpu_only) {
+        return "the slabs are on a GPU, whose memory is not released page by page";
+    }
+    if (s.plan.online > 0 || (s.plan.encoder_release > 0 && ap.encoder_held_slots > 0)) {
+        return "VIS_MOE_ONLINE or VIS_MOE_ENCODER_RELEASE moves the slot limits";
+    }
+    if (s.params.n_slots > 0) {
+        return "--moe-slots fixes the slots";
+    }
+    if (s.prec.on() || s.cap.on() || !s.prec.shadow.empty()) {
+        return "--moe-precision, --moe-shadow and --moe-capacity plan passes at a fixed slot count";
+    }
+    return nullptr;
+}
+
+bool vis_moe_borrow_applies(const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
+    return s.plan.borrow > 0 && !vis_moe_borrow_off_reason(s, ap);
+}
+
 std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap,
                                 const llama_vis_moe_plan_request & rq, const struct llama_vis_moe_plan & plan, int64_t n_ubatch) {
     if (s.plan.borrow <= 0) {
         return "";
     }
-    const char * off = nullptr;
-    if (!ap.cpu_only) {
-        off = "the slabs are on a GPU, whose memory is not released page by page";
-    } else if (s.plan.online > 0 || ap.encoder_held_slots > 0) {
-        off = "VIS_MOE_ONLINE or VIS_MOE_ENCODER_RELEASE moves the slot limits";
-    } else if (s.params.n_slots > 0) {
-        off = "--moe-slots fixes the slots";
-    } else if (s.prec.on() || s.cap.on() || !s.prec.shadow.empty()) {
-        off = "--moe-precision, --moe-shadow and --moe-capacity plan passes at a fixed slot count";
-    } else if (n_ubatch <= vis_moe_borrow::SMALL) {
+    const char * off = vis_moe_borrow_off_reason(s, ap);
+    if (!off && n_ubatch <= vis_moe_borrow::SMALL) {
         off = "the ubatch is already small";
-    } else if (ap.per_slot <= 0) {
+    }
+    if (!off && ap.per_slot <= 0) {
         off = "no slots to grow";
     }
     if (off) {

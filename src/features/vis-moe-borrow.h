@@ -95,6 +95,12 @@ private:
     int64_t n_released = 0, bytes_released = 0;  // compute buffer pages dropped
 };
 
+// why borrowing cannot run with these settings and this attach plan (a GPU, --moe-slots, another controller of the
+// slot limits, a feature that plans passes at a fixed slot count); nullptr: it can
+const char * vis_moe_borrow_off_reason(const vis_moe_settings & s, const vis_moe_attach_plan & ap);
+// VIS_MOE_BORROW is on and can run: the configurator prices decode with the borrowed slots (vis-moe-configure.cpp)
+bool vis_moe_borrow_applies(const vis_moe_settings & s, const vis_moe_attach_plan & ap);
+
 // at attach, in the --moe-mem plan (vis-moe-attach.cpp), after `plan` was made for the asked ubatch (n_ubatch)
 // with request rq: with VIS_MOE_BORROW on, the plan at a ubatch of SMALL tokens; where it gives more slots per
 // layer, the slabs are made for those (ap.n_slots, ap.extra_slots) and ap.borrow_base_slots keeps the asked

@@ -3,6 +3,7 @@
 // llama_vis_moe_configure; a lower ubatch it chooses is set in the context's parameters before upstream reserves
 // the compute buffers, and the attach then plans its slots at that ubatch (the same llama_vis_moe_plan question).
 #include "vis-moe-configure.h"
+#include "vis-moe-borrow.h"
 #include "vis-moe.h"
 #include "vis-moe-context.h"
 #include "vis-moe-deferred.h"
@@ -66,6 +67,7 @@ bool vis_moe_configure_ubatch(const llama_model & model, const vis_moe_settings 
     rq.n_ff_exp     = model.hparams.n_ff_exp();
     rq.n_ubatch     = (int32_t) cp.n_ubatch;
     rq.n_ubatch_min = 0;  // the runtime's smallest
+    rq.borrow       = vis_moe_borrow_applies(s, ap) ? 1 : 0;
     if (rq.plan.n_managed_layers == 0 ||
         llama_vis_moe_cost_probe(path.c_str(), type, rq.n_embd, rq.n_ff_exp, rq.plan.n_expert_used,
                                  std::max<int32_t>(1, (int32_t) cp.n_threads), &rq.cost) != 0) {

@@ -239,6 +239,17 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
         priced cost;
         std::string err;
     };
+    // VIS_MOE_BORROW: decode steps run the slots of the plan at the smallest ubatch's compute estimate, whatever the
+    // ubatch (src/features/vis-moe-borrow.h); prefill is priced at the candidate's own plan (the runtime's floor)
+    llama_vis_moe_plan_request pr_small = rq.plan;
+    struct llama_vis_moe_plan p_small = {};
+    bool borrow = false;
+    if (rq.borrow) {
+        pr_small.reserve_bytes = llama_vis_moe_estimate_reserve(rq.n_ubatch_min, rq.n_vocab, rq.n_embd,
+                                                                rq.plan.n_expert_used, rq.n_ff_exp);
+        borrow = llama_vis_moe_plan(&pr_small, &p_small) == 0 && p_small.ok && p_small.pageable_bytes == 0;
+        vis_clear_last_error();
+    }
     // the asked ubatch, halved down to the smallest (the last candidate is n_ubatch_min itself)
     std::vector<cand> cs;
     for (int u = rq.n_ubatch;; u = std::max(rq.n_ubatch_min, u / 2)) {
@@ -251,6 +262,11 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
         }
         if (x.p.ok) {
             x.cost = m.price(x.p, x.pr, u, x.p.n_slots);
+            if (borrow && u > rq.n_ubatch_min && p_small.n_slots > x.p.n_slots) {
+                x.cost.decode_s = m.price(p_small, pr_small, u, p_small.n_slots).decode_s;
+                x.cost.total = std::max(1, (int) c.prompt_tokens) * x.cost.prefill_s +
+                               std::max(0, (int) c.gen_tokens) * x.cost.decode_s;
+            }
         } else {
             x.err = llama_vis_last_error();
         }
