@@ -7,8 +7,9 @@ cgroup memory, prompt/generation tok/s of llama-cli, the cache table's hits and 
 
 Arms per budget: `today` (VIS_MOE_CONFIGURE=off, -ub 512: the fixed-rule plan), `configured` (the configurator as
 shipped, VIS_MOE_CONFIGURE=auto, -ub 512 asked), `forced` (VIS_MOE_CONFIGURE=on), `borrowed` (today's -ub 512 with
-VIS_MOE_BORROW=on: decode ubatches run the slots of the compute buffer's idle bytes), and `ub=N` (VIS_MOE_CONFIGURE=off,
--ub N) for the sweep; every arm but `borrowed` runs VIS_MOE_BORROW=off; --moe-mem auto (the cgroup's limit).  With --repeat N every budget runs N rounds, each round
+VIS_MOE_BORROW=on: decode ubatches run the slots of the compute buffer's idle bytes), `configured+borrowed` (both,
+the configurator pricing the borrowed slots), and `ub=N` (VIS_MOE_CONFIGURE=off,
+-ub N) for the sweep; every other arm runs VIS_MOE_BORROW=off; --moe-mem auto (the cgroup's limit).  With --repeat N every budget runs N rounds, each round
 every arm once in turn (arms interleaved, so a slow minute of a shared machine hits all of them).
 
 The objective is the configurator's: the seconds of one request of --request P G tokens (default 512 + 128, the
@@ -101,14 +102,15 @@ def main() -> int:
     else:
         prompt, n_prompt = PROMPT_WORDS * 3, None   # not counted (130 tokens on the testbed, its template included)
     (a.out / "prompt.txt").write_text(prompt)
-    arms = [("today", 512, "off"), ("configured", 512, "auto"), ("forced", 512, "on"), ("borrowed", 512, "off")] + \
+    arms = [("today", 512, "off"), ("configured", 512, "auto"), ("forced", 512, "on"), ("borrowed", 512, "off"),
+            ("configured+borrowed", 512, "auto")] + \
            [(f"ub={u}", u, "off") for u in a.sweep]
     if a.arms is not None:
         named = {x[0] for x in arms}
         for x in a.arms:
             m = re.fullmatch(r"ub=(\d+)", x)
             if x not in named and not m:
-                ap.error(f"--arms {x}: not an arm (today, configured, forced, borrowed, ub=N)")
+                ap.error(f"--arms {x}: not an arm (today, configured, forced, borrowed, configured+borrowed, ub=N)")
             if m and x not in named:
                 arms.append((x, int(m.group(1)), "off"))
         arms = [x for x in arms if x[0] in a.arms]
@@ -121,7 +123,7 @@ def main() -> int:
                 tag = name.replace("=", "") + (f"-r{rnd + 1}" if a.repeat > 1 else "")
                 log = a.out / f"{limit}-{tag}.log"
                 r = run_one(f"{limit}/{name}#{rnd + 1}", cmd, limit * MIB, a.timeout, a.n_predict, log=log,
-                            env={"VIS_MOE_CONFIGURE": conf, "VIS_MOE_BORROW": "on" if name == "borrowed" else "off"})
+                            env={"VIS_MOE_CONFIGURE": conf, "VIS_MOE_BORROW": "on" if "borrowed" in name else "off"})
                 out = log.read_text(errors="replace")
                 m = re.search(r"-ub (\d+) lowered to (\d+)", out)
                 r.update(limit_mib=limit, arm=name, round=rnd + 1, ub_asked=ub,
