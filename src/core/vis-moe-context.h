@@ -24,6 +24,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <memory>
@@ -147,6 +148,12 @@ struct vis_moe_layer {
     // the id a pair of another pass gets: skipped on CPU (-1), else the staging slot (made distinct per token by
     // vis_moe_distinct_foreign, vis-moe-passes.h)
     int32_t foreign_id() const { return cpu_passes ? -1 : n_slots; }
+    // this layer's share of `slots` per layer when its slabs hold n_slots of the average layer's `of` (a per-layer
+    // split scales with the even count), at least one: the slot limit every controller sets (online, encoder
+    // release, borrowed slots)
+    int share(int slots, int of) const {
+        return std::clamp((int) ((int64_t) n_slots * slots / std::max(1, of)), 1, n_slots);
+    }
 };
 
 struct vis_moe_context {

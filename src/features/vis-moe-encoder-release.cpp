@@ -12,15 +12,6 @@
 #include <cstdio>
 #include <stdexcept>
 
-namespace {
-
-// a layer's share of `slots` when its slabs hold L.n_slots of the average layer's `of` (a per-layer split), >= 1
-int share(const vis_moe_layer & L, int slots, int of) {
-    return std::clamp((int) ((int64_t) L.n_slots * slots / std::max(1, of)), 1, L.n_slots);
-}
-
-} // namespace
-
 std::string vis_moe_encoder_release_plan(const vis_moe_settings & s, vis_moe_attach_plan & ap, int without,
                                          int64_t encoder_bytes, int n_expert) {
     if (s.plan.online > 0) {
@@ -58,7 +49,7 @@ static void limit_all(vis_moe_context & vm, int slots, int of) {
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (L.managed) {
-            L.min_active = share(L, slots, of);
+            L.min_active = L.share(slots, of);
             vm.limit_slots(il, L.min_active);
         }
     }

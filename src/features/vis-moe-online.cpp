@@ -42,7 +42,7 @@ void vis_moe_online::resize(vis_moe_context & vm, int slots, const std::string &
             continue;
         }
         // a split layer keeps its share: its slots scaled like the even count, at least one
-        const int n = std::clamp((int) ((int64_t) L.n_slots * slots / p.max_slots), std::max(1, L.min_active), L.n_slots);
+        const int n = std::max(L.min_active, L.share(slots, p.max_slots));
         dropped += vm.limit_slots(il, n);
     }
     // seen without -v (llama-server shows no info lines of libllama): one line per resize, with its reason
@@ -119,7 +119,7 @@ void vis_moe_online_attach(vis_moe_context & vm, const llama_context * lctx, con
     c->lo = c->hi = p.max_slots;
     for (auto & L : vm.layers) {
         if (L.managed) {
-            L.min_active = std::max(1, (int) ((int64_t) L.n_slots * p.min_slots / p.max_slots));
+            L.min_active = L.share(p.min_slots, p.max_slots);
         }
     }
     const int64_t kv_now = vis_kv_pages::resident(*kv);
