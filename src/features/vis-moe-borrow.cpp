@@ -19,18 +19,21 @@
 #include <cstdio>
 #include <string>
 
-int64_t vis_moe_borrow::compute_at(int64_t n) const {
-    // the reserve of a zero-sized model is its fixed part (the runtime and the kernel's headroom)
+// the estimate's compute bytes at a ubatch of n tokens: the reserve less its fixed part (the reserve of a zero-sized
+// model: the runtime and the kernel's headroom)
+static int64_t compute_at(const vis_moe_borrow::plan & p, int64_t n) {
     return llama_vis_moe_estimate_reserve(std::min(n, p.n_ubatch), p.n_vocab, p.n_embd, p.n_expert_used, p.n_ff_exp) -
            llama_vis_moe_estimate_reserve(0, 0, 0, 0, 0);
 }
+
+vis_moe_borrow::vis_moe_borrow(const llama_context * lctx, const plan & p)
+    : lctx(lctx), p(p), compute_asked(compute_at(p, p.n_ubatch)), compute_small(compute_at(p, SMALL)) {}
 
 void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (L.managed) {
-            // a split layer keeps its share, at least one
-            vm.limit_slots(il, std::clamp((int) ((int64_t) L.n_slots * slots / std::max(1, p.full)), 1, L.n_slots));
+            vm.limit_slots(il, L.share(slots, p.full));
         }
     }
     active = slots;
@@ -48,37 +51,27 @@ bool vis_moe_borrow::lock_base(vis_moe_context & vm) const {
     return ok;
 }
 
-int64_t vis_moe_borrow::sched_bytes() const {
+int64_t vis_moe_borrow::sched_size(ggml_backend_buffer_type_t buft) const {
     ggml_backend_sched_t sched = lctx ? lctx->get_sched() : nullptr;
     int64_t sum = -1;
     for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
-        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
-        if (ggml_backend_buft_is_host(ggml_backend_sched_get_buffer_type(sched, b))) {
-            sum = std::max<int64_t>(sum, 0) + (int64_t) ggml_backend_sched_get_buffer_size(sched, b);
+        ggml_backend_buffer_type_t t = ggml_backend_sched_get_buffer_type(sched, ggml_backend_sched_get_backend(sched, i));
+        if (buft ? t == buft : ggml_backend_buft_is_host(t)) {
+            sum = std::max<int64_t>(sum, 0) +
+                  (int64_t) ggml_backend_sched_get_buffer_size(sched, ggml_backend_sched_get_backend(sched, i));
         }
     }
     return sum;
 }
 
 bool vis_moe_borrow::compute_is_current() const {
-    if (!compute || !lctx) {
-        return false;
-    }
     // the scheduler replaces its buffer only by a larger one (ggml_gallocr_reserve_n): the same size, the same buffer
-    ggml_backend_sched_t sched = lctx->get_sched();
-    for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
-        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
-        if (ggml_backend_sched_get_buffer_type(sched, b) == ggml_backend_buffer_get_type(compute) &&
-            ggml_backend_sched_get_buffer_size(sched, b) == compute_size) {
-            return true;
-        }
-    }
-    return false;
+    return compute && sched_size(ggml_backend_buffer_get_type(compute)) == (int64_t) compute_size;
 }
 
 void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & ub) {
     const int64_t n = ub.n_tokens;
-    const int64_t R = sched_bytes();
+    const int64_t R = sched_size(nullptr);
     const bool current = compute_is_current();
     // what the ubatches since the last check left resident in the compute buffer: the measure the next limits use
     const int64_t res = current ? vis_resident_bytes(ggml_backend_buffer_get_base(compute), compute_size) : -1;
@@ -97,16 +90,16 @@ void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & u
         large_n = 0;
     }
     if (n <= SMALL && large_n == 0) {
-        need = std::max(compute_at(SMALL), small_bytes);
+        need = std::max(compute_small, small_bytes);
     } else {
         // a larger ubatch writes the buffer upstream allocated up to about its share of the asked ubatch's tokens (its
         // activations are [.., n_tokens] tensors), at least what the measure above saw
         large_n = std::max(large_n, n);
-        need = R < 0 ? compute_at(p.n_ubatch)
+        need = R < 0 ? compute_asked
                      : std::min<int64_t>(R, (int64_t) (scale * (double) R * (double) large_n / (double) p.n_ubatch) +
-                                                compute_at(SMALL));
+                                                compute_small);
     }
-    const int slots = std::clamp((int) (p.base + std::max<int64_t>(0, compute_at(p.n_ubatch) - need - p.pageable) /
+    const int slots = std::clamp((int) (p.base + std::max<int64_t>(0, compute_asked - need - p.pageable) /
                                                  std::max<int64_t>(1, p.row_bytes)), p.base, p.full);
     if (large_n == 0) {
         n_full++;
@@ -136,7 +129,7 @@ void vis_moe_borrow::observe_routing(const vis_moe_context & vm, int il, const g
 
 int64_t vis_moe_borrow::staging_room(const vis_moe_context & vm) const {
     (void) vm;
-    return std::max<int64_t>(0, compute_at(p.n_ubatch) - need - p.pageable - (int64_t) (active - p.base) * p.row_bytes);
+    return std::max<int64_t>(0, compute_asked - need - p.pageable - (int64_t) (active - p.base) * p.row_bytes);
 }
 
 void vis_moe_borrow::stats_reset() {
@@ -151,7 +144,7 @@ void vis_moe_borrow::stats_print(const vis_moe_context & vm) const {
                          "buffer %.0f MiB allocated, %.0f estimated; written %.2fx their share of it)\n",
                  p.n_ubatch, p.base, p.full, n_full, SMALL, n_full > 0 ? full_sum / (double) n_full : 0.0, n_released,
                  small_bytes / 1048576.0, n_mid, n_mid > 0 ? mid_sum / (double) n_mid : 0.0,
-                 std::max<int64_t>(0, sched_bytes()) / 1048576.0, compute_at(p.n_ubatch) / 1048576.0, scale);
+                 std::max<int64_t>(0, sched_size(nullptr)) / 1048576.0, compute_asked / 1048576.0, scale);
 }
 
 const char * vis_moe_borrow_off_reason(const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
@@ -189,10 +182,8 @@ std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_setting
     if (off) {
         return std::string("; VIS_MOE_BORROW: off (") + off + ")";
     }
-    const auto & hp = model.hparams;
-    llama_vis_moe_plan_request r2 = rq;
-    r2.reserve_bytes = llama_vis_moe_estimate_reserve(vis_moe_borrow::SMALL, model.vocab.n_tokens(), hp.n_embd,
-                                                      hp.n_expert_used_max(), hp.n_ff_exp());
+    // the same request at a ubatch of SMALL tokens
+    const llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
     struct llama_vis_moe_plan p2;
     if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
         return "; VIS_MOE_BORROW: off (no plan at a small ubatch)";
@@ -232,7 +223,7 @@ void vis_moe_borrow_attach(vis_moe_context & vm, const llama_context * lctx, con
     for (auto & L : vm.layers) {
         if (L.managed) {
             // the graphs reserve their nodes for the passes at the fewest slots
-            L.min_active = std::clamp((int) ((int64_t) L.n_slots * p.base / std::max(1, p.full)), 1, L.n_slots);
+            L.min_active = L.share(p.base, p.full);
         }
     }
     b->limit_all(vm, p.base);  // nothing is resident yet: the slabs were cleared lazily

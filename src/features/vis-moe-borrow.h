@@ -4,9 +4,10 @@
 //
 // Why.  The plan prices the compute buffer of the asked ubatch by an estimate made before upstream lays the buffer
 // out (llama_vis_moe_estimate_reserve: logits for every token of the ubatch, as a run that outputs every row needs).
-// A tool that generates outputs one row per sequence (llama-cli, llama-server) gets a compute buffer several times
-// smaller (upstream reserves it for n_outputs_max rows), and a ubatch of a few tokens (every decode step) writes a
-// few MiB of that.  The difference is budget that holds nothing.  Lowering -ub frees part of it for good but
+// A tool that generates outputs one row per sequence (llama-cli, llama-server) gets a smaller compute buffer
+// (upstream reserves it for n_outputs_max rows: at -ub 512 25-27 MiB against an estimate of 106 on the testbed, 72
+// against 147 on the 48-layer model), and a decode step writes 0.2-0.5 MiB of it (mincore).  The difference is
+// budget that holds nothing.  Lowering -ub frees part of it for good but
 // changes how the prompt is cut, which on quantized weights changes the logits (docs/planning.md#outputs).
 // Here the slabs are made for the slots the plan gives at the compute estimate of a small ubatch (SMALL tokens),
 // and before each ubatch (patch 0017) every managed layer is limited to its share of:
@@ -56,7 +57,7 @@ public:
                                      // idle compute bytes of a larger ubatch first
         int64_t n_vocab = 0, n_embd = 0, n_expert_used = 0, n_ff_exp = 0;  // the estimate's shape
     };
-    vis_moe_borrow(const llama_context * lctx, const plan & p) : lctx(lctx), p(p) {}
+    vis_moe_borrow(const llama_context * lctx, const plan & p);
 
     const char * feature_name() const override { return "borrow"; }
     void ubatch_prepare(vis_moe_context & vm, const llama_ubatch & ub) override;
@@ -75,15 +76,15 @@ public:
     int active = 0;  // the slots per layer the running ubatch may use
 
 private:
-    // the estimate's compute bytes at a ubatch of n tokens (the reserve less its fixed runtime part)
-    int64_t compute_at(int64_t n) const;
-    // the compute buffers upstream allocated (host), -1 before any
-    int64_t sched_bytes() const;
+    // the compute buffers the scheduler allocated in buffer type buft (nullptr: every host one), -1 before any
+    int64_t sched_size(struct ggml_backend_buffer_type * buft) const;
     // the compute buffer seen is still the scheduler's (a reserve may have made a larger one)
     bool compute_is_current() const;
 
     const llama_context * lctx;
     plan    p;
+    int64_t compute_asked;        // the estimate's compute bytes at the asked ubatch (the reserve less its fixed part)
+    int64_t compute_small;        // ... and at SMALL tokens
     struct ggml_backend_buffer * compute = nullptr;  // the compute buffer seen by the last ubatch
     size_t  compute_size = 0;
     int64_t large_n     = 0;      // the most tokens of a ubatch over SMALL since the compute pages were dropped
