@@ -138,14 +138,15 @@ bool vis_moe_create_slabs(const llama_model & model, const vis_moe_settings & s,
         // the staging slot (if any) and the padding hold finite zeros; with the online controller the slabs are
         // made for its most slots and only the active ones become resident: their pages are dropped, not written
         // (the encoder release and borrowed slots alike)
-        if ((ap.online_min_slots > 0 || ap.encoder_held_slots > 0 || ap.borrow_base_slots > 0)) {
+        const bool limited = ap.online_min_slots > 0 || ap.encoder_held_slots > 0 || ap.borrow_base_slots > 0;
+        if (limited) {
             vis_buffer_clear_lazy(buf);
         } else {
             ggml_backend_buffer_clear(buf, 0);
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         vm.slab_bytes += (int64_t) ggml_backend_buffer_get_size(buf);
-        if ((ap.online_min_slots > 0 || ap.encoder_held_slots > 0 || ap.borrow_base_slots > 0) && ggml_backend_buffer_is_host(buf)) {
+        if (limited && ggml_backend_buffer_is_host(buf)) {
             locked = false;  // locking would make every slot resident; the controller releases the inactive ones
         } else if (s.tier.mlock && ggml_backend_buffer_is_host(buf)) {
             locked = vis_mlock_region(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf), "the expert slabs") && locked;
