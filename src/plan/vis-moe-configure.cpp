@@ -178,8 +178,12 @@ struct cost_model {
             ub_s += D * scale * per_miss(h) + passes(std::ceil(D / s) - 1.0, ut);
         }
         r.prefill_s = nub * ub_s / P;
-        r.total = P * r.prefill_s + std::max(0, (int) c.gen_tokens) * r.decode_s;
+        r.total = total(r);
         return r;
+    }
+    // seconds per request: the prompt's tokens at prefill_s, the generated ones at decode_s
+    double total(const priced & r) const {
+        return std::max(1, (int) rq.cost.prompt_tokens) * r.prefill_s + std::max(0, (int) rq.cost.gen_tokens) * r.decode_s;
     }
 };
 
@@ -264,8 +268,7 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
             x.cost = m.price(x.p, x.pr, u, x.p.n_slots);
             if (borrow && u > rq.n_ubatch_min && p_small.n_slots > x.p.n_slots) {
                 x.cost.decode_s = m.price(p_small, pr_small, u, p_small.n_slots).decode_s;
-                x.cost.total = std::max(1, (int) c.prompt_tokens) * x.cost.prefill_s +
-                               std::max(0, (int) c.gen_tokens) * x.cost.decode_s;
+                x.cost.total    = m.total(x.cost);
             }
         } else {
             x.err = llama_vis_last_error();
