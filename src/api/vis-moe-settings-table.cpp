@@ -552,9 +552,9 @@ const vis_moe_env_row ENV_ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.online = parse_switch(w, v, false); } },
     { "VIS_MOE_BORROW", "on|off",
-      "vis-moe: under --moe-mem on the CPU, ubatches of at most 16 tokens (decode) run more expert slots, in the\n"
-      "bytes the plan reserves for the compute buffer of the asked -ub, which they leave unused; larger ubatches\n"
-      "give them back first (docs/planning.md#borrowed-slots; default: off)",
+      "vis-moe: under --moe-mem on the CPU, each ubatch runs more expert slots in the bytes the plan reserves for\n"
+      "the compute buffer of the asked -ub and that ubatch leaves unused: decode steps the most, larger ubatches\n"
+      "what upstream's real compute buffer leaves (docs/planning.md#borrowed-slots; default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.borrow = parse_switch(w, v, false); } },
     { "VIS_MOE_ENCODER_RELEASE", "on|off",
