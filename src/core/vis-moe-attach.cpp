@@ -303,6 +303,14 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     vm->unified = s.tier.unified != 0 && ap.all_host_devices;
     size_slots(lctx, model, s, ap, *vm);
     bool locked = vis_moe_create_slabs(model, s, ap, *vm);
+    if (ap.borrow_base_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
+        // its base slots faulted and locked now, before the resident weights fill the memory cgroup: memory faulted
+        // at the limit is pages its reclaim frees one by one, and O_DIRECT reads into them were measured slower
+        // (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered)
+        vis_moe_borrow_attach(*vm, lctx, model, ap.borrow_base_slots, ap.n_slots, lctx ? (int64_t) lctx->n_ubatch() : 512,
+                              ap.per_slot, ap.pageable, s.tier.mlock != 0);
+        locked = vm->locked;
+    }
     if (vm->n_managed > 0 && ap.any_deferred) {
         vm->io = std::make_unique<vis_io_pool>(s.tier.io_threads, s.tier.direct_io);
         vm->overlap = s.overlap < 0 ? n_used : s.overlap;  // VIS_MOE_OVERLAP: on = up to k miss passes
@@ -354,10 +362,6 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (ap.encoder_held_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
         // before the staging, which fits its buffers to the memory held until the encoder is freed
         vis_moe_encoder_release_attach(*vm, ap.encoder_held_slots, ap.n_slots, vm->plan_encoder, ap.per_slot);
-    }
-    if (ap.borrow_base_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
-        vis_moe_borrow_attach(*vm, lctx, model, ap.borrow_base_slots, ap.n_slots, lctx ? (int64_t) lctx->n_ubatch() : 512,
-                              ap.per_slot, ap.pageable, s.tier.mlock != 0);
     }
     if (!hp.no_alloc && ap.any_deferred && ap.cpu_only) {
         vis_moe_stage_attach(*vm, s);  // before the read-ahead's one-worker fetcher: staging wants --moe-io-threads

@@ -27,8 +27,10 @@
 // dropped compute pages read back as zeros and are written before they are read.  What is computed never changes,
 // only what is resident.
 //
-// Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked, as the
-// whole slabs are without borrowing; the slots above stay unlocked (locking would make them resident).
+// Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked right
+// after the slabs are made, as the whole slabs are without borrowing; the slots above stay unlocked (locking would
+// make them resident).  They are faulted when a small ubatch first uses them, at the cgroup's limit, into scattered
+// pages that the disk reads into slower: why the knob is off (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered).
 #pragma once
 
 #include "vis-moe-feature.h"
