@@ -67,6 +67,31 @@ def test_borrowed_slots_compute_upstreams_logits_and_read_less(medium_model, mon
     assert r_on < r_off, (r_on, r_off)                         # ... and the decode steps read less
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_borrowed_slots_are_faulted_at_load(medium_model, monkeypatch):
+    """Faulted later, at a memory cgroup's limit, they are scattered pages the disk reads into slower
+    (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered): so the load makes them
+    resident, before any ubatch.  Fails if only the base slots were resident after the load."""
+    from pyvis.runtime import plan as vplan
+    expert = max(vplan.read_shape(medium_model).expert_bytes.values())
+    grew, slots = {}, {}
+    for arm in ("off", "on"):
+        monkeypatch.setenv("VIS_MOE_BORROW", arm)
+        before = _rss()
+        llm = moe.load(medium_model, moe.MoeConfig(mem=BUDGET), **KW)
+        grew[arm] = _rss() - before
+        slots[arm] = sum(moe.layer_stats(llm, il).n_slots for il in range(MEDIUM.n_layer)
+                         if moe.layer_stats(llm, il) and moe.layer_stats(llm, il).managed)
+        del llm
+    more = (slots["on"] - slots["off"]) * expert           # the slabs' slots beyond the plan's, all resident
+    assert more > 8 * MIB, slots
+    assert grew["on"] - grew["off"] > more // 2, (grew, slots, more)
+
+
 def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, medium_model):
     prompt = " ".join([CHUNK1, CHUNK2] * 10)                   # ~700 tokens: two ubatches of 512
     cli = ["-p", prompt, "-n", "24", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512", "-nr"]

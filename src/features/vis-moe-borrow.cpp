@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 // the estimate's compute bytes at a ubatch of n tokens: the reserve less its fixed part (the reserve of a zero-sized
@@ -111,6 +112,16 @@ void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & u
     ran_small = n <= SMALL;
     if (slots != active) {
         limit_all(vm, slots);  // a lower limit drops its slots' pages before the graph writes the compute buffer
+    }
+    if (idle_resident) {
+        // the slots faulted at attach that this first ubatch may not use: their bytes are the compute buffer's now
+        idle_resident = false;
+        for (int il = 0; il < (int) vm.layers.size(); ++il) {
+            const vis_moe_layer & L = vm.layers[il];
+            for (int s = L.managed ? L.slots.n_active() : L.n_slots; s < L.n_slots; ++s) {
+                vm.drop_slot_pages(il, s);
+            }
+        }
     }
 }
 
@@ -231,4 +242,23 @@ void vis_moe_borrow_attach(vis_moe_context & vm, const llama_context * lctx, con
         // the base slots resident and locked at load, as the whole slabs are without borrowing
         vm.locked = b->lock_base(vm) && (!vm.host || vm.host->locked());
     }
+    b->fault_borrowed(vm);
+}
+
+void vis_moe_borrow::fault_borrowed(vis_moe_context & vm) {
+    // Now, right after the slabs are made, the memory cgroup still has room: the pages come whole from the kernel's
+    // free lists.  Faulted later, at the limit, they are pages its reclaim frees one at a time, and O_DIRECT reads
+    // into such scattered pages were measured slower (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered).
+    // Nothing else is resident yet (the compute buffer is reserved, not written); the first ubatch drops the ones it
+    // cannot hold (ubatch_prepare).
+    for (const auto & L : vm.layers) {
+        for (const ggml_tensor * t : L.slab) {
+            if (L.managed && t && t->data && ggml_backend_buffer_is_host(t->buffer) && L.slots.n_active() < L.n_slots) {
+                const size_t from = (size_t) L.slots.n_active() * t->nb[2];
+                std::memset((uint8_t *) t->data + from, 0, (size_t) L.n_slots * t->nb[2] - from);
+                faulted_bytes += (int64_t) ((size_t) L.n_slots * t->nb[2] - from);
+            }
+        }
+    }
+    idle_resident = faulted_bytes > 0;
 }

@@ -74,6 +74,8 @@ public:
     void limit_all(vis_moe_context & vm, int slots);
     // lock each managed layer's slots below its share of base (host slabs); false if a lock failed
     bool lock_base(vis_moe_context & vm) const;
+    // fault the slots above the limit too, at attach (the first ubatch drops those it cannot hold)
+    void fault_borrowed(vis_moe_context & vm);
 
     int active = 0;  // the slots per layer the running ubatch may use
 
@@ -96,6 +98,8 @@ private:
     int64_t need        = 0;      // compute bytes the running ubatch may hold
     int64_t n_full = 0, n_mid = 0, full_sum = 0, mid_sum = 0;  // ubatches of <= SMALL tokens and larger, their slots
     int64_t n_released = 0, bytes_released = 0;  // compute buffer pages dropped
+    int64_t faulted_bytes = 0;    // slots above the limit faulted at attach
+    bool    idle_resident = false;  // ... and not yet dropped or used (until the first ubatch)
 };
 
 // why borrowing cannot run with these settings and this attach plan (a GPU, --moe-slots, another controller of the
