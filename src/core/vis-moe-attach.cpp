@@ -306,7 +306,7 @@ vis_owned<vis_moe_context> attach(const llama_context * lctx, const llama_model 
     if (ap.borrow_base_slots > 0 && !hp.no_alloc && vm->n_managed > 0) {
         // its base slots faulted and locked now, before the resident weights fill the memory cgroup: memory faulted
         // at the limit is pages its reclaim frees one by one, and O_DIRECT reads into them were measured slower
-        // (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered)
+        // (docs/planning.md#stop-42-the-borrowed-slots-pages-were-physically-scattered-found-and-fixed)
         vis_moe_borrow_attach(*vm, lctx, model, ap.borrow_base_slots, ap.n_slots, lctx ? (int64_t) lctx->n_ubatch() : 512,
                               ap.per_slot, ap.pageable, s.tier.mlock != 0);
         locked = vm->locked;

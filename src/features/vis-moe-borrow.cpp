@@ -3,6 +3,7 @@
 #include "vis-moe-attach-plan.h"
 #include "vis-moe-context.h"
 #include "vis-moe-host-cache.h"
+#include "vis-moe-reserve.h"
 #include "vis-moe-settings.h"
 #include "vis-pages.h"
 #include "llama-vis-paging.h"
@@ -31,13 +32,36 @@ vis_moe_borrow::vis_moe_borrow(const llama_context * lctx, const plan & p)
     : lctx(lctx), p(p), compute_asked(compute_at(p, p.n_ubatch)), compute_small(compute_at(p, SMALL)) {}
 
 void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
+    int managed = 0;
     for (int il = 0; il < (int) vm.layers.size(); ++il) {
         vis_moe_layer & L = vm.layers[il];
         if (L.managed) {
-            vm.limit_slots(il, L.share(slots, p.full));
+            int n = L.share(slots, p.full);
+            if (managed++ < n_capped) {
+                n = std::min(n, std::max(L.share(p.base, p.full), L.n_slots - 1));
+            }
+            vm.limit_slots(il, n);
         }
     }
     active = slots;
+}
+
+void vis_moe_borrow::fit_measured(const vis_moe_context & vm) {
+    // Before each ubatch: the plan's parts are estimates, and the slabs were planned with a margin for their error
+    // (VIS_MOE_RESERVE_BORROW).  Where the process holds more than the budget less the kernel's headroom anyway,
+    // the top slot of as many layers as that takes goes (a backstop: the margin was enough in every run measured).
+    llama_vis_mem_info mi;
+    if (vm.plan_budget <= 0 || llama_vis_mem_probe(&mi) != 0 || mi.rss <= 0) {
+        return;
+    }
+    const int64_t o = mi.rss - (vm.plan_budget - VIS_MOE_RESERVE_KERNEL);
+    const int64_t slot = p.row_bytes / std::max(1, vm.n_managed);
+    if (o > 0 && slot > 0 && n_capped < vm.n_managed) {
+        // never given back: the next ubatch's limits drop the pages of these layers' top slots
+        over += o;
+        n_capped = (int) std::min<int64_t>(vm.n_managed, n_capped + (o + slot - 1) / slot);
+        capped_now = true;
+    }
 }
 
 bool vis_moe_borrow::lock_base(vis_moe_context & vm) const {
@@ -71,6 +95,7 @@ bool vis_moe_borrow::compute_is_current() const {
 }
 
 void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & ub) {
+    fit_measured(vm);  // what the process holds, measured: the plan's parts are estimates
     const int64_t n = ub.n_tokens;
     const int64_t R = sched_size(nullptr);
     const bool current = compute_is_current();
@@ -110,7 +135,8 @@ void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & u
         mid_sum += slots;
     }
     ran_small = n <= SMALL;
-    if (slots != active) {
+    if (slots != active || capped_now) {
+        capped_now = false;
         limit_all(vm, slots);  // a lower limit drops its slots' pages before the graph writes the compute buffer
     }
     if (idle_resident) {
@@ -156,6 +182,10 @@ void vis_moe_borrow::stats_print(const vis_moe_context & vm) const {
                  p.n_ubatch, p.base, p.full, n_full, SMALL, n_full > 0 ? full_sum / (double) n_full : 0.0, n_released,
                  small_bytes / 1048576.0, n_mid, n_mid > 0 ? mid_sum / (double) n_mid : 0.0,
                  std::max<int64_t>(0, sched_size(nullptr)) / 1048576.0, compute_asked / 1048576.0, scale);
+    if (n_capped > 0) {
+        std::fprintf(stderr, "vis-moe: borrowed slots: %d layers hold one slot fewer: the process held %.1f MiB "
+                             "more than the budget less the kernel's headroom allows, measured\n", n_capped, over / 1048576.0);
+    }
 }
 
 const char * vis_moe_borrow_off_reason(const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
@@ -194,7 +224,8 @@ std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_setting
         return std::string("; VIS_MOE_BORROW: off (") + off + ")";
     }
     // the same request at a ubatch of SMALL tokens
-    const llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
+    llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
+    r2.reserve_bytes += VIS_MOE_RESERVE_BORROW;  // the slack the asked ubatch's estimate had (vis-moe-reserve.h)
     struct llama_vis_moe_plan p2;
     if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
         return "; VIS_MOE_BORROW: off (no plan at a small ubatch)";
@@ -248,7 +279,7 @@ void vis_moe_borrow_attach(vis_moe_context & vm, const llama_context * lctx, con
 void vis_moe_borrow::fault_borrowed(vis_moe_context & vm) {
     // Now, right after the slabs are made, the memory cgroup still has room: the pages come whole from the kernel's
     // free lists.  Faulted later, at the limit, they are pages its reclaim frees one at a time, and O_DIRECT reads
-    // into such scattered pages were measured slower (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered).
+    // into such scattered pages were measured slower (docs/planning.md#stop-42-the-borrowed-slots-pages-were-physically-scattered-found-and-fixed).
     // Nothing else is resident yet (the compute buffer is reserved, not written); the first ubatch drops the ones it
     // cannot hold (ubatch_prepare).
     for (const auto & L : vm.layers) {

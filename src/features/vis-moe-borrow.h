@@ -27,10 +27,16 @@
 // dropped compute pages read back as zeros and are written before they are read.  What is computed never changes,
 // only what is resident.
 //
-// Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked right
-// after the slabs are made, as the whole slabs are without borrowing; the slots above stay unlocked (locking would
-// make them resident).  They are faulted when a small ubatch first uses them, at the cgroup's limit, into scattered
-// pages that the disk reads into slower: why the knob is off (docs/planning.md#found-stop-42-the-borrowed-slots-pages-are-physically-scattered).
+// Residency.  Every slot is faulted right after the slabs are made (fault_borrowed), while a memory cgroup still has
+// room: pages faulted later, at its limit, are the ones its reclaim frees one at a time, and O_DIRECT reads into
+// such scattered pages were measured slower (docs/planning.md#stop-42-the-borrowed-slots-pages-were-physically-scattered-found-and-fixed).
+// The first ubatch drops those it cannot hold.  The slabs are planned with VIS_MOE_RESERVE_BORROW more reserve
+// (borrowing spends the slack of the compute estimate that hid the plan's own error), and before each ubatch the
+// process's RSS is measured: where it holds more than the budget less the kernel's headroom, the top slot of as many
+// layers as that takes goes (fit_measured).
+//
+// Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked, as the
+// whole slabs are without borrowing; the slots above stay unlocked (a lower limit drops their pages).
 #pragma once
 
 #include "vis-moe-feature.h"
@@ -76,6 +82,9 @@ public:
     bool lock_base(vis_moe_context & vm) const;
     // fault the slots above the limit too, at attach (the first ubatch drops those it cannot hold)
     void fault_borrowed(vis_moe_context & vm);
+    // before each ubatch: the layers whose top slot must go for what the process holds, measured, to keep the
+    // kernel's headroom of the budget (n_capped; a backstop behind VIS_MOE_RESERVE_BORROW)
+    void fit_measured(const vis_moe_context & vm);
 
     int active = 0;  // the slots per layer the running ubatch may use
 
@@ -100,6 +109,9 @@ private:
     int64_t n_released = 0, bytes_released = 0;  // compute buffer pages dropped
     int64_t faulted_bytes = 0;    // slots above the limit faulted at attach
     bool    idle_resident = false;  // ... and not yet dropped or used (until the first ubatch)
+    int     n_capped = 0;         // the first n_capped managed layers hold one slot fewer than their share (fit_measured)
+    int64_t over     = 0;         // the bytes over the budget measured then
+    bool    capped_now = false;   // n_capped grew: the limits are set again
 };
 
 // why borrowing cannot run with these settings and this attach plan (a GPU, --moe-slots, another controller of the
