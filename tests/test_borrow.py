@@ -6,6 +6,7 @@ them, a larger ubatch runs the asked ubatch's slots plus what upstream's real co
   greedy steps, a second prompt chunk (the limit falls again) and more greedy steps equals upstream's at the same
   ubatch, bit for bit; and the feature is not a no-op: at the same budget it holds more slots and its greedy steps
   read fewer bytes than the plan without it;
+- the measured backstop: a process holding more than the plan says gives up slots (reads more, same logits);
 - residency: the load makes every slot of the slabs resident (faulted later, at a cgroup's limit, they would be
   scattered pages that reads into are slower);
 - memory: llama-cli with it inside a memory cgroup of the budget finishes with its peak inside the limit and prints
@@ -15,7 +16,11 @@ them, a larger ubatch runs the asked ubatch's slots plus what upstream's real co
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +32,7 @@ from conftest import MEDIUM, run
 from test_paging import memory_cgroup
 
 MIB = 1 << 20
+TESTS = Path(__file__).resolve().parent
 BUDGET = 194  # MiB: the medium fixture at -c 256 gets 2 slots + 1 in 3 layers at -ub 256 (below top-4), far more at -ub 16
 KW = dict(n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, n_threads=2, verbose=False, seed=1)
 WORDS = "the expert cache keeps some experts of every layer resident and reads the others from the file".split()
@@ -92,6 +98,44 @@ def test_the_borrowed_slots_are_faulted_at_load(medium_model, monkeypatch):
     more = (slots["on"] - slots["off"]) * expert           # the slabs' slots beyond the plan's, all resident
     assert more > 8 * MIB, slots
     assert grew["on"] - grew["off"] > more // 2, (grew, slots, more)
+
+
+BACKSTOP = """
+import os, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from pyvis import moe
+ballast = np.ones({ballast} << 20, dtype=np.uint8)      # memory of the process's own, touched: not in the plan
+llm = moe.load({model!r}, moe.MoeConfig(mem={budget}), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True,
+               n_threads=2, verbose=False, seed=1)
+llm.eval(llm.tokenize(b" " + {prompt!r}.encode(), add_bos=True))
+before = moe.io_stats(llm)["bytes_read"]
+for _ in range(32):
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+np.save({out!r}, np.array(llm.scores[: llm.n_tokens]))
+print("READ", moe.io_stats(llm)["bytes_read"] - before, flush=True)
+"""
+
+
+def test_the_measured_backstop_gives_up_slots_when_the_process_holds_more(medium_model, tmp_path):
+    """Before each ubatch the process's RSS is measured; where it is over the budget less the kernel's headroom (here:
+    300 MiB of the process's own), the top slot of the layers goes: the decode steps read more than the same run
+    without that memory, compute the same logits, and the stats line says why.  Fails if the backstop were a no-op
+    (the reads would be equal)."""
+    got = {}
+    for ballast in (0, 300):
+        out = tmp_path / f"logits-{ballast}.npy"
+        code = BACKSTOP.format(tests=str(TESTS), ballast=ballast, model=str(medium_model), budget=BUDGET,
+                               prompt="the expert cache keeps some experts of every layer resident", out=str(out))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "VIS_MOE_BORROW": "on", "VIS_MOE_STATS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[ballast] = (int(re.search(r"READ (\d+)", r.stdout)[1]), np.load(out), r.stderr)
+    (r0, l0, e0), (r1, l1, e1) = got[0], got[300]
+    assert "hold one slot fewer" not in e0, e0[-1500:]
+    assert re.search(r"borrowed slots: \d+ layers hold one slot fewer", e1), e1[-1500:]
+    assert r1 > r0, (r0, r1)
+    assert np.array_equal(l0.view(np.uint32), l1.view(np.uint32))
 
 
 def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, medium_model):
