@@ -137,7 +137,7 @@ bool vis_moe_create_slabs(const llama_model & model, const vis_moe_settings & s,
         }
         // the staging slot (if any) and the padding hold finite zeros; with the online controller the slabs are
         // made for its most slots and only the active ones become resident: their pages are dropped, not written
-        // (the encoder release and borrowed slots alike)
+        // (the encoder release alike; borrowed slots fault every slot right after, vis_moe_borrow_attach)
         const bool limited = ap.online_min_slots > 0 || ap.encoder_held_slots > 0 || ap.borrow_base_slots > 0;
         if (limited) {
             vis_buffer_clear_lazy(buf);

@@ -50,11 +50,11 @@ void vis_moe_borrow::fit_measured(const vis_moe_context & vm) {
     // Before each ubatch: the plan's parts are estimates, and the slabs were planned with a margin for their error
     // (VIS_MOE_RESERVE_BORROW).  Where the process holds more than the budget less the kernel's headroom anyway,
     // the top slot of as many layers as that takes goes (a backstop: the margin was enough in every run measured).
-    llama_vis_mem_info mi;
-    if (vm.plan_budget <= 0 || llama_vis_mem_probe(&mi) != 0 || mi.rss <= 0) {
+    const int64_t rss = vm.plan_budget > 0 ? vis_process_rss() : -1;  // one read of /proc/self/statm: every ubatch
+    if (rss <= 0) {
         return;
     }
-    const int64_t o = mi.rss - (vm.plan_budget - VIS_MOE_RESERVE_KERNEL);
+    const int64_t o = rss - (vm.plan_budget - VIS_MOE_RESERVE_KERNEL);
     const int64_t slot = p.row_bytes / std::max(1, vm.n_managed);
     if (o > 0 && slot > 0 && n_capped < vm.n_managed) {
         // never given back: the next ubatch's limits drop the pages of these layers' top slots
@@ -144,7 +144,10 @@ void vis_moe_borrow::ubatch_prepare(vis_moe_context & vm, const llama_ubatch & u
         idle_resident = false;
         for (int il = 0; il < (int) vm.layers.size(); ++il) {
             const vis_moe_layer & L = vm.layers[il];
-            for (int s = L.managed ? L.slots.n_active() : L.n_slots; s < L.n_slots; ++s) {
+            if (!L.managed) {
+                continue;
+            }
+            for (int s = L.slots.n_active(); s < L.n_slots; ++s) {
                 vm.drop_slot_pages(il, s);
             }
         }
@@ -287,9 +290,8 @@ void vis_moe_borrow::fault_borrowed(vis_moe_context & vm) {
             if (L.managed && t && t->data && ggml_backend_buffer_is_host(t->buffer) && L.slots.n_active() < L.n_slots) {
                 const size_t from = (size_t) L.slots.n_active() * t->nb[2];
                 std::memset((uint8_t *) t->data + from, 0, (size_t) L.n_slots * t->nb[2] - from);
-                faulted_bytes += (int64_t) ((size_t) L.n_slots * t->nb[2] - from);
+                idle_resident = true;
             }
         }
     }
-    idle_resident = faulted_bytes > 0;
 }

@@ -107,8 +107,7 @@ private:
     int64_t need        = 0;      // compute bytes the running ubatch may hold
     int64_t n_full = 0, n_mid = 0, full_sum = 0, mid_sum = 0;  // ubatches of <= SMALL tokens and larger, their slots
     int64_t n_released = 0, bytes_released = 0;  // compute buffer pages dropped
-    int64_t faulted_bytes = 0;    // slots above the limit faulted at attach
-    bool    idle_resident = false;  // ... and not yet dropped or used (until the first ubatch)
+    bool    idle_resident = false;  // slots above the limit were faulted at attach, not yet dropped or used
     int     n_capped = 0;         // the first n_capped managed layers hold one slot fewer than their share (fit_measured)
     int64_t over     = 0;         // the bytes over the budget measured then
     bool    capped_now = false;   // n_capped grew: the limits are set again

@@ -4,6 +4,7 @@
 #include "llama-vis.h"
 #include "vis-error.h"
 #include "vis-moe-reserve.h"
+#include "vis-pages.h"
 
 #include <algorithm>
 #include <cmath>
@@ -184,7 +185,7 @@ int32_t llama_vis_mem_probe(struct llama_vis_mem_info * out) {
     m.zram_bytes    = zram_used();
     probe_cgroup(m);
     const std::string st = slurp("/proc/self/status");
-    m.rss      = meminfo_kib(st, "VmRSS");
+    m.rss      = vis_process_rss();  // VmRSS
     m.rss_peak = meminfo_kib(st, "VmHWM");
     rusage ru = {};
     getrusage(RUSAGE_SELF, &ru);

@@ -1,6 +1,7 @@
 // vis-pages.cpp - giving pages of host memory back to the kernel (vis-pages.h).
 #include "vis-pages.h"
 
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -61,4 +62,15 @@ int64_t vis_resident_bytes(const void * p, size_t n) {
         r += c & 1;
     }
     return r * (int64_t) page;
+}
+
+int64_t vis_process_rss() {
+    FILE * f = std::fopen("/proc/self/statm", "r");
+    if (!f) {
+        return -1;
+    }
+    long long size = 0, resident = -1;
+    const int got = std::fscanf(f, "%lld %lld", &size, &resident);
+    std::fclose(f);
+    return got == 2 && resident >= 0 ? (int64_t) resident * (int64_t) sysconf(_SC_PAGESIZE) : -1;
 }
