@@ -273,8 +273,9 @@ void vis_moe_borrow_attach(vis_moe_context & vm, const llama_context * lctx, con
     }
     b->limit_all(vm, p.base);  // nothing is resident yet: the slabs were cleared lazily
     if (lock) {
-        // the base slots resident and locked at load, as the whole slabs are without borrowing
-        vm.locked = b->lock_base(vm) && (!vm.host || vm.host->locked());
+        // the base slots resident and locked at load, as the whole slabs are without borrowing (the host cache, made
+        // after this, adds its own lock to vm.locked)
+        vm.locked = b->lock_base(vm);
     }
     b->fault_borrowed(vm);
 }
