@@ -179,14 +179,13 @@ def test_the_knob_is_parsed_strictly(bindir, medium_model):
 def test_the_configurator_prices_the_borrowed_slots():
     """With borrowing, every candidate ubatch decodes on the slots of the 16-token plan, so the configurator no longer
     lowers -ub for decode slots (tests/test_planning.py's request, where without it -ub 512 leaves one slot per
-    layer and a smaller ubatch wins); its predicted decode is the 16-token plan's, with the runtime's margin."""
+    layer and a smaller ubatch wins); its predicted decode is the 16-token plan's."""
     from pyvis.runtime import native
     from test_planning import COST, REQ, SHAPE
     plain = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST)
     borrowed = native.configure(REQ, **SHAPE, n_ubatch=512, cost=COST, borrow=True)
-    # the 16-token plan with the runtime's margin for the plan's own error (VIS_MOE_RESERVE_BORROW: 28 MiB)
-    small = native.configure({**REQ, "budget": REQ["budget"] - 28 * MIB}, **SHAPE, n_ubatch=16, n_ubatch_min=16,
-                             cost=COST)
+    # the 16-token plan
+    small = native.configure(REQ, **SHAPE, n_ubatch=16, n_ubatch_min=16, cost=COST)
     assert plain["ok"] and plain["n_ubatch"] < 512 and plain["asked_n_slots"] == 1
     assert borrowed["ok"] and borrowed["n_ubatch"] > plain["n_ubatch"]
     assert borrowed["decode_tps"] == pytest.approx(small["decode_tps"])

@@ -13,9 +13,3 @@ constexpr int64_t VIS_MOE_RESERVE_RUNTIME = 68ll << 20;
 // faulted file pages back in for minutes (266k-340k major faults); planned 36 MiB short of the limit it ran in 30 s
 // (8 faults).  These are the pages a plan's pageable resident weights live in (docs/planning.md#cost-model)
 constexpr int64_t VIS_MOE_RESERVE_KERNEL = 28ll << 20;
-// borrowed slots (VIS_MOE_BORROW) plan their slabs with this much more reserve: the asked ubatch's compute estimate
-// (147 MiB on the 48-layer model at -ub 512, 72 allocated) hides the other parts' error, and borrowing spends that
-// slack.  Without it the 48-layer model at 12.5 %, -c 4096 held 2070 MiB of a 2078 MiB budget and faulted its mapped
-// pages back in 39-45k times (decode 1.5-1.6 tok/s against 3.4 without borrowing); at -c 1024 it held 2057
-// (docs/planning.md#borrowed-slots)
-constexpr int64_t VIS_MOE_RESERVE_BORROW = 28ll << 20;

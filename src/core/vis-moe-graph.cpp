@@ -31,10 +31,18 @@ uint32_t vis_moe_extra_nodes(const vis_moe_context * vm, uint32_t n_tokens) {
             continue;
         }
         const int64_t pairs = (int64_t) vm->n_expert_used * n_tokens;
-        // the most passes any graph may build: at the online controller's lowest limit (vis-moe-online.h), plus the
-        // miss passes a one-pass ubatch may get (VIS_MOE_OVERLAP)
-        const int passes = vis_moe_max_passes(L.n_expert, pairs, L.min_active > 0 ? L.min_active : L.n_slots) +
-                           vis_moe_shadow_passes(*vm, L, pairs, false) + vm->overlap;
+        // the most passes any graph may build: at the online controller's lowest limit (vis-moe-online.h), or one
+        // pass and the miss passes VIS_MOE_OVERLAP gives a one-pass ubatch.  A ubatch that needs more than
+        // --moe-stream-passes streams a layer that can stream, in one pass (vis_moe_streams), except an image ubatch
+        // under a pass bound (--moe-capacity), which never streams.  The scheduler's allocations are sized by this
+        // capacity (about 0.85 KiB resident per node): on the 48-layer model at 3 slots and -ub 512, reserving all 43
+        // passes of graphs that stream held 46 MiB more (docs/planning.md#the-schedulers-node-capacity)
+        const int full   = vis_moe_max_passes(L.n_expert, pairs, L.min_active > 0 ? L.min_active : L.n_slots);
+        const int text   = vm->stream_passes > 0 && L.can_stream() ? std::min(full, vm->stream_passes) : full;
+        const int bound  = vm->image_pass_bound(L);
+        const int image  = bound > 0 ? std::min(full, bound) : text;
+        const int overlap = vm->overlap > 0 ? 1 + vm->overlap : 0;
+        const int passes  = std::max({ text, image, overlap }) + vis_moe_shadow_passes(*vm, L, pairs, false);
         extra += 32u * passes + 16u;  // per pass: the slot op and a copy of upstream's expert nodes
     }
     return extra;

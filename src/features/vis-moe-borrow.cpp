@@ -38,7 +38,9 @@ void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
         if (L.managed) {
             int n = L.share(slots, p.full);
             if (managed++ < n_capped) {
-                n = std::min(n, std::max(L.share(p.base, p.full), L.n_slots - 1));
+                // one slot fewer than this ubatch would give it (the slabs' top slot is above a decode step's limit
+                // where small ubatches were measured to leave more than the estimate), never below the base
+                n = std::max(L.share(p.base, p.full), n - 1);
             }
             vm.limit_slots(il, n);
         }
@@ -47,9 +49,9 @@ void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
 }
 
 void vis_moe_borrow::fit_measured(const vis_moe_context & vm) {
-    // Before each ubatch: the plan's parts are estimates, and the slabs were planned with a margin for their error
-    // (VIS_MOE_RESERVE_BORROW).  Where the process holds more than the budget less the kernel's headroom anyway,
-    // the top slot of as many layers as that takes goes (a backstop: the margin was enough in every run measured).
+    // Before each ubatch: the plan's parts are estimates.  Where the process holds more than the budget less the
+    // kernel's headroom anyway, the top slot of as many layers as that takes goes (a backstop: since the graph's node
+    // capacity stopped growing as slots fall, the plan was enough in every run measured: docs/planning.md#borrowed-slots).
     const int64_t rss = vm.plan_budget > 0 ? vis_process_rss() : -1;  // one read of /proc/self/statm: every ubatch
     if (rss <= 0) {
         return;
@@ -228,7 +230,6 @@ std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_setting
     }
     // the same request at a ubatch of SMALL tokens
     llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
-    r2.reserve_bytes += VIS_MOE_RESERVE_BORROW;  // the slack the asked ubatch's estimate had (vis-moe-reserve.h)
     struct llama_vis_moe_plan p2;
     if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
         return "; VIS_MOE_BORROW: off (no plan at a small ubatch)";

@@ -30,10 +30,8 @@
 // Residency.  Every slot is faulted right after the slabs are made (fault_borrowed), while a memory cgroup still has
 // room: pages faulted later, at its limit, are the ones its reclaim frees one at a time, and O_DIRECT reads into
 // such scattered pages were measured slower (docs/planning.md#stop-42-the-borrowed-slots-pages-were-physically-scattered-found-and-fixed).
-// The first ubatch drops those it cannot hold.  The slabs are planned with VIS_MOE_RESERVE_BORROW more reserve
-// (borrowing spends the slack of the compute estimate that hid the plan's own error), and before each ubatch the
-// process's RSS is measured: where it holds more than the budget less the kernel's headroom, the top slot of as many
-// layers as that takes goes (fit_measured).
+// The first ubatch drops those it cannot hold.  Before each ubatch the process's RSS is measured: where it holds more
+// than the budget less the kernel's headroom, the top slot of as many layers as that takes goes (fit_measured).
 //
 // Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked, as the
 // whole slabs are without borrowing; the slots above stay unlocked (a lower limit drops their pages).
@@ -83,7 +81,7 @@ public:
     // fault the slots above the limit too, at attach (the first ubatch drops those it cannot hold)
     void fault_borrowed(vis_moe_context & vm);
     // before each ubatch: the layers whose top slot must go for what the process holds, measured, to keep the
-    // kernel's headroom of the budget (n_capped; a backstop behind VIS_MOE_RESERVE_BORROW)
+    // kernel's headroom of the budget (n_capped; a backstop behind the plan)
     void fit_measured(const vis_moe_context & vm);
 
     int active = 0;  // the slots per layer the running ubatch may use

@@ -250,8 +250,7 @@ int32_t llama_vis_moe_configure(const struct llama_vis_moe_configure_request * r
     bool borrow = false;
     if (rq.borrow) {
         pr_small.reserve_bytes = llama_vis_moe_estimate_reserve(rq.n_ubatch_min, rq.n_vocab, rq.n_embd,
-                                                                rq.plan.n_expert_used, rq.n_ff_exp) +
-                                 VIS_MOE_RESERVE_BORROW;  // the runtime's margin (vis_moe_borrow_plan)
+                                                                rq.plan.n_expert_used, rq.n_ff_exp);
         borrow = llama_vis_moe_plan(&pr_small, &p_small) == 0 && p_small.ok && p_small.pageable_bytes == 0;
         vis_clear_last_error();
     }
