@@ -1,6 +1,7 @@
-"""Borrowed slots (VIS_MOE_BORROW=on; src/features/vis-moe-borrow.h, docs/planning.md#borrowed-slots): the slabs are
-made for the slots the --moe-mem plan gives at the compute estimate of a 16-token ubatch; a decode step runs all of
-them, a larger ubatch runs the asked ubatch's slots plus what upstream's real compute buffer leaves of its estimate.
+"""Borrowed slots (VIS_MOE_BORROW, on by default since stop 43; src/features/vis-moe-borrow.h,
+docs/planning.md#borrowed-slots): the slabs are made for the slots the --moe-mem plan gives at the compute estimate
+of a 16-token ubatch; a decode step runs all of them, a larger ubatch runs the asked ubatch's slots plus what
+upstream's real compute buffer leaves of its estimate.  `pyvis plan` names the borrowed slabs the runtime holds.
 
 - outputs: on the medium fixture (Q8_0: upstream's own logits differ between ubatch sizes) every logit of a prompt,
   greedy steps, a second prompt chunk (the limit falls again) and more greedy steps equals upstream's at the same
@@ -65,14 +66,40 @@ def test_borrowed_slots_compute_upstreams_logits_and_read_less(medium_model, mon
     ref, _, _ = _run(medium_model)
     assert ref.shape[0] > 2 * 16 + 16                          # two chunks longer than a small ubatch
     got = {}
-    for arm in ("off", "on"):
-        monkeypatch.setenv("VIS_MOE_BORROW", arm)
+    for arm in ("off", "on", None):                            # None: unset, the default (auto)
+        if arm is None:
+            monkeypatch.delenv("VIS_MOE_BORROW", raising=False)
+        else:
+            monkeypatch.setenv("VIS_MOE_BORROW", arm)
         got[arm] = _run(medium_model, mem=BUDGET)
         assert np.array_equal(got[arm][0].view(np.uint32), ref.view(np.uint32)), arm
-    (_, s_off, r_off), (_, s_on, r_on) = got["off"], got["on"]
+    (_, s_off, r_off), (_, s_on, r_on), (_, s_auto, r_auto) = got["off"], got["on"], got[None]
     assert s_off and s_on and min(s_on) > max(s_off), (s_off, s_on)  # the slabs hold more slots ...
     assert max(s_off) < MEDIUM.n_expert
     assert r_on < r_off, (r_on, r_off)                         # ... and the decode steps read less
+    assert s_auto == s_on and r_auto == r_on                   # on by default
+
+
+def test_pyvis_plan_names_the_slots_the_runtime_borrows(medium_model, monkeypatch):
+    """`pyvis plan` prints the borrowed slabs (the plan at a 16-token ubatch) where they apply, and the runtime's slabs
+    hold exactly those per-layer counts; VIS_MOE_BORROW=off: none, and the runtime holds the plan's."""
+    from pyvis.runtime import plan as vplan
+    shape = vplan.read_shape(medium_model)
+    held = {}
+    for arm in ("auto", "off"):
+        monkeypatch.setenv("VIS_MOE_BORROW", arm)
+        p = vplan.make_plan(shape, budget_mib=BUDGET, n_ctx=KW["n_ctx"], n_ubatch=KW["n_ubatch"], gpu=False)
+        q = p["borrow"] if arm == "auto" else p
+        assert (p["borrow"] is None) == (arm == "off"), p["borrow"]
+        from pyvis.runtime import slot_split
+        want = list(slot_split.for_plan(shape, q, None).values()) or [q["n_slots"]] * q["managed_layers"]
+        llm = moe.load(medium_model, moe.MoeConfig(mem=BUDGET), **KW)
+        got = [moe.layer_stats(llm, il).n_slots for il in range(MEDIUM.n_layer)
+               if moe.layer_stats(llm, il) and moe.layer_stats(llm, il).managed]
+        del llm
+        assert got == want, (arm, got, want)
+        held[arm] = got
+    assert min(held["auto"]) > max(held["off"]), held
 
 
 def _rss() -> int:
@@ -162,12 +189,14 @@ def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, med
 @pytest.mark.parametrize("extra,why", [(["--moe-slots", "3"], "--moe-slots fixes the slots"),
                                        (["-ub", "16"], "the ubatch is already small")])
 def test_where_it_cannot_run_it_says_why(bindir, medium_model, extra, why):
-    r = run([bindir / "llama-cli", "-m", medium_model, "-p", CHUNK1, "-n", "2", "-st", "-t", "2", "--temp", "0",
-             "-c", "256", "--moe-mem", str(BUDGET), "-v", *extra], timeout=300, extra_env={"VIS_MOE_BORROW": "on"})
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-2000:]
-    assert f"VIS_MOE_BORROW: off ({why})" in out, out[-2000:]
-    assert "borrowed slots:" not in out
+    """on: the plan line says why it does not apply; auto (the default): it says nothing."""
+    for arm in ("on", "auto"):
+        r = run([bindir / "llama-cli", "-m", medium_model, "-p", CHUNK1, "-n", "2", "-st", "-t", "2", "--temp", "0",
+                 "-c", "256", "--moe-mem", str(BUDGET), "-v", *extra], timeout=300, extra_env={"VIS_MOE_BORROW": arm})
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-2000:]
+        assert (f"VIS_MOE_BORROW: off ({why})" in out) == (arm == "on"), out[-2000:]
+        assert "borrowed slots:" not in out and "VIS_MOE_BORROW: slabs" not in out
 
 
 def test_the_knob_is_parsed_strictly(bindir, medium_model):

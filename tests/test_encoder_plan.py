@@ -57,9 +57,11 @@ def _slots(stderr: str) -> set[int]:
 
 
 def _planned(p: dict) -> set[int]:
-    """The slot counts `pyvis plan` gives the managed layers: the even count, and + 1 where the bytes left after
-    whole rows give some layers one more (tests/test_extra_slots.py)."""
-    return set(p["plan"]["layer_slots"].values()) or {p["plan"]["n_slots"]}
+    """The slot counts `pyvis plan` gives the managed layers' slabs: the even count, and + 1 where the bytes left after
+    whole rows give some layers one more (tests/test_extra_slots.py); the plan at a 16-token ubatch where borrowed
+    slots (on by default) apply (tests/test_borrow.py)."""
+    q = p["plan"].get("borrow") or p["plan"]
+    return set(q["layer_slots"].values()) or {q["n_slots"]}
 
 
 def _plan(model, *extra, budget=BUDGET) -> dict:

@@ -41,7 +41,8 @@ def vlm(fixture_dir, tmp_path_factory) -> dict:
 
 
 def _mtmd(bindir, v, image, *extra, release=None, wrap=lambda c: c):
-    env = {"VIS_MOE_CONFIGURE": "off"}
+    # the plain plan (borrowed slots, on by default, turn off under the release; tests/test_borrow.py)
+    env = {"VIS_MOE_CONFIGURE": "off", "VIS_MOE_BORROW": "off"}
     if release is not None:
         env["VIS_MOE_ENCODER_RELEASE"] = release
     return run(wrap([bindir / "llama-mtmd-cli", "-m", v["model"], "--mmproj", v["mmproj"], "--image", image, *CLI,

@@ -26,6 +26,13 @@ from conftest import MEDIUM, greedy_logits, run
 
 PROMPT = "The bytes a plan leaves after whole slot rows buy one more slot in some layers; the output must not change."
 N_DECODE = 16
+@pytest.fixture(autouse=True)
+def _plain_plan(monkeypatch):
+    """The plan's slots in every ubatch: borrowed slots (VIS_MOE_BORROW, on by default) grow the slabs to the plan at
+    a 16-token ubatch (tests/test_borrow.py), and --moe-slots, the A/B below, turns them off."""
+    monkeypatch.setenv("VIS_MOE_BORROW", "off")
+
+
 # MiB: the medium fixture (4 layers x 128 experts of 0.8 MiB, top-4) gets 2 slots + 1 in 3 layers (below top-k: decode
 # steps in passes) and 4 slots + 1 in 2 layers
 BUDGETS = (194, 200)

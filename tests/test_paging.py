@@ -336,9 +336,9 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
-def _generate_under_cgroup(bindir, model, limit: int) -> str:
-    """llama-cli with --moe-mem auto inside a memory cgroup of `limit` bytes: it finishes, the cgroup's peak stays
-    within the limit, and the text is the fully resident one.  Returns the run's output."""
+def _generate_under_cgroup(bindir, model, limit: int, env: dict | None = None) -> str:
+    """llama-cli with --moe-mem auto inside a memory cgroup of `limit` bytes (and `env`): it finishes, the cgroup's peak
+    stays within the limit, and the text is the fully resident one.  Returns the run's output."""
     import tempfile
     from pyvis.runtime import trace as vtrace
     args = ["-m", model, "-p", "Experts under a memory limit", "-n", "12", "-st", "-c", "256", "-t", "2",
@@ -349,7 +349,7 @@ def _generate_under_cgroup(bindir, model, limit: int) -> str:
         assert ref.returncode == 0, ref.stderr[-2000:]
         with memory_cgroup(limit) as (wrap, peak):
             r = run(wrap([bindir / "llama-cli", *args, "--moe-mem", "auto", "--moe-stats", "--moe-trace", trs[1]]),
-                    timeout=600)
+                    timeout=600, extra_env=env)
             used = peak()
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-3000:]
@@ -389,7 +389,8 @@ def test_generation_under_a_cgroup_below_top_k_slots(bindir, medium_model):
     limit = base["fixed_bytes"] + 2 * row + row // 2
     p = vplan.make_plan(shape, budget_mib=limit >> 20, n_ctx=256, n_ubatch=64, gpu=False)
     assert p["ok"] and 1 <= p["n_slots"] < k and p["pageable_bytes"] == 0, p
-    out = _generate_under_cgroup(bindir, medium_model, limit)
+    # the plan's slots in every step: borrowed slots (on by default) would give decode steps more
+    out = _generate_under_cgroup(bindir, medium_model, limit, env={"VIS_MOE_BORROW": "off"})
     assert re.search(rf"vis-moe: {p['n_slots']} slots? per layer fit the budget, below the model's top-k \({k}\)", out), out[-3000:]
 
 
@@ -553,9 +554,11 @@ def test_slab_lending_auto_follows_the_plan(bindir, medium_model, tmp_path):
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-2000:]
         return out, r.stdout[r.stdout.find("> " + PROMPT[:20]):r.stdout.find("[ Prompt:")]
-    out, text = cli("--moe-mem", "200", trace=tmp_path / "lend.trace")
+    # the plain plan: borrowed slots (on by default) hold the slab bytes lending would lend
+    plain = {"VIS_MOE_BORROW": "off"}
+    out, text = cli("--moe-mem", "200", env=plain, trace=tmp_path / "lend.trace")
     assert "streamed ubatches lend the slabs" in out and "vis-moe: slab lending:" in out, out[-3000:]
-    _, text_off = cli("--moe-mem", "200", env={"VIS_MOE_STREAM_LEND": "off"}, trace=tmp_path / "keep.trace")
+    _, text_off = cli("--moe-mem", "200", env={**plain, "VIS_MOE_STREAM_LEND": "off"}, trace=tmp_path / "keep.trace")
     assert text == text_off
     # the text repeats a token whatever the layers compute (a tied fixture): the routing shows the same computation
     _same_routing(vtrace.read(tmp_path / "lend.trace"), vtrace.read(tmp_path / "keep.trace"))

@@ -151,6 +151,7 @@ def test_f32_lowered_ubatch_runs_byte_identical_and_as_planned(f32_model, monkey
     """All-F32 weights, --moe-mem 162 at -ub 512 (which does not fit: today's plan refuses): the runtime lowers the
     ubatch (the prompt then runs in several ubatches) and runs; its logits equal upstream's at -ub 512 bit for bit;
     `pyvis plan --json` names the ubatch, slots and reserve the context reports."""
+    monkeypatch.setenv("VIS_MOE_BORROW", "off")  # the configurator without borrowed slots (tests/test_borrow.py)
     from pyvis.runtime.native import VisError
     ref = _logits(f32_model)[0]
     plan = _plan_json(f32_model, 162)
@@ -200,6 +201,7 @@ def test_quantized_weights_keep_the_ubatch_unless_asked(medium_model, monkeypatc
     """Q8_0 weights (the medium fixture), where upstream's outputs differ in the last bits between -ub 64 and 16:
     auto keeps -ub 512 and `pyvis plan` says so; VIS_MOE_CONFIGURE=on lowers it, and the logits are upstream's at the
     chosen -ub, bit for bit."""
+    monkeypatch.setenv("VIS_MOE_BORROW", "off")  # the configurator without borrowed slots (tests/test_borrow.py)
     monkeypatch.setenv("VIS_MOE_PASS_US", PINNED_PASS_US)
     plan = _plan_json(medium_model, 232)
     conf = plan["configuration"]
@@ -228,6 +230,7 @@ def test_pyvis_plan_says_what_llama_cli_does(request, bindir, monkeypatch, model
     """`pyvis plan --json` and llama-cli read the apply rule from one place (llama_vis_moe_configure_applies): on the
     all-F32 fixture auto applies the lowered -ub, on Q8_0 weights auto keeps -ub for the not-F32 reason and `on`
     applies it; pyvis' verdict, 'applied' and advised ubatch are those of llama-cli's configurator line."""
+    monkeypatch.setenv("VIS_MOE_BORROW", "off")  # the configurator without borrowed slots (tests/test_borrow.py)
     path = request.getfixturevalue(model)
     monkeypatch.setenv("VIS_MOE_CONFIGURE", mode)
     monkeypatch.setenv("VIS_MOE_PASS_US", PINNED_PASS_US)

@@ -327,9 +327,11 @@ def test_failed_shadow_read_fails_the_decode(bindir, shadows):
     assert r.returncode != 0 and "injected by VIS_MOE_FAULT_READ" in out and shadow.name in out, out[-2000:]
 
 
-def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path):
+def test_shadow_slots_share_the_memory_plan(medium_model, tmp_path, monkeypatch):
     """Under --moe-mem the shadow slots share the budget: one per full slot (auto), or a fixed number taken off the
-    top, so the runtime's plan gives fewer full slots in the same slab bytes; pyvis plan --shadow does the same."""
+    top, so the runtime's plan gives fewer full slots in the same slab bytes; pyvis plan --shadow does the same.
+    Against the plain plan: borrowed slots (on by default, off with shadow slots) would grow the plain run's slabs."""
+    monkeypatch.setenv("VIS_MOE_BORROW", "off")
     from pyvis.runtime import plan as vplan
     shadow = sh.write_shadow(medium_model, "Q4_0", tmp_path / "m.shadow.gguf", threads=2)["path"]
     shape = vplan.read_shape(medium_model)

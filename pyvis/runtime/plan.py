@@ -252,6 +252,7 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
         if not whole["ok"]:
             p.update(ok=0, min_budget=whole["min_budget"],
                      error=whole["error"] + " (the whole model fits the budget alone, so it was loaded whole)")
+    p["borrow"] = _borrow_plan(shape, p, req, n_ubatch=n_ubatch, gpu=gpu, shadow=bool(shadow_expert))
     if not p["ok"] and search:
         # the largest context this budget holds, in upstream's steps of 256 cells (what the runtime's refusal names)
         kw = dict(budget_mib=budget_mib, n_ubatch=n_ubatch, pinned=-1 if all_pinned else pinned, slots=slots,
@@ -266,6 +267,26 @@ def make_plan(shape: ModelShape, *, budget_mib: int | None = None, n_ctx: int = 
             p["min_budget_smallest_ctx"] = (p["min_budget"] if _ctx_cells(n_ctx) <= CTX_PAD else
                                             make_plan(shape, n_ctx=CTX_PAD, **kw)["min_budget"])
     return p
+
+
+BORROW_SMALL = 16  # the ubatch whose compute estimate the borrowed slots' slabs are planned at (vis_moe_borrow::SMALL)
+
+
+def _borrow_plan(shape: ModelShape, p: dict, req: dict, *, n_ubatch: int, gpu: bool, shadow: bool) -> dict | None:
+    """Borrowed slots (VIS_MOE_BORROW, auto by default; src/features/vis-moe-borrow.cpp's vis_moe_borrow_plan): the
+    plan at a 16-token ubatch's compute estimate, whose slots the slabs hold and decode steps run, where it applies:
+    the CPU (no GPU backend), no --slots, no shadow slots, a larger asked ubatch, a plan that pages, and a 16-token
+    plan that fits with every resident weight held, no smaller host cache, and more slots.  None where it does not."""
+    from . import native as _native
+    if (not borrow_mode() or gpu or shadow or req["n_slots"] or n_ubatch <= BORROW_SMALL or not p["ok"]
+            or not req["n_managed_layers"] or p["whole_model_fits"] or p["n_slots"] >= shape.n_expert):
+        return None
+    small = _native.plan(**(req | dict(reserve_bytes=reserve_bytes(shape, BORROW_SMALL))))
+    if (not small["ok"] or small["pageable_bytes"] > 0 or small["host_bytes"] < p["host_bytes"]
+            or small["n_slots"] <= p["n_slots"]):
+        return None
+    small.update(managed_layers=p["managed_layers"], pinned_layers=p["pinned_layers"])
+    return small
 
 
 CTX_PAD = 256   # upstream pads a context to a multiple of 256 cells (llama_context's constructor)
@@ -372,12 +393,15 @@ def shadow_expert_bytes(shadow_path, model_path) -> int:
 
 
 def borrow_mode() -> bool:
-    """VIS_MOE_BORROW as the runtime reads it: off (unset or empty) or on; anything else is an error."""
+    """VIS_MOE_BORROW as the runtime reads it: auto (unset or empty; the default) or on: borrowed slots where they
+    apply; off; anything else is an error.  Like the runtime (vis_moe_borrow_off_reason), the online controller turns
+    them off."""
     import os
-    v = os.environ.get("VIS_MOE_BORROW") or "off"
-    if v not in ("on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"VIS_MOE_BORROW: expected on or off, got {v!r}")
-    return v in ("on", "1", "true")
+    v = os.environ.get("VIS_MOE_BORROW") or "auto"
+    if v not in ("auto", "on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"VIS_MOE_BORROW: expected auto, on or off, got {v!r}")
+    online = os.environ.get("VIS_MOE_ONLINE") or "off"
+    return v not in ("off", "0", "false") and online not in ("on", "1", "true")
 
 
 def configure_mode() -> str:

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from .plan import (MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, image_max_tokens, make_plan,
+from .plan import (BORROW_SMALL, MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, image_max_tokens, make_plan,
                    read_shape, refusal_hint, shadow_expert_bytes)
 from .profile import ProfileError
 
@@ -53,6 +53,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError("--profile prices plans for the configurator, which VIS_MOE_CONFIGURE=off turns off")
             p = make_plan(shape, n_ubatch=args.ubatch_size, **kw)
         p["layer_slots"] = _layer_slots(shape, p, args)
+        if p["borrow"]:
+            from . import slot_split
+            p["borrow"]["layer_slots"] = slot_split.for_plan(shape, p["borrow"],
+                                                             os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split)
     except (ValueError, ProfileError, OSError, _native.VisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -104,6 +108,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                ("the bytes left after whole rows", p.get("extra_slots"))) if on]
         print(f"  per-layer slots ({' + '.join(why)}): "
               f"{','.join(map(str, p['layer_slots'].values()))} (layers {min(p['layer_slots'])}..{max(p['layer_slots'])})")
+    if b := p["borrow"]:
+        x = f" + 1 in {b['extra_slots']}" if b.get("extra_slots") else ""
+        print(f"  borrowed slots (VIS_MOE_BORROW, default auto): the slabs hold {b['n_slots']} slots x "
+              f"{b['managed_layers']} layers{x} ({b['slab_bytes'] / MIB:.1f} MiB, the plan at a {BORROW_SMALL}-token "
+              f"ubatch); decode steps run them all, ubatches of more than {BORROW_SMALL} tokens the tiers above "
+              f"and what the compute buffer leaves")
+        if b.get("layer_slots"):
+            print(f"  per-layer slots of the borrowed slabs: {','.join(map(str, b['layer_slots'].values()))}")
     if args.device_mib is not None:
         print(f"  (slabs on the discrete GPU: {args.device_mib} MiB of device memory)")
     if enc and enc["image_tokens"] and not enc["limit_known"]:

@@ -551,12 +551,13 @@ const vis_moe_env_row ENV_ROWS[] = {
       "it empties, with one log line per resize (docs/planning.md#online-controller; default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.online = parse_switch(w, v, false); } },
-    { "VIS_MOE_BORROW", "on|off",
+    { "VIS_MOE_BORROW", "auto|on|off",
       "vis-moe: under --moe-mem on the CPU, each ubatch runs more expert slots in the bytes the plan reserves for\n"
       "the compute buffer of the asked -ub and that ubatch leaves unused: decode steps the most, larger ubatches\n"
-      "what upstream's real compute buffer leaves (docs/planning.md#borrowed-slots; default: off)",
+      "what upstream's real compute buffer leaves; outputs unchanged. auto: wherever it applies; on: the same, and\n"
+      "the plan line says why where it does not (docs/planning.md#borrowed-slots; default: auto)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
-          s.plan.borrow = parse_switch(w, v, false); } },
+          s.plan.borrow = parse_switch(w, v, true); } },
     { "VIS_MOE_ENCODER_RELEASE", "on|off",
       "vis-moe: a single-turn llama-mtmd-cli run (-p with --image) under --moe-mem frees the vision encoder once its\n"
       "images are in the KV cache, and the expert slots grow by the encoder's planned bytes for the decode (CPU;\n"

@@ -105,8 +105,9 @@ struct vis_moe_plan_settings {
     int32_t gen       = 128;          // VIS_MOE_PLAN_GEN: generated tokens of that request
     std::string slot_split;           // VIS_MOE_SLOT_SPLIT: a split file, per-layer slot counts at attach ("" = equal)
     int32_t online    = 0;            // VIS_MOE_ONLINE: the online controller (features/vis-moe-online.h), 1 on, 0 off
-    int32_t borrow    = 0;            // VIS_MOE_BORROW: decode ubatches borrow the compute buffer's idle bytes as
-                                      // expert slots (features/vis-moe-borrow.h), 1 on, 0 off
+    int32_t borrow    = -1;           // VIS_MOE_BORROW: decode ubatches borrow the compute buffer's idle bytes as
+                                      // expert slots (features/vis-moe-borrow.h), -1 auto (where it applies, silent
+                                      // where it does not), 1 on (the plan line says why where it does not), 0 off
     int32_t encoder_release = 0;      // VIS_MOE_ENCODER_RELEASE: the encoder's bytes become slots once a single-turn
                                       // VLM tool has freed it (features/vis-moe-encoder-release.h), 1 on, 0 off
 };

@@ -1,6 +1,7 @@
 // vis-moe-borrow.cpp - borrowed slots (vis-moe-borrow.h).
 #include "vis-moe-borrow.h"
 #include "vis-moe-attach-plan.h"
+#include "vis-error.h"
 #include "vis-moe-context.h"
 #include "vis-moe-host-cache.h"
 #include "vis-moe-reserve.h"
@@ -210,14 +211,15 @@ const char * vis_moe_borrow_off_reason(const vis_moe_settings & s, const vis_moe
 }
 
 bool vis_moe_borrow_applies(const vis_moe_settings & s, const vis_moe_attach_plan & ap) {
-    return s.plan.borrow > 0 && !vis_moe_borrow_off_reason(s, ap);
+    return s.plan.borrow != 0 && !vis_moe_borrow_off_reason(s, ap);
 }
 
 std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_settings & s, vis_moe_attach_plan & ap,
                                 const llama_vis_moe_plan_request & rq, const struct llama_vis_moe_plan & plan, int64_t n_ubatch) {
-    if (s.plan.borrow <= 0) {
+    if (s.plan.borrow == 0) {
         return "";
     }
+    struct llama_vis_moe_plan p2 = {};
     const char * off = vis_moe_borrow_off_reason(s, ap);
     if (!off && n_ubatch <= vis_moe_borrow::SMALL) {
         off = "the ubatch is already small";
@@ -225,21 +227,22 @@ std::string vis_moe_borrow_plan(const llama_model & model, const vis_moe_setting
     if (!off && ap.per_slot <= 0) {
         off = "no slots to grow";
     }
+    if (!off) {
+        // the same request at a ubatch of SMALL tokens
+        llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
+        if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
+            off = "no plan at a small ubatch";
+        } else if (p2.pageable_bytes > 0) {
+            // the resident weights get the bytes first; the page cache holds them as it can (not slots)
+            off = "even at a small ubatch the budget leaves resident weights pageable";
+        } else if (p2.n_slots <= plan.n_slots) {
+            off = "the compute buffer of a small ubatch buys no whole slot row";
+        }
+        vis_clear_last_error();
+    }
     if (off) {
-        return std::string("; VIS_MOE_BORROW: off (") + off + ")";
-    }
-    // the same request at a ubatch of SMALL tokens
-    llama_vis_moe_plan_request r2 = vis_moe_plan_request(model, s, ap, vis_moe_borrow::SMALL, rq.kv_bytes);
-    struct llama_vis_moe_plan p2;
-    if (llama_vis_moe_plan(&r2, &p2) != 0 || !p2.ok || p2.host_bytes < plan.host_bytes) {
-        return "; VIS_MOE_BORROW: off (no plan at a small ubatch)";
-    }
-    if (p2.pageable_bytes > 0) {
-        // the resident weights get the bytes first; the page cache holds them as it can (not slots)
-        return "; VIS_MOE_BORROW: off (even at a small ubatch the budget leaves resident weights pageable)";
-    }
-    if (p2.n_slots <= plan.n_slots) {
-        return "; VIS_MOE_BORROW: off (the compute buffer of a small ubatch buys no whole slot row)";
+        // auto (the default) says nothing where it does not apply; on says why
+        return s.plan.borrow > 0 ? std::string("; VIS_MOE_BORROW: off (") + off + ")" : std::string();
     }
     ap.borrow_base_slots = plan.n_slots;
     ap.n_slots     = p2.n_slots;
