@@ -5,12 +5,14 @@ cgroup memory, prompt/generation tok/s of llama-cli, the cache table's hits and 
     sudo .venv/bin/python scripts/bench_planning.py MODEL --limit-mib 450 700 -c 4096 -n 32 --repeat 3 \\
          --arms today configured ub=512 ub=256 ub=128 ub=64 ub=32 --out /tmp/plan-bench
 
-Arms per budget: `today` (VIS_MOE_CONFIGURE=off, -ub 512: the fixed-rule plan), `configured` (the configurator as
-shipped, VIS_MOE_CONFIGURE=auto, -ub 512 asked), `forced` (VIS_MOE_CONFIGURE=on), `borrowed` (today's -ub 512 with
-VIS_MOE_BORROW=on: decode ubatches run the slots of the compute buffer's idle bytes), `configured+borrowed` (both,
-the configurator pricing the borrowed slots), and `ub=N` (VIS_MOE_CONFIGURE=off,
--ub N) for the sweep; every other arm runs VIS_MOE_BORROW=off; --moe-mem auto (the cgroup's limit).  With --repeat N every budget runs N rounds, each round
-every arm once in turn (arms interleaved, so a slow minute of a shared machine hits all of them).
+Arms per budget: `today` (VIS_MOE_CONFIGURE=off, -ub 512: the fixed-rule plan), `default` (what --moe-mem runs
+with no knob set: the configurator and borrowed slots, both auto), `configured` (the configurator, VIS_MOE_CONFIGURE=auto,
+-ub 512 asked, no borrowed slots), `forced` (VIS_MOE_CONFIGURE=on), `borrowed` (today's -ub 512 with VIS_MOE_BORROW=on:
+decode ubatches run the slots of the compute buffer's idle bytes), `configured+borrowed` (both on: the default but
+for VIS_MOE_BORROW=on), and `ub=N` (VIS_MOE_CONFIGURE=off, -ub N) and `ub=N+borrowed` (the same with
+VIS_MOE_BORROW=on) for the sweep; every arm but `default` sets VIS_MOE_BORROW (on where its name says borrowed, else
+off); --moe-mem auto (the cgroup's limit).  With --repeat N every budget runs N rounds, each round every arm once in
+turn (arms interleaved, so a slow minute of a shared machine hits all of them).
 
 The objective is the configurator's: the seconds of one request of --request P G tokens (default 512 + 128, the
 VIS_MOE_PLAN_PROMPT/GEN defaults), P / prefill tok/s + G / decode tok/s of each run.  The prompt is made --prompt-tokens
@@ -76,8 +78,9 @@ def main() -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("--sweep", type=int, nargs="+", default=[256, 128, 64, 32, 16], help="fixed ubatch sizes")
     ap.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                    help="run only these arms (today, configured, forced, ub=N) at every limit (default: all; an "
-                         "ub=N arm named here need not be in --sweep)")
+                    help="run only these arms (today, default, configured, forced, borrowed, configured+borrowed, "
+                         "ub=N, ub=N+borrowed) at every limit (default: all; an ub=N arm named here need not be in "
+                         "--sweep)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds per budget, the arms interleaved (default 1)")
     ap.add_argument("--request", type=int, nargs=2, default=[512, 128], metavar=("P", "G"),
                     help="the objective: one request of P prompt + G generated tokens (default 512 128)")
@@ -102,15 +105,16 @@ def main() -> int:
     else:
         prompt, n_prompt = PROMPT_WORDS * 3, None   # not counted (130 tokens on the testbed, its template included)
     (a.out / "prompt.txt").write_text(prompt)
-    arms = [("today", 512, "off"), ("configured", 512, "auto"), ("forced", 512, "on"), ("borrowed", 512, "off"),
-            ("configured+borrowed", 512, "auto")] + \
+    arms = [("today", 512, "off"), ("default", 512, "auto"), ("configured", 512, "auto"), ("forced", 512, "on"),
+            ("borrowed", 512, "off"), ("configured+borrowed", 512, "auto")] + \
            [(f"ub={u}", u, "off") for u in a.sweep]
     if a.arms is not None:
         named = {x[0] for x in arms}
         for x in a.arms:
-            m = re.fullmatch(r"ub=(\d+)", x)
+            m = re.fullmatch(r"ub=(\d+)(\+borrowed)?", x)
             if x not in named and not m:
-                ap.error(f"--arms {x}: not an arm (today, configured, forced, borrowed, configured+borrowed, ub=N)")
+                ap.error(f"--arms {x}: not an arm (today, default, configured, forced, borrowed, configured+borrowed, "
+                         f"ub=N, ub=N+borrowed)")
             if m and x not in named:
                 arms.append((x, int(m.group(1)), "off"))
         arms = [x for x in arms if x[0] in a.arms]
@@ -123,7 +127,8 @@ def main() -> int:
                 tag = name.replace("=", "") + (f"-r{rnd + 1}" if a.repeat > 1 else "")
                 log = a.out / f"{limit}-{tag}.log"
                 r = run_one(f"{limit}/{name}#{rnd + 1}", cmd, limit * MIB, a.timeout, a.n_predict, log=log,
-                            env={"VIS_MOE_CONFIGURE": conf, "VIS_MOE_BORROW": "on" if "borrowed" in name else "off"})
+                            env={"VIS_MOE_CONFIGURE": conf,
+                                 "VIS_MOE_BORROW": "auto" if name == "default" else "on" if "borrowed" in name else "off"})
                 out = log.read_text(errors="replace")
                 m = re.search(r"-ub (\d+) lowered to (\d+)", out)
                 r.update(limit_mib=limit, arm=name, round=rnd + 1, ub_asked=ub,
