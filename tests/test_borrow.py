@@ -165,15 +165,20 @@ def test_the_measured_backstop_gives_up_slots_when_the_process_holds_more(medium
     assert np.array_equal(l0.view(np.uint32), l1.view(np.uint32))
 
 
-def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, medium_model):
+def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, medium_model, tmp_path):
+    """The medium fixture's greedy text repeats one token whatever its layers compute (tied embeddings), so the
+    routing trace shows the computation is upstream's: every layer's expert ids and router weights, bit for bit."""
+    from pyvis.runtime import trace as vtrace
+    from test_paging import _same_routing
     prompt = " ".join([CHUNK1, CHUNK2] * 10)                   # ~700 tokens: two ubatches of 512
     cli = ["-p", prompt, "-n", "24", "-st", "-t", "2", "--temp", "0", "-c", "1024", "-ub", "512", "-nr"]
-    ref = run([bindir / "llama-cli", "-m", medium_model, *cli], timeout=300)
+    trs = tmp_path / "ref.trace", tmp_path / "got.trace"
+    ref = run([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-trace", trs[0]], timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
     limit = 260
     with memory_cgroup(limit * MIB) as (wrap, peak):
-        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "auto", "--moe-stats"]), timeout=300,
-                extra_env={"VIS_MOE_BORROW": "on", "VIS_MOE_CONFIGURE": "off"})
+        r = run(wrap([bindir / "llama-cli", "-m", medium_model, *cli, "--moe-mem", "auto", "--moe-stats",
+                      "--moe-trace", trs[1]]), timeout=300, extra_env={"VIS_MOE_CONFIGURE": "off"})
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-2500:]
         assert 0 < peak() <= limit * MIB
@@ -184,6 +189,7 @@ def test_a_borrowing_run_stays_inside_the_cgroup_with_upstreams_text(bindir, med
     # the decode steps ran every slot of the slabs, after the prompt's compute pages were dropped
     assert ub == 512 and full > base and n_small >= 20 and small == full and dropped >= 1 and n_large >= 2, m[0]
     assert _generated(r.stdout) == _generated(ref.stdout)
+    _same_routing(vtrace.read(trs[0]), vtrace.read(trs[1]))
 
 
 @pytest.mark.parametrize("extra,why", [(["--moe-slots", "3"], "--moe-slots fixes the slots"),
