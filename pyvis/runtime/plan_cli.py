@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
-from .plan import (BORROW_SMALL, MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan, image_max_tokens, make_plan,
-                   read_shape, refusal_hint, shadow_expert_bytes)
+from .plan import (BORROW_SMALL, MIB, ModelShape, _max_slots, _option, configure_mode, configure_plan,
+                   image_max_tokens, make_plan, read_shape, refusal_hint, shadow_expert_bytes)
 from .profile import ProfileError
 
 

@@ -51,8 +51,9 @@ void vis_moe_borrow::limit_all(vis_moe_context & vm, int slots) {
 
 void vis_moe_borrow::fit_measured(const vis_moe_context & vm) {
     // Before each ubatch: the plan's parts are estimates.  Where the process holds more than the budget less the
-    // kernel's headroom anyway, the top slot of as many layers as that takes goes (a backstop: since the graph's node
-    // capacity stopped growing as slots fall, the plan was enough in every run measured: docs/planning.md#borrowed-slots).
+    // kernel's headroom anyway, as many layers as that takes hold one slot fewer from then on (limit_all; a backstop:
+    // since the graph's node capacity stopped growing as slots fall, the plan was enough in every run measured:
+    // docs/planning.md#the-schedulers-node-capacity).
     const int64_t rss = vm.plan_budget > 0 ? vis_process_rss() : -1;  // one read of /proc/self/statm: every ubatch
     if (rss <= 0) {
         return;
@@ -60,7 +61,7 @@ void vis_moe_borrow::fit_measured(const vis_moe_context & vm) {
     const int64_t o = rss - (vm.plan_budget - VIS_MOE_RESERVE_KERNEL);
     const int64_t slot = p.row_bytes / std::max(1, vm.n_managed);
     if (o > 0 && slot > 0 && n_capped < vm.n_managed) {
-        // never given back: the next ubatch's limits drop the pages of these layers' top slots
+        // never given back: the next ubatch's limits drop the pages of the slot these layers give up
         over += o;
         n_capped = (int) std::min<int64_t>(vm.n_managed, n_capped + (o + slot - 1) / slot);
         capped_now = true;

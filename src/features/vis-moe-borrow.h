@@ -31,7 +31,8 @@
 // room: pages faulted later, at its limit, are the ones its reclaim frees one at a time, and O_DIRECT reads into
 // such scattered pages were measured slower (docs/planning.md#stop-42-the-borrowed-slots-pages-were-physically-scattered-found-and-fixed).
 // The first ubatch drops those it cannot hold.  Before each ubatch the process's RSS is measured: where it holds more
-// than the budget less the kernel's headroom, the top slot of as many layers as that takes goes (fit_measured).
+// than the budget less the kernel's headroom, as many layers as that takes hold one slot fewer than each ubatch
+// would give them (fit_measured).
 //
 // Locking (--moe-mlock, on by default): each layer's slots up to the asked ubatch's share (base) are locked, as the
 // whole slabs are without borrowing; the slots above stay unlocked (a lower limit drops their pages).
@@ -80,7 +81,7 @@ public:
     bool lock_base(vis_moe_context & vm) const;
     // fault the slots above the limit too, at attach (the first ubatch drops those it cannot hold)
     void fault_borrowed(vis_moe_context & vm);
-    // before each ubatch: the layers whose top slot must go for what the process holds, measured, to keep the
+    // before each ubatch: the layers that must hold one slot fewer for what the process holds, measured, to keep the
     // kernel's headroom of the budget (n_capped; a backstop behind the plan)
     void fit_measured(const vis_moe_context & vm);
 
