@@ -392,22 +392,24 @@ def shadow_expert_bytes(shadow_path, model_path) -> int:
     return max(per_layer.values(), default=0)
 
 
-def borrow_mode() -> bool:
-    """VIS_MOE_BORROW as the runtime reads it: auto (unset or empty; the default) or on: borrowed slots where they
-    apply; off; anything else is an error.  Like the runtime (vis_moe_borrow_off_reason), the online controller turns
-    them off."""
+def _env_switch(name: str, default: str, allow_auto: bool = True) -> str:
+    """An auto|on|off engine knob as the runtime parses it (parse_switch, src/api/vis-moe-settings-table.cpp): unset
+    or empty is `default`, 1/true and 0/false are on and off; anything else is an error."""
     import os
-    v = os.environ.get("VIS_MOE_BORROW") or "auto"
-    if v not in ("auto", "on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"VIS_MOE_BORROW: expected auto, on or off, got {v!r}")
-    online = os.environ.get("VIS_MOE_ONLINE") or "off"
-    return v not in ("off", "0", "false") and online not in ("on", "1", "true")
+    v = os.environ.get(name) or default
+    words = ("auto", "on", "off") if allow_auto else ("on", "off")
+    v = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(v, v)
+    if v not in words:
+        raise ValueError(f"{name}: expected {', '.join(words[:-1])} or {words[-1]}, got {os.environ.get(name)!r}")
+    return v
+
+
+def borrow_mode() -> bool:
+    """VIS_MOE_BORROW as the runtime reads it: auto (the default) or on: borrowed slots where they apply; off.  Like
+    the runtime (vis_moe_borrow_off_reason), the online controller (VIS_MOE_ONLINE) turns them off."""
+    return _env_switch("VIS_MOE_BORROW", "auto") != "off" and _env_switch("VIS_MOE_ONLINE", "off", False) != "on"
 
 
 def configure_mode() -> str:
     """VIS_MOE_CONFIGURE as the runtime reads it: auto (unset or empty), on or off; anything else is an error."""
-    import os
-    v = os.environ.get("VIS_MOE_CONFIGURE") or "auto"
-    if v not in ("auto", "on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"VIS_MOE_CONFIGURE: expected auto, on or off, got {v!r}")
-    return {"1": "on", "true": "on", "0": "off", "false": "off"}.get(v, v)
+    return _env_switch("VIS_MOE_CONFIGURE", "auto")
