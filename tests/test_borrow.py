@@ -84,6 +84,7 @@ def test_pyvis_plan_names_the_slots_the_runtime_borrows(medium_model, monkeypatc
     """`pyvis plan` prints the borrowed slabs (the plan at a 16-token ubatch) where they apply, and the runtime's slabs
     hold exactly those per-layer counts; VIS_MOE_BORROW=off: none, and the runtime holds the plan's."""
     from pyvis.runtime import plan as vplan
+    from pyvis.runtime import slot_split
     shape = vplan.read_shape(medium_model)
     held = {}
     for arm in ("auto", "off"):
@@ -91,7 +92,6 @@ def test_pyvis_plan_names_the_slots_the_runtime_borrows(medium_model, monkeypatc
         p = vplan.make_plan(shape, budget_mib=BUDGET, n_ctx=KW["n_ctx"], n_ubatch=KW["n_ubatch"], gpu=False)
         q = p["borrow"] if arm == "auto" else p
         assert (p["borrow"] is None) == (arm == "off"), p["borrow"]
-        from pyvis.runtime import slot_split
         want = list(slot_split.for_plan(shape, q, None).values()) or [q["n_slots"]] * q["managed_layers"]
         llm = moe.load(medium_model, moe.MoeConfig(mem=BUDGET), **KW)
         got = [moe.layer_stats(llm, il).n_slots for il in range(MEDIUM.n_layer)

@@ -55,8 +55,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         p["layer_slots"] = _layer_slots(shape, p, args)
         if p["borrow"]:
             from . import slot_split
-            p["borrow"]["layer_slots"] = slot_split.for_plan(shape, p["borrow"],
-                                                             os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split)
+            p["borrow"]["layer_slots"] = slot_split.for_plan(shape, p["borrow"], _split_path(args))
     except (ValueError, ProfileError, OSError, _native.VisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -104,7 +103,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for label, b in rows:
         print(f"  {label:<62s} {_fmt(b)}")
     if p["layer_slots"]:
-        why = [w for w, on in (("VIS_MOE_SLOT_SPLIT", os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split),
+        why = [w for w, on in (("VIS_MOE_SLOT_SPLIT", _split_path(args)),
                                ("the bytes left after whole rows", p.get("extra_slots"))) if on]
         print(f"  per-layer slots ({' + '.join(why)}): "
               f"{','.join(map(str, p['layer_slots'].values()))} (layers {min(p['layer_slots'])}..{max(p['layer_slots'])})")
@@ -158,8 +157,12 @@ def _layer_slots(shape: ModelShape, p: dict, args) -> dict:
             raise ValueError("--write-split needs --profile TRACE (the routing whose miss curves it holds)")
         slot_split.write_for_model(shape, args.profile, args.write_split, policies.DEFAULT)
         print(f"wrote {args.write_split}: run with VIS_MOE_SLOT_SPLIT={args.write_split}", file=sys.stderr)
-    path = os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split
-    return slot_split.for_plan(shape, p, path)
+    return slot_split.for_plan(shape, p, _split_path(args))
+
+
+def _split_path(args) -> str | None:
+    """The split file the runtime will run with: VIS_MOE_SLOT_SPLIT, else the one --write-split writes."""
+    return os.environ.get("VIS_MOE_SLOT_SPLIT") or args.write_split
 
 
 def _print_configuration(conf: dict, asked_ub: int) -> None:
