@@ -209,6 +209,10 @@ def summary_lines(d: dict) -> list[str]:
     row("", f"tier 1 slabs {_mib(slab)} ({slots} slots x {p.get('managed_layers', m['n_moe_layers'])} layers"
             f"{f' + 1 in {more}' if more else ''})"
             f" | tier 2 host cache {_mib(host)} | tier 3 file only {_mib(p['file_only_bytes'])}")
+    if p.get("borrow") and slab > p["slab_bytes"]:
+        # borrowed slots (VIS_MOE_BORROW): the slabs beyond the plan's live in the compute reserve's idle bytes
+        row("", f"{_mib(slab - p['slab_bytes'])} of the slabs are borrowed slots: the compute reserve's bytes a "
+                f"decode step leaves idle (docs/planning.md#borrowed-slots)")
     if managed:
         share = (slab + host) / managed
         row("", f"experts in memory: {_mib(slab + host)} of {_mib(managed)} ({100 * share:.0f} %); "
@@ -348,6 +352,9 @@ def _main(a: argparse.Namespace) -> int:
     say(f"budget   {budget} MiB = resident {rq['resident_bytes'] / MIB:.0f} + KV {rq['kv_bytes'] / MIB:.0f} + compute "
         f"{rq['reserve_bytes'] / MIB:.0f} + experts {in_mem / MIB:.0f} MiB ({plan['n_slots']} of {shape.n_expert} "
         f"per layer{f', + 1 in {x} layers' if (x := plan.get('extra_slots', 0)) else ''}, {100 * in_mem / max(plan['managed_bytes'], 1):.0f} % of the experts)")
+    if b := plan.get("borrow"):
+        say(f"         decode steps borrow the compute reserve's idle bytes: {b['n_slots']} slots per layer"
+            f"{f' + 1 in {x} layers' if (x := b.get('extra_slots', 0)) else ''} (VIS_MOE_BORROW=off: the plan's alone)")
     say(f"CLI      {cli_equivalent(model, a, budget, k, shape.arch)}")
     say("         (the same paged run with upstream's llama-cli; it formats the chat a little differently)")
     say(f"\n== {a.prompt}")

@@ -184,6 +184,17 @@ def test_summary_names_the_slots_that_ran():
     assert "(7 slots x 29 layers + 1 in 5)" in text, text
 
 
+def test_summary_names_the_borrowed_bytes():
+    """Borrowed slots (on by default): the runtime's slabs exceed the plan's by bytes the compute reserve leaves idle;
+    the summary says how many, so the tier split does not read as over the budget.  No line without them."""
+    d = _stats()
+    assert "borrowed slots" not in "\n".join(demo.summary_lines(d))
+    d["plan"]["borrow"] = {"n_slots": 7, "extra_slots": 0}
+    d["paged"]["io"]["slab_bytes"] = 29 * 7 * 442368
+    text = "\n".join(demo.summary_lines(d))
+    assert "12.2 MiB of the slabs are borrowed slots" in text, text
+
+
 def test_summary_without_comparison_or_io_stats():
     text = "\n".join(demo.summary_lines(_stats(resident=False, io=False)))
     assert "same text" not in text and "resident:" not in text and "peak RSS" not in text
