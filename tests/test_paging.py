@@ -114,13 +114,24 @@ def test_read_error_is_a_clear_error(bindir, fixture_dir):
 def test_read_error_of_a_staged_layer_is_a_clear_error(bindir, fixture_dir):
     """Staged streaming reads layer 1 in the background while layer 0 computes: its read error fails the ubatch
     with a message naming the expert, tensor and file (no crash, no output computed on unread bytes).  Without routing
-    history the reads ahead go in expert order, so the job holding expert 5 is the first one and starts at once."""
-    r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "24", "--no-warmup",
-             env={"VIS_MOE_FAULT_READ": "1:5", "VIS_MOE_STREAM_PASSES": "1"})
-    out = r.stdout + r.stderr
-    assert r.returncode > 0, out[-2000:]
-    assert re.search(r"staged expert read failed: .*failed to read expert 5 of tensor blk\.1\.ffn_\w+_exps\.weight "
-                     r"from \S+qwen3moe\.gguf .*Input/output error", out), out[-3000:]
+    history the reads ahead go in expert order, so the job holding expert 5 is the first one and starts at once.
+
+    'At once' is a race on a loaded 2-core machine (CI ran the suite beside this): when layer 0's router runs before
+    the I/O thread took the job, the job is cancelled and layer 1 reads expert 5 itself, failing with the plain read
+    error.  Every run must be one of the two clear errors; the background path must show in one of a few runs."""
+    plain = (r"failed to read expert 5 of tensor blk\.1\.ffn_\w+_exps\.weight from \S+qwen3moe\.gguf "
+             r".*Input/output error")
+    seen = []
+    for _ in range(8):
+        r = _cli(bindir, fixture_dir / "qwen3moe.gguf", "--moe-slots", "24", "--no-warmup",
+                 env={"VIS_MOE_FAULT_READ": "1:5", "VIS_MOE_STREAM_PASSES": "1"})
+        out = r.stdout + r.stderr
+        assert r.returncode > 0, out[-2000:]
+        assert re.search(plain, out), out[-3000:]
+        seen.append(bool(re.search(r"staged expert read failed: .*" + plain, out)))
+        if seen[-1]:
+            break
+    assert any(seen), f"the background read's error never showed in {len(seen)} runs"
 
 
 def test_read_error_in_python_raises_and_names_the_expert(bindir, fixture_dir, tmp_path):
