@@ -299,7 +299,7 @@ void llama_vis_clip_saliency_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_ten
         const int64_t n = std::min(qc, n_q - i0);
         ggml_tensor * qv = ggml_view_4d(ctx, q, q->ne[0], n, n_head, nb, q->nb[1], q->nb[2], q->nb[3], i0 * q->nb[1]);
         ggml_tensor * kq = ggml_mul_mat(ctx, k, qv);                    // [n_kv, n, n_head, B]
-        ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+        ggml_prec_set_acc(kq, GGML_PREC_F32);                           // F32 accumulation (op param 0)
         ggml_tensor * m = nullptr;
         if (kq_mask) {
             m = ggml_view_2d(ctx, kq_mask, kq_mask->ne[0], n, kq_mask->nb[1], i0 * kq_mask->nb[1]);
