@@ -65,6 +65,10 @@ def main() -> int:
                     help="also the lossy counterparts: ours --moe-substitute drop and the peer's --drop-cold-experts 0.5 "
                          "(the same rule: skip a missing expert below half an even split of the gate weight), and "
                          "ours --moe-mode fast (each token runs ceil(2k/3) of its k experts)")
+    ap.add_argument("--peer-overlap", action="store_true",
+                    help="also the peer with --overlap (its read/compute overlap; needs its expert-ready hook in the "
+                         "llama.cpp it was built against, docs/benchmarks.md says how), against ours, which overlaps "
+                         "by default")
     ap.add_argument("--timeout", type=_positive, default=900)
     ap.add_argument("--out", default="bench-peer", help="directory for logs and results.json (never the model)")
     a = ap.parse_args()
@@ -91,6 +95,8 @@ def main() -> int:
             "peer": [peer, "-m", model, "-p", prompt, "-n", str(a.n_predict), "-c", "512", "-t", "2", "--moe-stream",
                      "--cache-mb", "auto", "--cache-ceil-mb", str(ceil), "--temp", str(a.temp), "--seed", str(a.seed)],
         }
+        if a.peer_overlap:
+            runs["peer-overlap"] = runs["peer"] + ["--overlap"]
         if a.lossy:
             runs["ours-drop"] = runs["ours"] + ["--moe-substitute", "drop"]
             runs["ours-fast"] = runs["ours"] + ["--moe-mode", "fast"]
