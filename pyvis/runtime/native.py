@@ -300,4 +300,5 @@ def moe_routes(ctx, layer: int) -> np.ndarray:
 
 # the memory probe and the planner: native_plan.py, split out by concern
 from .native_plan import (  # noqa: E402
-    mem_probe, plan, cost_default, cost_probe, configure, split_slots, extra_slots, estimate_reserve, io_buffer_bytes, whole_model_fits, _encoder_dict, encoder_estimate, plan_encoder, planned_encoder, context_reserve)
+    mem_probe, plan, cost_default, cost_probe, configure, split_slots, extra_slots, estimate_reserve, io_buffer_bytes, whole_model_fits, _encoder_dict, encoder_estimate, plan_encoder, planned_encoder, encoder_releasable, encoder_freed,
+    context_reserve)

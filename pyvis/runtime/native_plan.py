@@ -191,6 +191,17 @@ def planned_encoder() -> dict | None:
     return _encoder_dict(out) if capi.llama_vis_moe_planned_encoder(ctypes.byref(out)) > 0 else None
 
 
+def encoder_releasable(ctx) -> bool:
+    """llama_vis_moe_encoder_releasable: ctx's --moe-mem plan gives the vision encoder's bytes to the expert slots
+    once the tool frees its encoder (VIS_MOE_ENCODER_RELEASE=on, docs/planning.md#freeing-the-encoder-after-the-image)."""
+    return int(capi.llama_vis_moe_encoder_releasable(_ctx_ptr(ctx))) == 1
+
+
+def encoder_freed(ctx) -> None:
+    """llama_vis_moe_encoder_freed: the tool has freed its vision encoder; ctx's expert slots grow by its bytes."""
+    _check(capi.llama_vis_moe_encoder_freed(_ctx_ptr(ctx)), "llama_vis_moe_encoder_freed")
+
+
 def context_reserve(ctx) -> int | None:
     """The reserve a context's --moe-mem plan used, in bytes; None if it has no such plan."""
     r = int(capi.llama_vis_moe_context_reserve(_ctx_ptr(ctx)))

@@ -107,6 +107,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(p.summary(), file=sys.stderr)
+        s.release_encoder()   # one turn: the images are in the KV cache (VIS_MOE_ENCODER_RELEASE=on; the fork logs it)
         t0 = time.monotonic()
         p.generate(args.n_predict, temp=args.temp, seed=args.seed,
                    on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))

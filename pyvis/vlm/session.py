@@ -44,6 +44,7 @@ full-model forward instead of a prefix one.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -55,7 +56,7 @@ import numpy as np
 from . import prune
 from ..runtime import native as _native
 from ..runtime.native import llama_cpp  # noqa: F401  (llama_cpp after pyvis set the library paths)
-from ..runtime.config import MoeConfig, VisTypeError
+from ..runtime.config import MoeConfig, VisTypeError, applied
 from ..runtime.settings import MoeParams
 from .context import Ctx, VLMError, check_file, ms
 from .image import ImageOptions, ImageReport, eval_image, next_position
@@ -154,7 +155,10 @@ class Session:
             mp = L.llama_model_default_params()
             mp.n_gpu_layers = n_gpu_layers
             try:
-                self.model = I.LlamaModel(path_model=model_path, params=mp, verbose=verbose)
+                # the model's load decides what pages (a --moe-mem budget in the config counts here, as for the
+                # context: loaded without it, a model that fits alone is loaded whole and its context refused)
+                with applied(config) if config is not None else contextlib.nullcontext():
+                    self.model = I.LlamaModel(path_model=model_path, params=mp, verbose=verbose)
             except ValueError as e:
                 _native.plan_encoder(None)
                 raise VLMError(f"failed to load model {model_path}: {e}") from e
@@ -233,6 +237,28 @@ class Session:
                 self.model.close()
             self.model = None
 
+    def release_encoder(self) -> bool:
+        """Free the vision encoder once the prompt's images are in the KV cache, so that the --moe-mem plan gives its
+        bytes to the expert slots, as llama-mtmd-cli does after its single turn (VIS_MOE_ENCODER_RELEASE=on;
+        docs/planning.md#freeing-the-encoder-after-the-image): the decode then reads less, and what it computes is
+        unchanged.  True if the encoder was freed; False, and the encoder kept, where the plan does not give its
+        bytes away (the knob off, no --moe-mem plan, or the reason its plan line names).  After it, ``generate``
+        continues the prepared prompt; a new prompt or image needs a new Session."""
+        if self.mctx is None or not _native.encoder_releasable(self.main.ptr):
+            return False
+        M.mtmd_free(self.mctx)
+        self.mctx = None
+        try:
+            _native.encoder_freed(self.main.ptr)
+        except _native.VisError as e:
+            raise VLMError(str(e)) from e
+        return True
+
+    def _need_encoder(self) -> None:
+        if self.mctx is None:
+            raise VLMError("the vision encoder was freed (Session.release_encoder): a new prompt or image needs a new "
+                           "Session")
+
     def __enter__(self):
         return self
 
@@ -268,6 +294,7 @@ class Session:
         return buf.raw[:n].decode("utf-8", errors="replace")
 
     def load_bitmaps(self, images) -> list:
+        self._need_encoder()
         out = []
         for img in images:
             path = check_file(img, "image")
@@ -280,6 +307,7 @@ class Session:
         return out
 
     def tokenize(self, text: str, bitmaps: list):
+        self._need_encoder()
         chunks = M.mtmd_input_chunks_init()
         t = M.mtmd_input_text()
         b = text.encode()
@@ -315,6 +343,7 @@ class Session:
     # ---- evaluation
     def eval_reference(self, prompt: str, images, chat_template: bool = True) -> tuple[np.ndarray, int]:
         """Upstream's path: ``mtmd_helper_eval_chunks`` on a cleared context. Returns (logits, n_past)."""
+        self._need_encoder()
         chunks = self.prompt_chunks(prompt, images, chat_template)
         try:
             self.reset()

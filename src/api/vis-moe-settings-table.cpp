@@ -559,8 +559,9 @@ const vis_moe_env_row ENV_ROWS[] = {
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.borrow = parse_switch(w, v, true); } },
     { "VIS_MOE_ENCODER_RELEASE", "on|off",
-      "vis-moe: a single-turn llama-mtmd-cli run (-p with --image) under --moe-mem frees the vision encoder once its\n"
-      "images are in the KV cache, and the expert slots grow by the encoder's planned bytes for the decode (CPU;\n"
+      "vis-moe: a single-turn llama-mtmd-cli run (-p with --image; pyvis chat, Session.release_encoder) under\n"
+      "--moe-mem frees the vision encoder once its images are in the KV cache, and the expert slots grow by the\n"
+      "encoder's planned bytes for the decode (CPU;\n"
       "docs/planning.md#freeing-the-encoder-after-the-image; default: off)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.plan.encoder_release = parse_switch(w, v, false); } },
