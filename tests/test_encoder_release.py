@@ -151,3 +151,27 @@ def test_python_session_frees_the_encoder_too(vlm):
     assert freed["freed"]
     assert freed["misses"] * 2 < held["misses"], (held, freed)   # measured: 277 -> 47 (prefill and decode)
     assert "the vision encoder was freed" in freed["again"] and "new Session" in freed["again"]
+
+
+def test_pyvis_chat_takes_the_budget_and_frees_the_encoder(vlm):
+    """`pyvis chat --moe-mem` (chat's user switches --moe-mem / --moe-mode, as the C tools'): one turn frees the encoder
+    (the fork's line), with the text of the run without a budget; --moe-mode fast says it is lossy; bad words are
+    clear errors naming the flag."""
+    import sys
+    base = [sys.executable, "-m", "pyvis", "chat", "-m", str(vlm["model"]), "--mmproj", str(vlm["mmproj"]), "--image",
+            str(vlm["small"]), "-c", "2048", "-b", "2048", "-ub", "32", "-t", "2", "--image-max-tokens", "512",
+            "-n", "24"]
+    env = {"VIS_MOE_CONFIGURE": "off", "VIS_MOE_BORROW": "off", "VIS_MOE_ENCODER_RELEASE": "on"}
+    ref = run(base, timeout=300, extra_env=env)
+    got = run(base + ["--moe-mem", str(BUDGET)], timeout=300, extra_env=env)
+    fast = run(base + ["--moe-mem", str(BUDGET), "--moe-mode", "fast"], timeout=300, extra_env=env)
+    for r in (ref, got, fast):
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert not FREED.search(ref.stderr)                       # no budget: nothing planned, nothing freed
+    m = FREED.search(got.stderr)
+    assert m and int(m.group(2)) >= int(m.group(1)) + 5, got.stderr[-3000:]
+    assert got.stdout == ref.stdout and len(set(ref.stdout.split())) >= 8, (ref.stdout, got.stdout)
+    assert "LOSSY" in fast.stderr and fast.stdout != ref.stdout
+    for flag, word in (("--moe-mode", "quick"), ("--moe-mem", "lots")):
+        bad = run(base + [flag, word], timeout=300, extra_env=env)
+        assert bad.returncode != 0 and flag in bad.stderr and word in bad.stderr, bad.stderr[-2000:]

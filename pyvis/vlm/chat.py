@@ -67,10 +67,19 @@ def lossy_params(args) -> tuple[PrecisionParams | None, CapacityParams | None]:
     return (None if prec == PrecisionParams() else prec), (None if cap == CapacityParams() else cap)
 
 
+USER_SWITCHES = ("mem", "mode")   # pyvis chat's --moe-mem and --moe-mode (the C tools' user flags)
+
+
 def session_config(args) -> MoeConfig | None:
-    """The session's MoeConfig of the --moe-* options add_common_args added; None when none is given."""
+    """The session's MoeConfig of the --moe-* options add_common_args added (and chat's --moe-mem / --moe-mode, those
+    given other than their defaults); None when none is given (the environment's VIS_MOE_* then apply)."""
     moe, (prec, cap) = moe_params(args), lossy_params(args)
-    return None if moe is None and prec is None and cap is None else MoeConfig.of(moe or MoeParams(), prec, cap)
+    default = MoeConfig()
+    switches = {n: getattr(args, f"moe_{n}") for n in USER_SWITCHES
+                if getattr(args, f"moe_{n}", getattr(default, n)) != getattr(default, n)}
+    if moe is None and prec is None and cap is None:
+        return MoeConfig(**switches) if switches else None
+    return MoeConfig.of(moe or MoeParams(), prec, cap).replace(**switches)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -141,4 +150,6 @@ def register(sub) -> None:
                    "(default: the projector's limit); under --moe-mem / VIS_MOE_MEM the encoder is planned at it "
                    "(docs/planning.md#the-vision-encoder)")
     add_common_args(s, moe_trace=True, lossy=True)
+    g = s.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C tools' flags)")
+    settings.add_arguments(g, MoeConfig, list(USER_SWITCHES))
     s.set_defaults(fn=_cmd_chat)
