@@ -213,13 +213,14 @@ def test_missing_symbol_is_an_error_when_called_not_at_import():
 
 
 def test_cli_options_mirror_the_c_flag_table():
-    """pyvis chat / prune-report / prune-eval take the C tools' --moe-* flags with the C table's help text."""
+    """pyvis chat / prune-report / prune-eval take the C tools' --moe-* flags with the C table's help text (chat also
+    the user switches --moe-mem and --moe-mode)."""
     from pyvis.cli import build_parser
     rows = {f.name: f for f in native.flags()}
     sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices
     lossy = [settings.flag_of(f.name) for cls in (PrecisionParams, CapacityParams) for f in dataclasses.fields(cls)]
     for cmd, names in [("chat", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers", "--moe-stats", "--moe-trace"]
-                        + lossy),
+                        + lossy + ["--moe-mem", "--moe-mode"]),
                        ("prune-report", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"]),
                        ("prune-eval", ["--moe-slots", "--moe-cache-mib", "--moe-pinned-layers"] + lossy)]:
         opts = {o: a for a in sub[cmd]._actions for o in a.option_strings if o.startswith("--moe-")}
