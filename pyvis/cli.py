@@ -69,12 +69,17 @@ def _cmd_fixtures(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model: str, n_ctx: int, verbose: bool, **kw):
-    from .runtime.native import llama_cpp
+def _load(model: str, n_ctx: int, verbose: bool, switches: dict | None = None, **kw):
+    from .runtime.native import VisError, llama_cpp
     if not Path(model).is_file():
         raise SystemExit(f"error: model file not found: {model}")
     try:
+        if switches:      # --moe-mem / --moe-mode: the model's load and its context under them
+            from . import moe
+            return moe.load(model, moe.MoeConfig(**switches), n_ctx=n_ctx, verbose=verbose, **kw)
         return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, verbose=verbose, **kw)
+    except VisError as e:
+        raise SystemExit(f"error: {e}") from e
     except ValueError as e:
         from .runtime.gguf_model import what_it_is
         why = what_it_is(model)         # a later shard, an mmproj, a sidecar: say so, not "re-download"
@@ -86,15 +91,20 @@ def _load(model: str, n_ctx: int, verbose: bool, **kw):
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .runtime import native as _native
+    from .runtime import settings
     model = args.model
     if model is None:
         from . import fixtures as fx
         model = str(fx.ensure("qwen3moe"))
         print(f"(no -m given: using the default MoE model {model})", file=sys.stderr)
-    llm = _load(model, n_ctx=args.ctx_size, verbose=args.verbose, seed=args.seed, n_threads=args.threads)
+    llm = _load(model, n_ctx=args.ctx_size, verbose=args.verbose, seed=args.seed, n_threads=args.threads,
+                switches=settings.user_switches(args))
     info = _native.moe_info(llm)
+    props = _native.props() or {}
+    mode = "exact" if props.get("exact", True) else (f"LOSSY ({', '.join(props.get('lossy', []))}): outputs differ "
+                                                     "from the model's")
     print(f"[vis-moe {_native.version()}] {Path(model).name}: {info.n_moe_layers} MoE layers x "
-          f"{info.n_expert} experts, top-{info.n_expert_used}", file=sys.stderr)
+          f"{info.n_expert} experts, top-{info.n_expert_used}; mode {mode}", file=sys.stderr)
     t0 = time.monotonic()
     out = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0 if args.greedy else 0.8,
                                 top_k=1 if args.greedy else 40, seed=args.seed)
@@ -150,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--greedy", action="store_true", default=True, help="greedy decoding (default)")
     s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
     s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    from .runtime import settings
+    settings.add_user_switches(s.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C "
+                                                    "tools' flags)"))
     s.set_defaults(fn=_cmd_generate)
 
     from . import calibrate

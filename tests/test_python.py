@@ -79,6 +79,22 @@ def test_cli_generate(fixture_dir):
     assert "8 experts, top-2" in r.stderr
 
 
+def test_cli_generate_takes_the_budget_and_the_mode(fixture_dir, medium_model):
+    """`pyvis generate --moe-mem / --moe-mode` (the C tools' user switches): the budget is the model's and context's
+    (too small: the planner's error naming it), fast says LOSSY and changes the text, bad words name the flag."""
+    base = ("generate", "-m", fixture_dir / "qwen3moe-varied.gguf", "-p", "Routing test", "-n", "12", "-t", "2")
+    exact, fast = pyvis_cli(*base), pyvis_cli(*base, "--moe-mode", "fast")
+    assert exact.returncode == 0 and fast.returncode == 0, (exact.stderr[-2000:], fast.stderr[-2000:])
+    assert "mode exact" in exact.stderr and "mode LOSSY (topk=" in fast.stderr, fast.stderr[-2000:]
+    assert fast.stdout != exact.stdout
+    small = pyvis_cli("generate", "-m", medium_model, "-n", "2", "--moe-mem", "60")
+    assert small.returncode == 1 and "--moe-mem 60" in small.stderr and "too small" in small.stderr
+    assert "Traceback" not in small.stderr
+    for flag, word in (("--moe-mode", "quick"), ("--moe-mem", "lots")):
+        bad = pyvis_cli(*base, flag, word)
+        assert bad.returncode != 0 and flag in bad.stderr and word in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_cli_info_reports_moe_shape(fixture_dir):
     r = pyvis_cli("info", "-m", fixture_dir / "deepseek2.gguf")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -33,6 +33,13 @@ from .native_base import (VisError, _check, _ctx_ptr, _mtmd_ptr, _ptr, _struct_d
 # ---------------------------------------------------------------------------
 # the build and a model's MoE shape
 # ---------------------------------------------------------------------------
+def props() -> dict | None:
+    """llama_vis_moe_props_json: the mode ("exact" or "lossy", the lossy mechanisms) and the memory plan of the context
+    created last on this thread; None when there was none."""
+    import json
+    return json.loads(capi.llama_vis_moe_props_json().decode())
+
+
 def version() -> str:
     return capi.llama_vis_version().decode()
 

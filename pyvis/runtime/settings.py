@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass
 
 from . import capi
-from .config import VisTypeError, check_types, flag_of
+from .config import MoeConfig, VisTypeError, check_types, flag_of
 from .native import VisError, _check, fill_struct, flags
 
 __all__ = ["VisTypeError", "MoeParams", "TierParams", "PrecisionParams", "CapacityParams", "flag_of", "get_params",
@@ -212,6 +212,22 @@ def add_arguments(group, cls: type, names: list[str]) -> None:
             group.add_argument(row.name, action="store_true", **kw)
         else:
             group.add_argument(row.name, metavar=row.value_hint, type=_parse(cls, name), **kw)
+
+
+USER_SWITCHES = ("mem", "mode")   # --moe-mem and --moe-mode: the C tools' user switches, on the pyvis commands that run
+
+
+def add_user_switches(group) -> None:
+    """--moe-mem and --moe-mode (the C table's help text), into ``args.moe_mem`` / ``args.moe_mode``."""
+    add_arguments(group, MoeConfig, list(USER_SWITCHES))
+
+
+def user_switches(args) -> dict:
+    """{field: value} of the switches :func:`add_user_switches` added that were given other than their defaults
+    (a switch left at its default is not given: the environment's VIS_MOE_* value stays in force)."""
+    default = MoeConfig()
+    return {n: getattr(args, f"moe_{n}") for n in USER_SWITCHES
+            if getattr(args, f"moe_{n}", getattr(default, n)) != getattr(default, n)}
 
 
 def from_args(cls: type, args, names: list[str] | None = None):

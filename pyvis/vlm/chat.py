@@ -67,16 +67,11 @@ def lossy_params(args) -> tuple[PrecisionParams | None, CapacityParams | None]:
     return (None if prec == PrecisionParams() else prec), (None if cap == CapacityParams() else cap)
 
 
-USER_SWITCHES = ("mem", "mode")   # pyvis chat's --moe-mem and --moe-mode (the C tools' user flags)
-
-
 def session_config(args) -> MoeConfig | None:
     """The session's MoeConfig of the --moe-* options add_common_args added (and chat's --moe-mem / --moe-mode, those
     given other than their defaults); None when none is given (the environment's VIS_MOE_* then apply)."""
     moe, (prec, cap) = moe_params(args), lossy_params(args)
-    default = MoeConfig()
-    switches = {n: getattr(args, f"moe_{n}") for n in USER_SWITCHES
-                if getattr(args, f"moe_{n}", getattr(default, n)) != getattr(default, n)}
+    switches = settings.user_switches(args)
     if moe is None and prec is None and cap is None:
         return MoeConfig(**switches) if switches else None
     return MoeConfig.of(moe or MoeParams(), prec, cap).replace(**switches)
@@ -151,5 +146,5 @@ def register(sub) -> None:
                    "(docs/planning.md#the-vision-encoder)")
     add_common_args(s, moe_trace=True, lossy=True)
     g = s.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C tools' flags)")
-    settings.add_arguments(g, MoeConfig, list(USER_SWITCHES))
+    settings.add_user_switches(g)
     s.set_defaults(fn=_cmd_chat)
