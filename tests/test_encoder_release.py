@@ -8,7 +8,9 @@ resident run's byte for byte (a -varied text model, whose greedy text changes wi
 """
 from __future__ import annotations
 
+import json
 import re
+import sys
 
 import pytest
 
@@ -129,8 +131,6 @@ print(json.dumps(dict(text=text, freed=freed, misses=st.n_misses if st else 0, a
 
 
 def _py(v, budget, release):
-    import json
-    import sys
     env = {"VIS_MOE_CONFIGURE": "off", "VIS_MOE_BORROW": "off", "VIS_MOE_ENCODER_RELEASE": release}
     r = run([sys.executable, "-c", PY_RELEASE.format(budget=budget, model=str(v["model"]), mmproj=str(v["mmproj"]),
                                                      image=str(v["small"]))], timeout=300, extra_env=env)
@@ -157,7 +157,6 @@ def test_pyvis_chat_takes_the_budget_and_frees_the_encoder(vlm):
     """`pyvis chat --moe-mem` (chat's user switches --moe-mem / --moe-mode, as the C tools'): one turn frees the encoder
     (the fork's line), with the text of the run without a budget; --moe-mode fast says it is lossy; bad words are
     clear errors naming the flag."""
-    import sys
     base = [sys.executable, "-m", "pyvis", "chat", "-m", str(vlm["model"]), "--mmproj", str(vlm["mmproj"]), "--image",
             str(vlm["small"]), "-c", "2048", "-b", "2048", "-ub", "32", "-t", "2", "--image-max-tokens", "512",
             "-n", "24"]

@@ -343,7 +343,6 @@ class Session:
     # ---- evaluation
     def eval_reference(self, prompt: str, images, chat_template: bool = True) -> tuple[np.ndarray, int]:
         """Upstream's path: ``mtmd_helper_eval_chunks`` on a cleared context. Returns (logits, n_past)."""
-        self._need_encoder()
         chunks = self.prompt_chunks(prompt, images, chat_template)
         try:
             self.reset()
