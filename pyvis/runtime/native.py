@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -36,7 +37,6 @@ from .native_base import (VisError, _check, _ctx_ptr, _mtmd_ptr, _ptr, _struct_d
 def props() -> dict | None:
     """llama_vis_moe_props_json: the mode ("exact" or "lossy", the lossy mechanisms) and the memory plan of the context
     created last on this thread; None when there was none."""
-    import json
     return json.loads(capi.llama_vis_moe_props_json().decode())
 
 
