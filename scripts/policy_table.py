@@ -3,7 +3,8 @@
 over all decode steps and over each half of them (a held-out check: no policy is fitted to the second half).
 
     .venv/bin/python scripts/policy_table.py TRACE [--slots 12,16,24,32] [--as-decode] [--requests expert]
-                                                   [--policies P,P] [--global P,P] [--lookahead W,W] [--json OUT]
+                                                   [--policies P,P] [--global P,P] [--lookahead W,W] [--bypass-bound]
+                                                   [--json OUT]
 
 Prints a markdown table (docs/policies.md).  TRACE: anything pyvis cachesim reads.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyvis.runtime import policies  # noqa: E402
-from pyvis.runtime.cachesim import belady_misses, policy_misses  # noqa: E402
+from pyvis.runtime.cachesim import belady_bypass_misses, belady_misses, policy_misses  # noqa: E402
 from pyvis.runtime.cachesim_global import GlobalNextSteps, global_belady, global_misses  # noqa: E402
 from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
 from pyvis.runtime.trace_csv import load_any as load  # noqa: E402
@@ -45,7 +46,8 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
     """Decode misses of a row of the table, summed over the layers, per decode step (in step order).  `name`: a
     policy (per-layer caches), ``global <policy>`` / ``global belady`` (one pool, pyvis.runtime.cachesim_global)
     or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policies.NextSteps,
-    cachesim_global.GlobalNextSteps)."""
+    cachesim_global.GlobalNextSteps) or ``belady-bypass`` (the optimum of a cache that may decline a miss: the
+    bound of any admission rule, cachesim.belady_bypass_misses)."""
     if name.startswith("global "):
         pol = name.split(" ", 1)[1]
         if pol == "belady":
@@ -54,6 +56,11 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
             return _decode_sum(t, global_misses(t, slots, GlobalNextSteps(t, int(pol[5:]))))
         return _decode_sum(t, global_misses(t, slots, pol))
     got = {}
+    if name == "belady-bypass":
+        for il in t.layers().tolist():
+            got[il] = []
+            belady_bypass_misses(layer_ubatches(t, il).sets, slots, got[il])
+        return _decode_sum(t, got)
     for il in t.layers().tolist():
         lr = layer_ubatches(t, il)
         run = lr.per_expert() if per_expert else lr
@@ -80,6 +87,9 @@ def main() -> int:
     ap.add_argument("--lookahead", metavar="W,W,...", default="",
                     help="also LFU told the next W requests of each layer (a bound, not a policy; with --global "
                     "also the pool told the rest of the step and the next W steps)")
+    ap.add_argument("--bypass-bound", action="store_true",
+                    help="also the optimum of a cache that may decline to keep a miss (the bound of any admission "
+                    "rule; token requests)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     t = load(args.trace)
@@ -90,8 +100,9 @@ def main() -> int:
     names += [f"global {p}" for p in args.pool.split(",") if p] + (["global belady"] if args.pool else [])
     names += [f"next-{int(w)}" for w in args.lookahead.split(",") if w]
     names += [f"global next-{int(w)}" for w in args.lookahead.split(",") if w and args.pool]
-    if args.pool and args.requests == "expert":
-        raise SystemExit("error: --global replays token requests")
+    names += ["belady-bypass"] if args.bypass_bound else []
+    if (args.pool or args.bypass_bound) and args.requests == "expert":
+        raise SystemExit("error: --global and --bypass-bound replay token requests")
     res: dict = {}
     belady = {c: belady_per_step(t, c) for c in slots}
     print(f"{Path(args.trace).name}: decode misses / Belady's (first half / second half of the decode steps); "

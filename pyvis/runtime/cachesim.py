@@ -109,6 +109,47 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     return misses
 
 
+def belady_bypass_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None) -> int:
+    """Loads of the optimal offline cache that may also decline to keep a miss: the expert is read into a scratch
+    buffer, used and dropped (a cache with bypass).  A bound below `belady_misses` for any admission rule (a policy
+    that declines some misses, e.g. TinyLFU): per request, the missed experts in order of next use, each taking the
+    place of the resident expert the request does not need whose next use is farthest, if its own next use is
+    sooner; the rest are read and dropped.  No streaming, passes or lending: every request is served whole."""
+    if capacity <= 0:
+        raise ValueError("capacity must be > 0")
+    INF = len(requests) + 1
+    uses: dict[int, list[int]] = {}
+    for i, s in enumerate(requests):
+        for e in s:
+            uses.setdefault(e, []).append(i)
+
+    def next_use(e: int, i: int) -> int:
+        u = uses[e]
+        j = bisect_right(u, i)
+        return u[j] if j < len(u) else INF
+
+    resident: set[int] = set()
+    misses = 0
+    for i, s in enumerate(requests):
+        need = set(s)
+        missed = sorted((e for e in need if e not in resident), key=lambda e: (next_use(e, i), e))
+        misses += len(missed)
+        for e in missed:
+            if len(resident) < capacity:
+                resident.add(e)
+                continue
+            free = [r for r in resident if r not in need]
+            if not free:
+                continue
+            victim = max(free, key=lambda r: (next_use(r, i), r))
+            if next_use(e, i) < next_use(victim, i):
+                resident.remove(victim)
+                resident.add(e)
+        if per_request is not None:
+            per_request.append(len(missed))
+    return misses
+
+
 def stream_rule(n_tokens: int, k: int, n_expert: int, capacity: int, stream_passes: int = 8) -> bool:
     """Does the runtime stream a ubatch of n_tokens through a layer instead of serving it from the slabs?  When
     the most passes it could need, ceil(min(n_expert, k * n_tokens) / capacity), exceed stream_passes
@@ -184,9 +225,15 @@ class LayerCache:
                 if e in resident:
                     continue
                 loads += 1
+                admit = True
                 if len(resident) >= self.capacity:
-                    self._evict([r for r in resident if r not in need])
-                resident.add(e)
+                    victim = p.victim([r for r in resident if r not in need])
+                    admit = p.admit(e, victim)
+                    if admit:
+                        resident.remove(victim)
+                        p.forget(victim)
+                if admit:
+                    resident.add(e)           # else read into a scratch buffer, used and dropped
                 p.touch(e, w.get(e, math.nan))
         if end_step:
             p.end_step()

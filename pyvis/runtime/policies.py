@@ -6,6 +6,7 @@ A policy sees what the runtime's policy interface (src/core/vis-moe-policy.h) se
 * ``touch(e, w)``: expert ``e`` serves the running pass, a hit or a miss just loaded (``w``: its largest router
   weight in the ubatch, NaN when unknown);
 * ``victim(candidates)``: the expert a miss evicts, among the resident ones the pass does not need;
+* ``admit(e, victim)``: whether the miss takes the victim's slot at all (the runtime's policies always do);
 * ``forget(e)``: ``e`` left the cache;
 * ``end_step()``: the ubatch is over.
 
@@ -38,6 +39,11 @@ class Policy:
 
     def victim(self, candidates: list[int]) -> int:
         raise NotImplementedError
+
+    def admit(self, e: int, victim: int) -> bool:
+        """Does the miss ``e`` (before its touch) take ``victim``'s slot?  False: it is read into a scratch buffer,
+        used and dropped (a cache with bypass; simulator only: the runtime admits every miss)."""
+        return True
 
     def forget(self, e: int) -> None:
         pass
@@ -105,6 +111,16 @@ class LFU(LRU):
             self.inc = math.ldexp(self.inc, -200)
             for e in self.score:
                 self.score[e] = math.ldexp(self.score[e], -200)
+
+
+class LFUAdmit(LFU):
+    """LFU with decay and an admission filter (the idea of TinyLFU, Einziger et al. 2017, with the score LFU keeps
+    for evicted experts as the frequency sketch): a miss takes the victim's slot only if its score, counting this
+    use, beats the victim's; else it is read, used and dropped."""
+    name = "lfu-admit"
+
+    def admit(self, e, victim):
+        return self.score.get(e, 0.0) + self.inc > self.score[victim]
 
 
 class LRU2(LRU):
@@ -309,6 +325,58 @@ class LFUContext(LFU):
                                               self.last[e]))
 
 
+class Hawkeye(LFU):
+    """Learning from Belady's decisions on the layer's past (after Jain & Lin, Hawkeye, ISCA 2016): OPTgen replays
+    the last ``history`` x capacity steps and says, at each reuse of an expert, whether the optimum would have kept
+    it since its previous use; a saturating counter per expert (0..``cmax``) counts up on a kept reuse and down on a
+    lost one.  The victim is an expert the counters call averse (counter <= cmax / 2) before a friendly one, then
+    the lowest LFU score (decay 0.95), then the least recent.  The expert is the feature (a CPU cache's load PC)."""
+    name = "hawkeye"
+
+    def __init__(self, capacity: int, history: int = 8, cmax: int = 7):
+        super().__init__()
+        self.capacity, self.span, self.cmax = capacity, history * capacity, cmax
+        self.occ: list[int] = []         # OPTgen's occupancy of each step still in the window
+        self.base = 0                    # the step occ[0] stands for
+        self.step = 0
+        self.prev: dict[int, int] = {}   # the last step each expert was used in
+        self.count: dict[int, int] = {}  # the predictor (unseen: cmax // 2 + 1, friendly)
+        self.cur: set[int] = set()
+
+    def touch(self, e, w=math.nan):
+        super().touch(e, w)
+        self.cur.add(e)
+
+    def friendly(self, e: int) -> bool:
+        return self.count.get(e, self.cmax // 2 + 1) > self.cmax // 2
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda e: (self.friendly(e), self.score[e], self.last[e]))
+
+    def end_step(self):
+        if self.cur:
+            s = self.step
+            self.occ.append(len(self.cur))   # the step's own experts are resident together
+            for e in sorted(self.cur):
+                t0 = self.prev.get(e)
+                if t0 is not None and s - t0 <= self.span and t0 >= self.base:
+                    a, b = t0 + 1 - self.base, s - self.base   # the steps in between: kept through them?
+                    kept = b <= a or max(self.occ[a:b]) < self.capacity
+                    if kept:
+                        for i in range(a, b):
+                            self.occ[i] += 1
+                    c = self.count.get(e, self.cmax // 2 + 1)
+                    self.count[e] = min(self.cmax, c + 1) if kept else max(0, c - 1)
+                self.prev[e] = s
+            self.cur = set()
+            self.step += 1
+            if len(self.occ) > 2 * self.span:
+                drop = len(self.occ) - self.span
+                del self.occ[:drop]
+                self.base += drop
+        super().end_step()
+
+
 class AdaptiveLFU(Policy):
     """Set dueling between decays: ghost caches of the same capacity run ``lfu`` at each decay of ``decays``
     (0.5: nearly LRU, the last use dominates; 0.95: frequency) on the layer's own requests; the real cache evicts
@@ -394,12 +462,14 @@ POLICIES = {
     "lru": lambda c: LRU(),
     "lfu": lambda c: LFU(),
     "lfu-weight": lambda c: LFU(weighted=True),
+    "lfu-admit": lambda c: LFUAdmit(),
     "lru2": lambda c: LRU2(),
     "arc": ARC,
     "2q": TwoQ,
     "reuse": lambda c: ReuseClasses(),
     "lfu-ctx": lambda c: LFUContext(),
     "lfu-adapt": AdaptiveLFU,
+    "hawkeye": Hawkeye,
     "ctx-adapt": lambda c: AdaptiveLFU(c, rules=(lambda: LFU(0.5), LFUContext)),
 }
 
