@@ -3,7 +3,7 @@
 over all decode steps and over each half of them (a held-out check: no policy is fitted to the second half).
 
     .venv/bin/python scripts/policy_table.py TRACE [--slots 12,16,24,32] [--as-decode] [--requests expert]
-                                                   [--policies P,P] [--global P,P] [--lookahead W,W] [--bypass-bound]
+                                                   [--policies P,P] [--global P,P] [--lookahead W,W] [--window W,W] [--bypass-bound]
                                                    [--json OUT]
 
 Prints a markdown table (docs/policies.md).  TRACE: anything pyvis cachesim reads.
@@ -46,7 +46,8 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
     """Decode misses of a row of the table, summed over the layers, per decode step (in step order).  `name`: a
     policy (per-layer caches), ``global <policy>`` / ``global belady`` (one pool, pyvis.runtime.cachesim_global)
     or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policies.NextSteps,
-    cachesim_global.GlobalNextSteps) or ``belady-bypass`` (the optimum of a cache that may decline a miss: the
+    cachesim_global.GlobalNextSteps), ``window-W`` (Belady within the next W requests, LFU beyond:
+    policies.WindowBelady) or ``belady-bypass`` (the optimum of a cache that may decline a miss: the
     bound of any admission rule, cachesim.belady_bypass_misses)."""
     if name.startswith("global "):
         pol = name.split(" ", 1)[1]
@@ -65,7 +66,12 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
         lr = layer_ubatches(t, il)
         run = lr.per_expert() if per_expert else lr
         g: list[int] = []
-        p = policies.NextSteps(run.sets, int(name[5:])) if name.startswith("next-") else policies.make(name, slots)
+        if name.startswith("next-"):
+            p = policies.NextSteps(run.sets, int(name[5:]))
+        elif name.startswith("window-"):
+            p = policies.WindowBelady(run.sets, int(name[7:]))
+        else:
+            p = policies.make(name, slots)
         policy_misses(run.sets, slots, p, g, weights=run.weights)
         if per_expert:   # back to one count per ubatch
             it = iter(g)
@@ -87,6 +93,8 @@ def main() -> int:
     ap.add_argument("--lookahead", metavar="W,W,...", default="",
                     help="also LFU told the next W requests of each layer (a bound, not a policy; with --global "
                     "also the pool told the rest of the step and the next W steps)")
+    ap.add_argument("--window", metavar="W,W,...", default="",
+                    help="also Belady's order within each layer's next W requests and LFU beyond them (a bound)")
     ap.add_argument("--bypass-bound", action="store_true",
                     help="also the optimum of a cache that may decline to keep a miss (the bound of any admission "
                     "rule; token requests)")
@@ -100,6 +108,7 @@ def main() -> int:
     names += [f"global {p}" for p in args.pool.split(",") if p] + (["global belady"] if args.pool else [])
     names += [f"next-{int(w)}" for w in args.lookahead.split(",") if w]
     names += [f"global next-{int(w)}" for w in args.lookahead.split(",") if w and args.pool]
+    names += [f"window-{int(w)}" for w in args.window.split(",") if w]
     names += ["belady-bypass"] if args.bypass_bound else []
     if (args.pool or args.bypass_bound) and args.requests == "expert":
         raise SystemExit("error: --global and --bypass-bound replay token requests")

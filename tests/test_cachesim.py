@@ -282,3 +282,13 @@ def test_cachesim_plot(small_csv, tmp_path):
     before = small_csv.read_bytes()
     r = _pyvis("cachesim", small_csv, "--slots", "4", "--plot", small_csv)
     assert r.returncode == 1 and "is the input trace" in r.stderr and small_csv.read_bytes() == before
+
+
+def test_window_bound_reaches_belady():
+    """policies.WindowBelady, told the whole future, is Belady's optimum; told one request, it can only keep what
+    that request uses and otherwise follows LFU, missing more."""
+    for seed in range(3):
+        req = _random_requests(seed)
+        opt = cachesim.belady_misses(req, 6)
+        assert cachesim.policy_misses(req, 6, policies.WindowBelady(req, len(req))) == opt
+        assert cachesim.policy_misses(req, 6, policies.WindowBelady(req, 1)) > opt

@@ -458,6 +458,27 @@ class NextSteps(LFU):
         self.i += 1
 
 
+class WindowBelady(NextSteps):
+    """Not an online policy: Belady's optimum within the layer's next ``window`` requests, LFU beyond them.  A
+    candidate not used in the window goes first (lowest LFU score); if every candidate is, the one used last in
+    it.  What a perfect predictor of the next ``window`` tokens' experts gives at best with history beyond them."""
+
+    def __init__(self, requests: list[list[int]], window: int):
+        super().__init__(requests, window)
+        self.name = f"window-{window}"
+
+    def _next(self, e: int) -> int:
+        u = self.uses.get(e, ())
+        j = bisect_right(u, self.i)
+        return u[j] if j < len(u) else math.inf
+
+    def victim(self, candidates):
+        far = [e for e in candidates if self._next(e) > self.i + self.window]
+        if far:
+            return min(far, key=lambda e: (self.score[e], self.last[e]))
+        return max(candidates, key=lambda e: (self._next(e), e))
+
+
 POLICIES = {
     "lru": lambda c: LRU(),
     "lfu": lambda c: LFU(),
