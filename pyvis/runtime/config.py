@@ -112,7 +112,7 @@ class MoeConfig:
     mlock: bool = True
     pin_mib: int | str = "auto"          # discrete GPU: pinned host memory cap, MiB, auto or off
     stream_passes: int = 8               # prefill streaming threshold (0 = never)
-    stream_ahead: bool = True
+    stream_ahead: bool = False
     stream_lend: str = "auto"            # auto | on | off
     stream_stage: bool = True
     overlap: int | str = "on"            # on | off | N: decode misses read while the layer computes (docs/paging.md)

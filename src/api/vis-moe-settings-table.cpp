@@ -239,7 +239,7 @@ const flag_row ROWS[] = {
       KNOB, V_INT, SHOW(show_int(s.stream_passes)) },
     { "--moe-stream-ahead", "VIS_MOE_STREAM_AHEAD", "on|off",
       "vis-moe: while a streamed layer computes, have the kernel read the next managed layer's experts into the\n"
-      "page cache from a background thread (prefill read-ahead; default: on)",
+      "page cache from a background thread (prefill read-ahead; default: off, measured slower: docs/knobs.md)",
       [](vis_moe_settings & s, const std::string & w, const std::string & v) {
           s.stream_ahead = parse_switch(w, v, false); },
       KNOB, V_SWITCH, SHOW(show_switch(s.stream_ahead)) },

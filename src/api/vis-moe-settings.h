@@ -119,7 +119,7 @@ struct vis_moe_settings {
     std::string csv_path;                   // --moe-csv: per-ubatch telemetry rows (vis-moe-csv.h), "" = off
     std::string replay_path;                // VIS_MOE_REPLAY: a recorded routing trace replayed (benchmarks), "" = off
     int32_t     stream_passes = 8;          // a ubatch needing more passes than this in a layer streams it (0 = never)
-    int32_t     stream_ahead  = 1;          // a streamed layer has the next managed layer's experts read ahead
+    int32_t     stream_ahead  = 0;          // a streamed layer has the next managed layer's experts read ahead
     int32_t     stream_lend   = -1;         // a streamed ubatch lends the slabs to the page cache (-1 auto, 0, 1)
     int32_t     stream_stage  = 1;          // streamed layers are read into staging buffers in the slabs when they fit
     int32_t     overlap       = -1;         // decode misses read while the layer computes: -1 on (up to k miss passes), 0 off, N

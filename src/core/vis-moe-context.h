@@ -192,6 +192,8 @@ struct vis_moe_context {
     bool    ub_streamed   = false;  // the current ubatch streamed a layer
     bool    stream_ahead  = false;  // a streamed layer has the next managed layer read ahead (through `fetch`)
     int64_t n_stream_ahead = 0, bytes_stream_ahead = 0;  // layers (bytes) read ahead so
+    int64_t n_stream_routed = 0, n_stream_seq = 0;  // layers streamed through the mapping: their routed experts read
+                                                    // (they fit the page cache's room), or sequential read-ahead
     int     overlap       = 0;      // VIS_MOE_OVERLAP: most miss passes of a one-pass ubatch (0: off; vis-moe-overlap.h)
     bool    ub_decode     = false;  // every sequence of the current ubatch has one token
     bool    ub_image      = false;  // the current ubatch is image embeddings (the modality feature says so)

@@ -8,6 +8,7 @@
 #include "vis-moe-precision.h"
 #include "vis-moe-shadow-slots.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -158,20 +159,58 @@ void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_t
     std::memcpy(a.out, a.ids, a.n_pairs * sizeof(int32_t));
 }
 
-// Prefill streaming: the mapped expert tensors of layer L.  Before the layer: sequential read-ahead (the loader
-// marks lazy ranges MADV_RANDOM, i.e. 4 KiB faults).  After it: drop the pages from our mapping and from the page
-// cache, so the streamed experts cost no memory, and go back to MADV_RANDOM.
-static void stream_advise(const vis_moe_layer & L, bool before) {
+// The page cache's room for a layer streamed through the mapping: what a feature made for it (slab lending, in a
+// ubatch that lent the slabs), else the spare bytes the features leave next to the slabs (the least staging_room;
+// unbounded without a --moe-mem plan)
+static int64_t stream_room(const vis_moe_context & vm) {
+    int64_t made = -1, spare = INT64_MAX;
+    for (const auto & f : vm.features) {
+        made  = std::max(made, f->stream_room(vm));
+        spare = std::min(spare, f->staging_room(vm));
+    }
+    return made >= 0 ? made : spare;
+}
+
+// Prefill streaming: the mapped expert tensors of layer L.  Before the layer, where the routed experts fit the page
+// cache's room (stream_room): the kernel reads exactly their slices (WILLNEED, in file order, adjacent experts
+// merged), and the ranges stay MADV_RANDOM (the loader marks lazy ranges so), so a fault reads no further than its
+// page.  Else a sequential hint: every fault reads ahead the device's read_ahead_kb (8 MiB on the dev VM, twice that
+// under MADV_SEQUENTIAL), experts the ubatch does not use included, but in large reads; exact reads of a set larger
+// than the room would be dropped before their use and faulted back 4 KiB at a time.  Measured
+// (docs/paging.md#prefill-streaming): 16 layers at 12.5 %, a 150-token prompt, 1.5x the sequential hint's prefill;
+// 48 layers at 12.5 %, a 700-token prompt, the exact reads 0.4-0.5x (hence the rule).
+// After the layer: drop the pages from our mapping and from the page cache, so the streamed experts cost no memory.
+static void stream_advise(vis_moe_context & vm, const vis_moe_layer & L, bool before, const std::vector<int> & routed = {}) {
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    std::vector<int> order(routed);
+    std::sort(order.begin(), order.end());
+    const bool exact = before && (int64_t) order.size() * L.expert_bytes <= stream_room(vm);
+    if (before) {
+        (exact ? vm.n_stream_routed : vm.n_stream_seq)++;
+    }
     for (int ti = 0; ti < VIS_T_COUNT; ++ti) {
         const vis_deferred_tensor * f = L.file[ti];
         if (!f || !L.orig[ti] || !L.orig[ti]->data) {
             continue;
         }
-        const size_t n = f->nb2 * (size_t) f->n_expert;
-        // pages wholly inside the tensor: a neighbouring tensor's pages are not ours to drop
-        const uintptr_t a0 = ((uintptr_t) L.orig[ti]->data + page - 1) & ~(uintptr_t) (page - 1);
-        const uintptr_t a1 = ((uintptr_t) L.orig[ti]->data + n) & ~(uintptr_t) (page - 1);
+        const uintptr_t base = (uintptr_t) L.orig[ti]->data;
+        const size_t    n    = f->nb2 * (size_t) f->n_expert;
+        if (exact) {
+            for (size_t i = 0; i < order.size();) {
+                size_t j = i + 1;
+                while (j < order.size() && order[j] == order[j - 1] + 1) {
+                    ++j;  // adjacent experts: one range
+                }
+                const uintptr_t a0 = (base + (size_t) order[i] * f->nb2) & ~(uintptr_t) (page - 1);
+                const uintptr_t a1 = (base + (size_t) (order[j - 1] + 1) * f->nb2 + page - 1) & ~(uintptr_t) (page - 1);
+                madvise((void *) a0, a1 - a0, MADV_WILLNEED);  // a hint: its failure changes nothing
+                i = j;
+            }
+            continue;
+        }
+        // pages wholly inside the tensor: a neighbouring tensor's pages are not ours to drop or re-advise
+        const uintptr_t a0 = (base + page - 1) & ~(uintptr_t) (page - 1);
+        const uintptr_t a1 = (base + n) & ~(uintptr_t) (page - 1);
         if (a1 <= a0) {
             continue;
         }
@@ -244,7 +283,7 @@ void vis_moe_stream_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_
         if (a.ud.pass >= 1) {
             return;
         }
-        stream_advise(L, true);
+        stream_advise(vm, L, true, routed);
         vm.ub_streamed = true;
         if (vm.stream_ahead) {
             read_next_layer_ahead(vm, a.ud.il);
@@ -273,6 +312,6 @@ void vis_moe_drop_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth,
     (void) nth;
     if (ith == 0) {
         auto * ud = (vis_moe_op_ud *) userdata;
-        stream_advise(ud->vm->layers[ud->il], false);
+        stream_advise(*ud->vm, ud->vm->layers[ud->il], false);
     }
 }

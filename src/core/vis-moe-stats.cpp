@@ -169,6 +169,11 @@ void vis_moe_print_stats(const vis_moe_context & vm) {
                              " layers (%.2f MiB) read ahead while the layer before them computed\n",
                      io.streamed, io.bytes_streamed / 1048576.0, vm.stream_passes, vm.n_stream_ahead,
                      vm.bytes_stream_ahead / 1048576.0);
+        if (vm.n_stream_routed + vm.n_stream_seq > 0) {
+            std::fprintf(stderr, "vis-moe: streamed through the mapping: %" PRId64 " layers read just their routed "
+                                 "experts (they fit the page cache's room), %" PRId64 " by sequential read-ahead "
+                                 "(they did not)\n", vm.n_stream_routed, vm.n_stream_seq);
+        }
     }
     std::fprintf(stderr, "vis-moe: memory: slabs %.2f MiB, host cache %.2f/%.2f MiB (%" PRId64 " evictions), %s, "
                          "peak RSS %.2f MiB, major faults %" PRId64 "\n",
@@ -310,6 +315,7 @@ void llama_vis_moe_reset_stats(llama_context * ctx) {
     vm->n_host_hits = vm->n_file_reads = vm->n_model_copies = 0;
     vm->n_streamed = vm->bytes_streamed = 0;
     vm->n_stream_ahead = vm->bytes_stream_ahead = 0;
+    vm->n_stream_routed = vm->n_stream_seq = 0;
     vm->ttft_us = -1;
     vm->n_prompt_ubatches = 0;
     vm->in_prompt = false;
