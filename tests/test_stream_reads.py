@@ -56,3 +56,50 @@ def test_a_streamed_layer_reads_its_routed_experts_only(bindir, medium_model):
         pytest.skip(f"this kernel does not account the reads of a child ({read} bytes)")
     bound = os.path.getsize(medium_model) - unrouted + direct + 16 * mib
     assert read <= bound, (read / mib, bound / mib, streamed / mib, unrouted / mib)
+
+
+def _read_ahead_kb(path) -> int | None:
+    """The read-ahead of the block device holding `path` (None where /sys does not say)."""
+    dev = os.stat(path).st_dev
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for q in (f"{base}/queue/read_ahead_kb", f"{base}/../queue/read_ahead_kb"):
+        try:
+            with open(q) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _cli_reads(bindir, model, env: dict, *args) -> tuple[int, str, str]:
+    """llama-cli on a cold file: bytes the process read, its stats and its text."""
+    _evict(model)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
+    r = run([bindir / "llama-cli", "-m", model, *args, "--moe-stats", "-p", LONG_PROMPT, "-n", "4", "-st", "-c", "512",
+             "--temp", "0", "--no-warmup", "-lv", "4"], timeout=180, extra_env=env)
+    read = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - before) * 512
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    return read, out, r.stdout[r.stdout.find("> "):r.stdout.find("[ Prompt:")]
+
+
+LONG_PROMPT = " ".join(["Paging experts from the file must not change a single bit of the output."] * 12)
+
+
+def test_a_ubatch_that_cannot_stage_lends_the_slabs(bindir, medium_model):
+    """A --moe-mem plan with a stager whose streamed ubatch cannot stage (the borrowed slots' bytes are the compute
+    buffer's while the prompt runs) streams through the mapping: it lends the slabs, so its routed experts fit the
+    page cache and are read exactly.  Lending off, the same text from sequential read-ahead of whole layers, which
+    reads more where the device reads ahead far (8 MiB on the dev VM)."""
+    env = {"VIS_MOE_STREAM_PASSES": "1"}          # every prompt ubatch streams (medium_model routes ~100 of 128)
+    read, out, text = _cli_reads(bindir, medium_model, env, "--moe-mem", "300")
+    assert "prefill streaming staged in the slabs" in out and "that cannot stage their layers in the slabs lend" in out
+    assert "built to read through the page cache" in out and "vis-moe: slab lending: 1 streamed ubatch" in out
+    assert re.search(r"streamed through the mapping: [1-9]\d* layers read just their routed experts.*?, 0 by", out)
+    read_off, out_off, text_off = _cli_reads(bindir, medium_model, {**env, "VIS_MOE_STREAM_LEND": "off"},
+                                             "--moe-mem", "300")
+    assert "slab lending" not in out_off and re.search(r", [1-9]\d* by sequential read-ahead", out_off)
+    assert text == text_off and len(set(text.split())) > 1, (text, text_off)
+    ra = _read_ahead_kb(medium_model)
+    if ra is not None and ra >= 1024 and read >= 64 << 20:
+        assert read < read_off - (16 << 20), (read >> 20, read_off >> 20)

@@ -11,8 +11,9 @@
 //
 // When (--moe-stream-lend auto).  Decided at attach (vis_moe_lend_decide): a CPU-only run with a --moe-mem plan, streaming on, and a plan
 // whose free bytes (budget minus everything it placed) are less than the layers streaming keeps in the page cache
-// at once (one layer's experts; two with --moe-stream-ahead).  Then the first streamed layer of a ubatch calls
-// vis_moe_lend_slabs and the end of the ubatch vis_moe_return_slabs.
+// at once (one layer's experts; two with --moe-stream-ahead).  Then the first layer a ubatch streams through the
+// mapping calls vis_moe_lend_slabs and the end of the ubatch vis_moe_return_slabs; a ubatch that stages its layers
+// in the slabs (vis-moe-stage.h) does not lend.
 //
 // Exactness.  Every slot is emptied in the slot table and the policy before its pages go, after the layer's
 // background reads were collected (waited for, or cancelled when not started); an emptied slot is refilled from
@@ -45,8 +46,8 @@ public:
                       const ggml_tensor * ids, const ggml_tensor * weights) override;
 };
 
-// at attach, after the plan, the slabs and the stager (auto never lends where streamed ubatches stage): whether streamed ubatches lend the slabs (adds vm.lend and logs
-// the reason).  mode: --moe-stream-lend (-1 auto: the rule above; 0 never; 1 whenever a layer can stream).
+// at attach, after the plan, the slabs and the stager (a staged ubatch never lends; one that cannot stage streams
+// through the mapping and lends): whether streamed ubatches lend the slabs (adds vm.lend and logs the reason).  mode: --moe-stream-lend (-1 auto: the rule above; 0 never; 1 whenever a layer can stream).
 // plan_free: budget bytes the plan left unplaced (< 0: no --moe-mem plan).
 void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free);
 
