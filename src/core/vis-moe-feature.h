@@ -169,12 +169,6 @@ public:
         (void) vm;
         return INT64_MAX;
     }
-    // the page cache's room for a layer of the running ubatch streamed through the mapping, where this feature
-    // made it (slab lending gave it the slabs: vis-moe-lend.h); -1: no say (the least staging_room decides)
-    virtual int64_t stream_room(const vis_moe_context & vm) const {
-        (void) vm;
-        return -1;
-    }
     // after every feature's ubatch_end: would a graph built before now be built otherwise (then none is reused)?
     virtual bool graphs_stale(const vis_moe_context & vm) const {
         (void) vm;

@@ -7,6 +7,7 @@
 #include "vis-moe-passes.h"
 #include "vis-moe-precision.h"
 #include "vis-moe-shadow-slots.h"
+#include "vis-pages.h"
 
 #include <algorithm>
 #include <cstring>
@@ -159,16 +160,25 @@ void vis_moe_trace_op(ggml_tensor * dst, const ggml_tensor * ids_t, const ggml_t
     std::memcpy(a.out, a.ids, a.n_pairs * sizeof(int32_t));
 }
 
-// The page cache's room for a layer streamed through the mapping: what a feature made for it (slab lending, in a
-// ubatch that lent the slabs), else the spare bytes the features leave next to the slabs (the least staging_room;
-// unbounded without a --moe-mem plan)
+// The page cache's room for a layer streamed through the mapping: the --moe-mem budget less what the process holds
+// now (VmRSS: the slabs' pages a lending ubatch released are out of it, the compute buffer's written pages in) and a
+// margin for the kernel; unbounded without a plan.  Where RSS cannot be read: the least spare bytes the features
+// leave next to the slabs (staging_room)
+static constexpr int64_t STREAM_ROOM_MARGIN = 16ll << 20;  // the kernel's own slack under a cgroup limit
+
 static int64_t stream_room(const vis_moe_context & vm) {
-    int64_t made = -1, spare = INT64_MAX;
+    if (vm.plan_budget <= 0) {
+        return INT64_MAX;
+    }
+    const int64_t rss = vis_process_rss();
+    if (rss >= 0) {
+        return vm.plan_budget - rss - STREAM_ROOM_MARGIN;
+    }
+    int64_t spare = INT64_MAX;
     for (const auto & f : vm.features) {
-        made  = std::max(made, f->stream_room(vm));
         spare = std::min(spare, f->staging_room(vm));
     }
-    return made >= 0 ? made : spare;
+    return spare;
 }
 
 // Prefill streaming: the mapped expert tensors of layer L.  Before the layer, where the routed experts fit the page

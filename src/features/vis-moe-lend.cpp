@@ -35,7 +35,6 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     const int64_t slabs = vm.slab_bytes + vm.shadow_slab_bytes;  // what lending gives: the shadow slabs too
     if (mode > 0) {
         vm.lend = vm.add(std::make_unique<vis_moe_lender>());
-        vm.lend->room = slabs + std::max<int64_t>(plan_free, 0);
         LLAMA_LOG_INFO("vis-moe: --moe-stream-lend on: streamed ubatches lend the slabs' %.0f MiB to the page cache and "
                        "refill them afterwards\n", slabs / 1048576.0);
         return;
@@ -48,7 +47,6 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     // (docs/paging.md#prefill-streaming): the 48-layer model at 12.5 %, a 700-token prompt, prefill 22.4 against
     // 17.7 tok/s, 21.4 against 36.1 GB read
     vm.lend = vm.add(std::make_unique<vis_moe_lender>());
-    vm.lend->room = slabs + std::max<int64_t>(plan_free, 0);
     LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
                    "(%s): streamed ubatches %slend the slabs' %.0f MiB to the page cache and refill them afterwards\n",
                    plan_free / 1048576.0, need / 1048576.0, vm.stream_ahead ? "two layers' experts, --moe-stream-ahead"

@@ -33,14 +33,12 @@ public:
     bool    lent       = false;  // the current ubatch lent them
     int64_t n_lent     = 0;      // ubatches that lent them
     int64_t bytes_lent = 0;
-    int64_t room       = 0;      // what a lending ubatch gives the page cache: the slabs and the plan's free bytes
 
     // the feature (vis-moe-feature.h): the slabs back at the end of a ubatch that lent them; the lending line
     const char * feature_name() const override { return "lending"; }
     void ubatch_end(vis_moe_context & vm) override;
     void stats_print(const vis_moe_context & vm) const override;
     void stats_reset() override { n_lent = bytes_lent = 0; }
-    int64_t stream_room(const vis_moe_context & vm) const override { (void) vm; return lent ? room : -1; }
     // the first layer a ubatch streams through the mapping lends the slabs (tight plans: the page cache gets them)
     void stream_layer(vis_moe_context & vm, vis_moe_layer & L, int il, const std::vector<int> & routed, vis_stream_how how,
                       const ggml_tensor * ids, const ggml_tensor * weights) override;
