@@ -44,8 +44,8 @@ void vis_moe_lend_decide(vis_moe_context & vm, int mode, int64_t plan_free) {
     }
     // with a stager (vis-moe-stage.h), a ubatch whose staging buffers the budget cannot hold (the borrowed slots'
     // bytes are the compute buffer's while a large ubatch runs) streams through the mapping: it lends too.  Measured
-    // (docs/paging.md#prefill-streaming): the 48-layer model at 12.5 %, a 700-token prompt, prefill 22.4 against
-    // 17.7 tok/s, 21.4 against 36.1 GB read
+    // (docs/paging.md#prefill-streaming): the 48-layer model at 12.5 %, a 700-token prompt, prefill 21.6-22.1
+    // against 19.9-20.4 tok/s, 21.4 against 26.8-27.1 GB read
     vm.lend = vm.add(std::make_unique<vis_moe_lender>());
     LLAMA_LOG_INFO("vis-moe: the memory plan leaves %.0f MiB free, a streamed prefill keeps %.0f MiB in the page cache "
                    "(%s): streamed ubatches %slend the slabs' %.0f MiB to the page cache and refill them afterwards\n",
