@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyvis.runtime import policies  # noqa: E402
+from pyvis.runtime import policies, policy_bounds  # noqa: E402
 from pyvis.runtime.cachesim import belady_bypass_misses, belady_misses, policy_misses  # noqa: E402
 from pyvis.runtime.cachesim_global import GlobalNextSteps, global_belady, global_misses  # noqa: E402
 from pyvis.runtime.cachesim_replay import layer_ubatches  # noqa: E402
@@ -45,9 +45,9 @@ def belady_per_step(t, slots: int) -> list[int]:
 def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
     """Decode misses of a row of the table, summed over the layers, per decode step (in step order).  `name`: a
     policy (per-layer caches), ``global <policy>`` / ``global belady`` (one pool, pyvis.runtime.cachesim_global)
-    or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policies.NextSteps,
+    or ``next-W`` / ``global next-W`` (LFU told the next W requests: a bound, policy_bounds.NextSteps,
     cachesim_global.GlobalNextSteps), ``window-W`` (Belady within the next W requests, LFU beyond:
-    policies.WindowBelady) or ``belady-bypass`` (the optimum of a cache that may decline a miss: the
+    policy_bounds.WindowBelady) or ``belady-bypass`` (the optimum of a cache that may decline a miss: the
     bound of any admission rule, cachesim.belady_bypass_misses)."""
     if name.startswith("global "):
         pol = name.split(" ", 1)[1]
@@ -67,9 +67,9 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
         run = lr.per_expert() if per_expert else lr
         g: list[int] = []
         if name.startswith("next-"):
-            p = policies.NextSteps(run.sets, int(name[5:]))
+            p = policy_bounds.NextSteps(run.sets, int(name[5:]))
         elif name.startswith("window-"):
-            p = policies.WindowBelady(run.sets, int(name[7:]))
+            p = policy_bounds.WindowBelady(run.sets, int(name[7:]))
         else:
             p = policies.make(name, slots)
         policy_misses(run.sets, slots, p, g, weights=run.weights)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyvis.runtime import cachesim, cachesim_replay, policies
+from pyvis.runtime import cachesim, cachesim_replay, policies, policy_bounds
 from pyvis.runtime.trace import TraceError
 from pyvis.runtime.trace_csv import load_any as load, read_csv
 
@@ -285,10 +285,10 @@ def test_cachesim_plot(small_csv, tmp_path):
 
 
 def test_window_bound_reaches_belady():
-    """policies.WindowBelady, told the whole future, is Belady's optimum; told one request, it can only keep what
+    """policy_bounds.WindowBelady, told the whole future, is Belady's optimum; told one request, it can only keep what
     that request uses and otherwise follows LFU, missing more."""
     for seed in range(3):
         req = _random_requests(seed)
         opt = cachesim.belady_misses(req, 6)
-        assert cachesim.policy_misses(req, 6, policies.WindowBelady(req, len(req))) == opt
-        assert cachesim.policy_misses(req, 6, policies.WindowBelady(req, 1)) > opt
+        assert cachesim.policy_misses(req, 6, policy_bounds.WindowBelady(req, len(req))) == opt
+        assert cachesim.policy_misses(req, 6, policy_bounds.WindowBelady(req, 1)) > opt

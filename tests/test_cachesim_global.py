@@ -1,5 +1,5 @@
 """The simulator's whole-model experiments (docs/policies-limits.md):
-one slot pool for every layer (pyvis.runtime.cachesim_global) and the lookahead bound (policies.NextSteps).
+one slot pool for every layer (pyvis.runtime.cachesim_global) and the lookahead bound (policy_bounds.NextSteps).
 Pure Python, no model."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyvis.runtime import cachesim, cachesim_global as cg, policies
+from pyvis.runtime import cachesim, cachesim_global as cg, policies, policy_bounds
 from pyvis.runtime.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,14 +64,14 @@ def test_next_steps_knows_what_lfu_cannot():
     evicts 1 instead.  Never below Belady's optimum, and with no window it is LFU."""
     seq = [[1], [1], [1], [2], [3], [2], [3], [2], [3]]
     lfu = cachesim.policy_misses(seq, 2, policies.make("lfu", 2))
-    told = cachesim.policy_misses(seq, 2, policies.NextSteps(seq, 1))
+    told = cachesim.policy_misses(seq, 2, policy_bounds.NextSteps(seq, 1))
     assert (lfu, told) == (7, 3)
     assert cachesim.belady_misses(seq, 2) <= told
     req = [list(r) for r in _random_ids(1, 120, 3, seed=3)[0]]
-    assert cachesim.policy_misses(req, 5, policies.NextSteps(req, 0)) == \
+    assert cachesim.policy_misses(req, 5, policy_bounds.NextSteps(req, 0)) == \
         cachesim.policy_misses(req, 5, policies.make("lfu", 5))
     for w in (1, 4):
-        assert cachesim.belady_misses(req, 5) <= cachesim.policy_misses(req, 5, policies.NextSteps(req, w))
+        assert cachesim.belady_misses(req, 5) <= cachesim.policy_misses(req, 5, policy_bounds.NextSteps(req, w))
 
 
 def test_policy_table_rows(tmp_path):
@@ -111,7 +111,7 @@ def test_cachesim_split_runs_the_default_policy():
 def test_global_next_steps_keeps_what_the_running_step_still_needs():
     """One slot per layer (a pool of 2): at step 2 layer 0 loads C; LFU evicts layer 1's B (the lower score), which
     layer 1 needs in the same step; told the rest of the step (window 0) the bound evicts A instead.  With one
-    layer it is policies.NextSteps."""
+    layer it is policy_bounds.NextSteps."""
     ids = np.array([[[0], [0], [2]], [[3], [1], [1]]], np.int32)     # layer 0: A A C; layer 1: D B B
     t = _trace(ids)
     assert sum(map(sum, cg.global_misses(t, 1, "lfu").values())) == 5
@@ -119,7 +119,7 @@ def test_global_next_steps_keeps_what_the_running_step_still_needs():
     one = _random_ids(1, 80, 3, seed=6)
     req = cachesim.token_requests(one[0])
     want: list[int] = []
-    cachesim.policy_misses(req, 5, policies.NextSteps(req, 1), want)
+    cachesim.policy_misses(req, 5, policy_bounds.NextSteps(req, 1), want)
     assert cg.global_misses(_trace(one), 5, cg.GlobalNextSteps(_trace(one), 1))[0] == want
 
 

@@ -14,7 +14,7 @@ from bisect import bisect_right
 
 import numpy as np
 
-from . import policies
+from . import policies, policy_bounds
 from .cachesim import LayerCache, belady_misses
 from .cachesim_replay import layer_ubatches
 from .trace import Trace
@@ -62,7 +62,7 @@ def global_belady(t: Trace, slots: int) -> dict[int, list[int]]:
     return out
 
 
-class GlobalNextSteps(policies.NextSteps):
+class GlobalNextSteps(policy_bounds.NextSteps):
     """Not an online policy: the pool's LFU (decay 0.95 per step) told, for every (layer, expert), whether the
     rest of the running step (the layers after the one being served) or the next ``window`` steps use it; a
     candidate so used is kept over one that is not.  ``window`` 0: only the running step (what a perfect

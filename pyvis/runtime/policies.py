@@ -17,7 +17,6 @@ the policy ``--moe-mem auto`` runs.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections import OrderedDict
 
 from .cachesim import LayerCache
@@ -429,54 +428,6 @@ class AdaptiveLFU(Policy):
             for i, g in enumerate(self.ghosts):
                 self.missed[i] = self.missed[i] * self.fade + g.serve(self.cur)
         self.cur = []
-
-
-class NextSteps(LFU):
-    """Not an online policy: LFU (decay 0.95) told the layer's next ``window`` requests; a candidate used in them
-    is kept over one that is not.  It bounds what prediction-aware eviction can gain from a predictor of the
-    coming steps' experts (window 1: a perfect next-token predictor)."""
-
-    def __init__(self, requests: list[list[int]], window: int):
-        super().__init__()
-        self.name = f"next-{window}"
-        self.window, self.i = window, 0
-        self.uses: dict[int, list[int]] = {}
-        for i, s in enumerate(requests):
-            for e in s:
-                self.uses.setdefault(e, []).append(i)
-
-    def _soon(self, e: int) -> bool:
-        u = self.uses.get(e, ())
-        j = bisect_right(u, self.i)
-        return j < len(u) and u[j] <= self.i + self.window
-
-    def victim(self, candidates):
-        return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
-
-    def end_step(self):
-        super().end_step()
-        self.i += 1
-
-
-class WindowBelady(NextSteps):
-    """Not an online policy: Belady's optimum within the layer's next ``window`` requests, LFU beyond them.  A
-    candidate not used in the window goes first (lowest LFU score); if every candidate is, the one used last in
-    it.  What a perfect predictor of the next ``window`` tokens' experts gives at best with history beyond them."""
-
-    def __init__(self, requests: list[list[int]], window: int):
-        super().__init__(requests, window)
-        self.name = f"window-{window}"
-
-    def _next(self, e: int) -> int:
-        u = self.uses.get(e, ())
-        j = bisect_right(u, self.i)
-        return u[j] if j < len(u) else math.inf
-
-    def victim(self, candidates):
-        far = [e for e in candidates if self._next(e) > self.i + self.window]
-        if far:
-            return min(far, key=lambda e: (self.score[e], self.last[e]))
-        return max(candidates, key=lambda e: (self._next(e), e))
 
 
 POLICIES = {
