@@ -63,6 +63,24 @@ def _bypass(i: int, streamed: list[bool] | None, per_request: list[int] | None, 
     return True
 
 
+class NextUse:
+    """The requests that use each expert (`uses`: expert -> ascending request indices; `skip[i]` leaves request i
+    out): ``after(e, i)`` is the first use of `e` strictly after request i, ``math.inf`` when there is none.  The
+    future that Belady's optimum and the lookahead bounds (pyvis.runtime.policy_bounds) read."""
+
+    def __init__(self, requests: list[list], skip: list[bool] | None = None):
+        self.uses: dict = {}
+        for i, s in enumerate(requests):
+            if skip is None or not skip[i]:
+                for e in s:
+                    self.uses.setdefault(e, []).append(i)
+
+    def after(self, e, i: int) -> float:
+        u = self.uses.get(e, ())
+        j = bisect_right(u, i)
+        return u[j] if j < len(u) else math.inf
+
+
 def belady_misses(requests: list[list[int]], capacity: int, per_request: list[int] | None = None,
                   streamed: list[bool] | None = None, lent: bool = False) -> int:
     """Loads of an optimal offline cache of `capacity` experts serving `requests` (sets that must be resident
@@ -73,17 +91,7 @@ def belady_misses(requests: list[list[int]], capacity: int, per_request: list[in
     which it empties, as the runtime does when it lends the slabs to the page cache)."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
-    INF = len(requests) + 1
-    uses: dict[int, list[int]] = {}             # the (not streamed) requests using each expert, ascending
-    for i, s in enumerate(requests):
-        if streamed is None or not streamed[i]:
-            for e in s:
-                uses.setdefault(e, []).append(i)
-
-    def next_use(e: int, i: int) -> int:        # first use strictly after request i
-        u = uses.get(e, ())
-        j = bisect_right(u, i)
-        return u[j] if j < len(u) else INF
+    next_use = NextUse(requests, streamed).after   # the streamed requests use nothing
 
     resident: set[int] = set()
     misses = 0
@@ -117,16 +125,7 @@ def belady_bypass_misses(requests: list[list[int]], capacity: int, per_request: 
     sooner; the rest are read and dropped.  No streaming, passes or lending: every request is served whole."""
     if capacity <= 0:
         raise ValueError("capacity must be > 0")
-    INF = len(requests) + 1
-    uses: dict[int, list[int]] = {}
-    for i, s in enumerate(requests):
-        for e in s:
-            uses.setdefault(e, []).append(i)
-
-    def next_use(e: int, i: int) -> int:
-        u = uses[e]
-        j = bisect_right(u, i)
-        return u[j] if j < len(u) else INF
+    next_use = NextUse(requests).after
 
     resident: set[int] = set()
     misses = 0
@@ -225,15 +224,14 @@ class LayerCache:
                 if e in resident:
                     continue
                 loads += 1
-                admit = True
-                if len(resident) >= self.capacity:
+                if len(resident) < self.capacity:
+                    resident.add(e)
+                else:
                     victim = p.victim([r for r in resident if r not in need])
-                    admit = p.admit(e, victim)
-                    if admit:
+                    if p.admit(e, victim):    # else read into a scratch buffer, used and dropped
                         resident.remove(victim)
                         p.forget(victim)
-                if admit:
-                    resident.add(e)           # else read into a scratch buffer, used and dropped
+                        resident.add(e)
                 p.touch(e, w.get(e, math.nan))
         if end_step:
             p.end_step()

@@ -76,6 +76,6 @@ class GlobalNextSteps(policy_bounds.NextSteps):
         self.layer = -1
 
     def _soon(self, key) -> bool:
-        u = self.uses.get(key, ())
+        u = self.future.uses.get(key, ())
         j = bisect_right(u, self.i - 1)
         return (j < len(u) and u[j] == self.i and key[0] > self.layer) or super()._soon(key)

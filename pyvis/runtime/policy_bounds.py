@@ -4,9 +4,7 @@ experts could add to an eviction rule), for the simulator's tables (scripts/poli
 """
 from __future__ import annotations
 
-import math
-from bisect import bisect_right
-
+from .cachesim import NextUse
 from .policies import LFU
 
 
@@ -19,15 +17,14 @@ class NextSteps(LFU):
         super().__init__()
         self.name = f"next-{window}"
         self.window, self.i = window, 0
-        self.uses: dict[int, list[int]] = {}
-        for i, s in enumerate(requests):
-            for e in s:
-                self.uses.setdefault(e, []).append(i)
+        self.future = NextUse(requests)
 
-    def _soon(self, e: int) -> bool:
-        u = self.uses.get(e, ())
-        j = bisect_right(u, self.i)
-        return j < len(u) and u[j] <= self.i + self.window
+    def _next(self, e) -> float:
+        """The expert's next use after the running request."""
+        return self.future.after(e, self.i)
+
+    def _soon(self, e) -> bool:
+        return self._next(e) <= self.i + self.window
 
     def victim(self, candidates):
         return min(candidates, key=lambda e: (self._soon(e), self.score[e], self.last[e]))
@@ -46,13 +43,8 @@ class WindowBelady(NextSteps):
         super().__init__(requests, window)
         self.name = f"window-{window}"
 
-    def _next(self, e: int) -> int:
-        u = self.uses.get(e, ())
-        j = bisect_right(u, self.i)
-        return u[j] if j < len(u) else math.inf
-
     def victim(self, candidates):
-        far = [e for e in candidates if self._next(e) > self.i + self.window]
+        far = [e for e in candidates if not self._soon(e)]
         if far:
             return min(far, key=lambda e: (self.score[e], self.last[e]))
         return max(candidates, key=lambda e: (self._next(e), e))
