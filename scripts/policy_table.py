@@ -34,11 +34,12 @@ def _decode_sum(t, got: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def belady_per_step(t, slots: int) -> list[int]:
+def optimum_per_step(t, slots: int, optimum=belady_misses) -> list[int]:
+    """An offline optimum of cachesim (Belady's, or with bypass) per layer, summed per decode step."""
     got = {}
     for il in t.layers().tolist():
         got[il] = []
-        belady_misses(layer_ubatches(t, il).sets, slots, got[il])
+        optimum(layer_ubatches(t, il).sets, slots, got[il])
     return _decode_sum(t, got)
 
 
@@ -56,12 +57,9 @@ def per_step(t, slots: int, name: str, per_expert: bool) -> list[int]:
         if pol.startswith("next-"):
             return _decode_sum(t, global_misses(t, slots, GlobalNextSteps(t, int(pol[5:]))))
         return _decode_sum(t, global_misses(t, slots, pol))
-    got = {}
     if name == "belady-bypass":
-        for il in t.layers().tolist():
-            got[il] = []
-            belady_bypass_misses(layer_ubatches(t, il).sets, slots, got[il])
-        return _decode_sum(t, got)
+        return optimum_per_step(t, slots, belady_bypass_misses)
+    got = {}
     for il in t.layers().tolist():
         lr = layer_ubatches(t, il)
         run = lr.per_expert() if per_expert else lr
@@ -113,7 +111,7 @@ def main() -> int:
     if (args.pool or args.bypass_bound) and args.requests == "expert":
         raise SystemExit("error: --global and --bypass-bound replay token requests")
     res: dict = {}
-    belady = {c: belady_per_step(t, c) for c in slots}
+    belady = {c: optimum_per_step(t, c) for c in slots}
     print(f"{Path(args.trace).name}: decode misses / Belady's (first half / second half of the decode steps); "
           f"{args.requests} requests")
     print("| policy | " + " | ".join(f"{c} slots" for c in slots) + " |")
