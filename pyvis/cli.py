@@ -161,8 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
     s.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     from .runtime import settings
-    settings.add_user_switches(s.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C "
-                                                    "tools' flags)"))
+    settings.add_user_switches(s)
     s.set_defaults(fn=_cmd_generate)
 
     from . import calibrate

@@ -217,8 +217,10 @@ def add_arguments(group, cls: type, names: list[str]) -> None:
 USER_SWITCHES = ("mem", "mode")   # --moe-mem and --moe-mode: the C tools' user switches, on the pyvis commands that run
 
 
-def add_user_switches(group) -> None:
-    """--moe-mem and --moe-mode (the C table's help text), into ``args.moe_mem`` / ``args.moe_mode``."""
+def add_user_switches(parser) -> None:
+    """--moe-mem and --moe-mode (the C table's help text) in a group of their own, into ``args.moe_mem`` /
+    ``args.moe_mode``."""
+    group = parser.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C tools' flags)")
     add_arguments(group, MoeConfig, list(USER_SWITCHES))
 
 

@@ -145,6 +145,5 @@ def register(sub) -> None:
                    "(default: the projector's limit); under --moe-mem / VIS_MOE_MEM the encoder is planned at it "
                    "(docs/planning.md#the-vision-encoder)")
     add_common_args(s, moe_trace=True, lossy=True)
-    g = s.add_argument_group("memory budget and mode (docs/planning.md, docs/mode.md; the C tools' flags)")
-    settings.add_user_switches(g)
+    settings.add_user_switches(s)
     s.set_defaults(fn=_cmd_chat)
